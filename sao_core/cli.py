@@ -1,0 +1,215 @@
+"""The `sao` command line. Every subcommand calls one `sao_core` function (the same one the KFP
+components and the tests call); this module only parses arguments, sets up logging and progress bars,
+and turns library errors into one clear line on stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from sao_core.config import ConfigError, _base_type, field_types, load_config
+
+log = logging.getLogger("sao")
+
+
+def default_cache_dir() -> str:
+    """Where built and downloaded models live: $SAO_CACHE_DIR, else ~/.cache/sao."""
+    return os.environ.get("SAO_CACHE_DIR") or str(Path.home() / ".cache" / "sao")
+
+
+# ----------------------------------------------------------------------------- dataclass <-> argparse
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One `--field-name` option per dataclass field; values left unset fall back to YAML, then defaults."""
+    parser.add_argument("--config", metavar="YAML", help="YAML file with field: value pairs (flags override it)")
+    docs = _field_docs(cls)
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
+        annotation = field_types(cls)[field.name]
+        inner, _ = _base_type(annotation)
+        default = field.default if field.default is not dataclasses.MISSING else (
+            "(required)" if field.default_factory is dataclasses.MISSING else "(computed)")
+        help_text = f"{docs.get(field.name, '')} [default: {default}]".strip()
+        flag = "--" + field.name.replace("_", "-")
+        if inner is bool:
+            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, metavar=field.name.upper(),
+                                help=help_text)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Trailing `# comment` of each field in the dataclass source (used as --help text)."""
+    import inspect
+
+    docs: dict[str, str] = {}
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return docs
+    for line in source.splitlines():
+        stripped = line.strip()
+        if ":" in stripped and "#" in stripped and not stripped.startswith("#"):
+            name = stripped.split(":", 1)[0].strip()
+            if name.isidentifier():
+                docs[name] = stripped.split("#", 1)[1].strip()
+    return docs
+
+
+def config_from_args(cls: type, args: argparse.Namespace, extra: dict[str, Any] | None = None):
+    """Build `cls` from --config YAML plus the flags the user gave."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    overrides = {k: v for k, v in vars(args).items() if k in names}
+    overrides.update(extra or {})
+    return load_config(cls, getattr(args, "config", None), overrides)
+
+
+def _progress_bar(total: int | None, desc: str, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step" if total else "row", disable=quiet, file=sys.stderr,
+                dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------- subcommands
+def cmd_build_model(args: argparse.Namespace) -> int:
+    from sao_core.models import EMBEDDED_TINY, resolve_model
+
+    resolved = resolve_model(EMBEDDED_TINY, args.cache_dir)
+    if args.publish:
+        from sao_core import storage
+
+        storage.publish_checkpoint(resolved.path, args.publish, metadata={"kind": "embedded", "model": EMBEDDED_TINY})
+        print(args.publish)
+    else:
+        print(resolved.path)
+    return 0
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from sao_core.data.prepare import PrepareConfig, prepare
+
+    config = config_from_args(PrepareConfig, args)
+    with _progress_bar(None, f"prepare {config.kind}", args.quiet) as bar:
+        stats = prepare(config, progress=lambda n: bar.update(n - bar.n))
+    print(json.dumps(dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else stats, indent=2,
+                     default=str))
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from sao_core.training.sft import SFTConfig, run_sft
+
+    config = config_from_args(SFTConfig, args, {"cache_dir": args.cache_dir})
+    with _progress_bar(config.steps, "sft", args.quiet) as bar:
+        summary = run_sft(config, progress=lambda step, m: (bar.update(1), bar.set_postfix(loss=f"{m['loss']:.3f}")))
+    summary.pop("config", None)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from sao_core import storage
+
+    if args.action == "publish":
+        if not args.source:
+            raise ConfigError("checkpoint publish needs --source LOCAL_DIR")
+        manifest = storage.publish_checkpoint(args.source, args.uri)
+        print(f"published {len(manifest['files'])} files to {args.uri}")
+    elif args.action == "verify":
+        local = storage.fetch_checkpoint(args.uri, Path(args.cache_dir) / "s3")
+        print(f"ok: {args.uri} verified ({local})")
+    elif args.action == "latest":
+        latest = storage.latest_checkpoint(args.uri)
+        if latest is None:
+            print(f"no complete checkpoint under {args.uri}", file=sys.stderr)
+            return 1
+        print(latest)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from sao_core.demo import run_demo
+
+    with _progress_bar(args.steps, "demo sft", args.quiet) as bar:
+        summary = run_demo(args.output, args.cache_dir, steps=args.steps,
+                           progress=lambda step, m: (bar.update(1), bar.set_postfix(loss=f"{m['loss']:.3f}")),
+                           say=lambda text: bar.write(text))
+    print(json.dumps(summary, indent=2))
+    print(f"\nDemo outputs are in {Path(args.output).resolve()} (summary: {summary['summary_file']})")
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser and main
+def build_parser() -> argparse.ArgumentParser:
+    from sao_core.data.prepare import PrepareConfig
+    from sao_core.training.sft import SFTConfig
+
+    parser = argparse.ArgumentParser(prog="sao", description="SAO and LLM post-training on Kubeflow Pipelines.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--cache-dir", default=default_cache_dir(),
+                        help="models and downloads cache [default: $SAO_CACHE_DIR or ~/.cache/sao]")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads [default: torch's choice]")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("build-model", help="build (or reuse) the embedded tiny model and print its directory")
+    p.add_argument("--publish", metavar="URI", help="also publish it as a checkpoint to a path or s3:// prefix")
+    p.set_defaults(func=cmd_build_model)
+
+    p = sub.add_parser("prepare-data", help="normalise a dataset (sft, cpt, dpo, rl or a benchmark) with rejects "
+                                            "and stats")
+    add_config_arguments(p, PrepareConfig)
+    p.set_defaults(func=cmd_prepare_data)
+
+    p = sub.add_parser("sft", help="supervised fine-tuning on prepared chat data")
+    add_config_arguments(p, SFTConfig, skip=("cache_dir",))
+    p.set_defaults(func=cmd_sft)
+
+    p = sub.add_parser("checkpoint", help="publish, verify or find the latest checkpoint (path or s3://)")
+    p.add_argument("action", choices=["publish", "verify", "latest"])
+    p.add_argument("uri", help="checkpoint URI (publish: destination; latest: the root holding checkpoints)")
+    p.add_argument("--source", help="local directory to publish")
+    p.set_defaults(func=cmd_checkpoint)
+
+    p = sub.add_parser("demo", help="the main job on the embedded default: data preparation and a short SFT run")
+    p.add_argument("--output", default="local_outputs/demo", help="output directory [default: local_outputs/demo]")
+    p.add_argument("--steps", type=int, default=150, help="SFT steps [default: 150]")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `sao` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from sao_core.data.prepare import DataError
+    from sao_core.models import ModelLoadError
+    from sao_core.storage import StorageError
+
+    try:
+        return args.func(args)
+    except (ConfigError, DataError, ModelLoadError, StorageError, ValueError, FileNotFoundError) as err:
+        print(f"sao {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"sao {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Typed config dataclasses from YAML files and command-line overrides (one way for every command)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the field and the source."""
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved type of each dataclass field (string annotations evaluated)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _base_type(annotation: Any) -> tuple[Any, bool]:
+    """(inner type, optional?) for `X | None` annotations; (annotation, False) otherwise."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return annotation, False
+
+
+def coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Convert `value` (from YAML or a CLI string) to `annotation`; ConfigError naming `where`."""
+    inner, optional = _base_type(annotation)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{where}: a value is required")
+    origin = typing.get_origin(inner)
+    if origin in (tuple, list):
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        item_type = typing.get_args(inner)[0] if typing.get_args(inner) else str
+        converted = [coerce(v.strip() if isinstance(v, str) else v, item_type, where) for v in items]
+        return tuple(converted) if origin is tuple else converted
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if inner in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected {inner.__name__}, got {value!r}")
+        try:
+            number = inner(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {inner.__name__}, got {value!r}") from None
+        if inner is int and isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return number
+    if inner is str:
+        if isinstance(value, dict | list):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def build_config(cls: type[T], values: dict[str, Any], source: str = "config") -> T:
+    """Instantiate dataclass `cls` from `values`; unknown, missing or mistyped fields raise ConfigError."""
+    types_by_name = field_types(cls)
+    unknown = sorted(set(values) - set(types_by_name))
+    if unknown:
+        raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)} for {cls.__name__}; "
+                          f"known: {', '.join(types_by_name)}")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in values]
+    if missing:
+        raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)} for {cls.__name__}")
+    kwargs = {name: coerce(value, types_by_name[name], f"{source}: field {name!r}") for name, value in values.items()}
+    instance = cls(**kwargs)
+    validate = getattr(instance, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ValueError as err:
+            raise ConfigError(f"{source}: {err}") from err
+    return instance
+
+
+def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> T:
+    """Defaults, then the YAML file's mapping (if any), then `overrides` (e.g. from the CLI)."""
+    values: dict[str, Any] = {}
+    source = "command line"
+    if yaml_path is not None:
+        path = Path(yaml_path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of field: value")
+        values.update(loaded or {})
+        source = f"{path} + command line"
+    values.update(overrides or {})
+    return build_config(cls, values, source)

@@ -1,0 +1,99 @@
+"""`make demo`: the main job on the embedded default, end to end on one CPU machine.
+
+Today it runs the largest real pieces that exist: build the embedded model, prepare an SFT data set of
+the synthetic tool task and the bundled IMO-AnswerBench, fine-tune the model, publish a verified
+checkpoint, reload it and measure how often it now calls the tool correctly on held-out problems.
+Later stages (rollout service, SAO learner, evaluator) join as they land.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from sao_core import storage
+from sao_core.data.synthetic import tool_arith_problem, tool_arith_sft_rows
+
+BUNDLED_IMO_ANSWERBENCH = Path(__file__).parent / "data" / "assets" / "imo_answerbench_v2.csv"
+
+
+def tool_call_accuracy(model, tokenizer, problems: list[tuple[int, str, int]], max_new_tokens: int = 24) -> float:
+    """Share of problems whose greedy first assistant turn is exactly ``<tool_call>calc A op B</tool_call>``."""
+    import torch
+
+    hits = 0
+    for a, op, b in problems:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"Compute {a} {op} {b}"}],
+                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        text = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=False)
+        hits += text.split("<|im_end|>")[0].strip() == f"<tool_call>calc {a} {op} {b}</tool_call>"
+    return hits / max(1, len(problems))
+
+
+def run_demo(output: str | Path, cache_dir: str | Path, steps: int = 150, train_rows: int = 2000,
+             eval_problems: int = 50, progress: Callable[[int, dict], None] | None = None,
+             say: Callable[[str], None] = print) -> dict:
+    """Run the demo into `output` (a local directory); return its summary (also written as summary.json)."""
+    from sao_core.data.prepare import PrepareConfig, prepare
+    from sao_core.models import EMBEDDED_TINY, load_model_and_tokenizer, resolve_model
+    from sao_core.training.sft import SFTConfig, run_sft
+
+    started = time.time()
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+
+    model_dir = resolve_model(EMBEDDED_TINY, cache_dir).path
+    say(f"[1/5] embedded model: {model_dir}")
+
+    raw = out / "raw" / "tool_arith_sft.jsonl"
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text("".join(json.dumps(row) + "\n" for row in tool_arith_sft_rows(train_rows, seed=1)))
+    sft_data = prepare(PrepareConfig(source=str(raw), kind="sft", output=str(out / "prepared" / "tool_arith_sft"),
+                                     tokenizer=model_dir, max_tokens=256))
+    imo = prepare(PrepareConfig(source=str(BUNDLED_IMO_ANSWERBENCH), kind="imo_answerbench",
+                                output=str(out / "prepared" / "imo_answerbench")))
+    say(f"[2/5] prepared data: tool_arith sft {sft_data.rows_written} rows, IMO-AnswerBench {imo.rows_written} rows")
+
+    # Held-out problems come from another seed; the few that also occur in training are removed.
+    seen = {tuple(r["messages"][0]["content"].split()[1:]) for r in tool_arith_sft_rows(train_rows, seed=1)}
+    rng = random.Random(12345)
+    held_out = []
+    while len(held_out) < eval_problems:
+        a, op, b = tool_arith_problem(rng)
+        if (str(a), op, str(b)) not in seen:
+            held_out.append((a, op, b))
+    base_model, tokenizer = load_model_and_tokenizer(EMBEDDED_TINY, cache_dir)
+    before = tool_call_accuracy(base_model, tokenizer, held_out)
+
+    say(f"[3/5] SFT for {steps} steps on {sft_data.rows_written} conversations")
+    summary = run_sft(SFTConfig(data=str(out / "prepared" / "tool_arith_sft"), output=str(out / "sft"),
+                                model=EMBEDDED_TINY, steps=steps, batch_size=16, lr=3e-3, warmup_steps=10,
+                                max_tokens=256, cache_dir=str(cache_dir)), progress=progress)
+    say(f"[4/5] checkpoint published and verified: {summary['checkpoint']}")
+
+    trained, tokenizer = load_model_and_tokenizer(summary["checkpoint"], cache_dir)
+    after = tool_call_accuracy(trained, tokenizer, held_out)
+    say(f"[5/5] held-out tool-call accuracy (greedy): {before:.2f} before SFT -> {after:.2f} after")
+
+    result = {
+        "output": str(out.resolve()),
+        "model": model_dir,
+        "prepared": {"tool_arith_sft": str(out / "prepared" / "tool_arith_sft"),
+                     "imo_answerbench": str(out / "prepared" / "imo_answerbench")},
+        "rows": {"tool_arith_sft": sft_data.rows_written, "imo_answerbench": imo.rows_written},
+        "sft": {k: summary[k] for k in ("steps", "first_train_loss", "last_train_loss", "eval_loss_before",
+                                        "eval_loss_after", "trained_tokens", "seconds")},
+        "checkpoint": summary["checkpoint"],
+        "checkpoint_verified": storage.is_complete_checkpoint(summary["checkpoint"]),
+        "held_out_tool_call_accuracy": {"before": before, "after": after, "problems": len(held_out)},
+        "seconds": time.time() - started,
+    }
+    result["summary_file"] = str(out / "summary.json")
+    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result

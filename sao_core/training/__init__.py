@@ -1,0 +1,1 @@
+"""The shared training core: tokenisation, batching, schedules and the training loops."""

@@ -1,0 +1,48 @@
+"""Turn chat conversations into token ids with a loss mask, and pad them into batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EncodedChat:
+    """One conversation as tokens: `loss_mask[t]` is 1 where token t was produced by the assistant."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def encode_chat(tokenizer, messages: list[dict], max_tokens: int) -> EncodedChat:
+    """Render `messages` with the tokenizer's chat template; mask = assistant tokens; cut to `max_tokens`.
+
+    Raises ValueError when the template does not mark assistant tokens ({% generation %} blocks) or when
+    no assistant token survives the cut.
+    """
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids = list(out["input_ids"])[:max_tokens]
+    mask = list(out["assistant_masks"])[:max_tokens]
+    if not any(mask):
+        raise ValueError(
+            "no assistant tokens to learn in this conversation (after cutting to "
+            f"{max_tokens} tokens, or the chat template has no {{% generation %}} block)"
+        )
+    return EncodedChat(ids, mask)
+
+
+def pad_batch(examples: list[EncodedChat], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: input_ids, attention_mask, loss_mask, each [B, T] long."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(examples), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[row, :n] = torch.tensor(e.input_ids)
+        attention[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(e.loss_mask)
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
