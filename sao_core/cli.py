@@ -75,7 +75,7 @@ def config_from_args(cls: type, args: argparse.Namespace, extra: dict[str, Any] 
 def _progress_bar(total: int | None, desc: str, quiet: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="step" if total else "row", disable=quiet, file=sys.stderr,
+    return tqdm(total=total, desc=desc, unit="step" if total else "row", disable=quiet, file=sys.stderr, mininterval=1.0,
                 dynamic_ncols=True)
 
 
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job on the embedded default: data preparation and a short SFT run")
     p.add_argument("--output", default="local_outputs/demo", help="output directory [default: local_outputs/demo]")
-    p.add_argument("--steps", type=int, default=150, help="SFT steps [default: 150]")
+    p.add_argument("--steps", type=int, default=300, help="SFT steps [default: 300]")
     p.set_defaults(func=cmd_demo)
     return parser
 

