@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,10 +13,7 @@ import pytest
 from sao_core.data import KINDS, REASONS, DataError, PrepareConfig, iter_rows, prepare
 from sao_core.data.readers import RowReadError
 
-IMO_CSV = (
-    Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "imo_answerbench" / "answerbench_v2.csv"
-)
-IMO_CSV = Path(os.path.normpath(IMO_CSV))
+IMO_CSV = Path(__file__).resolve().parents[1] / "sao_core" / "data" / "assets" / "imo_answerbench_v2.csv"
 
 # --------------------------------------------------------------------------- helpers
 
@@ -311,7 +307,6 @@ def test_imo_answerbench_small_csv(tmp_path):
     ]
 
 
-@pytest.mark.skipif(not IMO_CSV.is_file(), reason="shared IMO-AnswerBench file absent")
 def test_imo_answerbench_real_file(tmp_path):
     # IMO-AnswerBench v2, CC-BY-4.0, Google DeepMind ("Towards Robust Mathematical Reasoning", EMNLP 2025)
     stats, (data, rejects) = run(tmp_path, IMO_CSV, "imo_answerbench")

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sao_core import storage
 from sao_core.data import schemas
 from sao_core.data.readers import RowReadError, iter_rows
 from sao_core.data.schemas import KINDS, DataError, RowError
@@ -151,20 +152,6 @@ def _token_counter(config: PrepareConfig) -> Callable[[str | list[dict]], int] |
     return count
 
 
-def _is_s3(uri: str) -> bool:
-    from sao_core import storage
-
-    return storage.is_s3_uri(uri)
-
-
-def _output_uri(output: str, name: str) -> str:
-    if _is_s3(output):
-        from sao_core import storage
-
-        return storage.join(output, name)
-    return str(Path(output) / name)
-
-
 def _dump(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, default=str)
 
@@ -196,10 +183,10 @@ def prepare(config: PrepareConfig, progress: Callable[[int], None] | None = None
     environments = _check_config(config)
     normalize = schemas.normalizer(config.kind, environments=environments)
     count_tokens = _token_counter(config)
-    out_s3 = _is_s3(config.output)
+    out_s3 = storage.is_s3_uri(config.output)
     stats = PrepareStats(source=config.source, kind=config.kind, output=config.output)
     stats.files = {
-        key: _output_uri(config.output, name)
+        key: storage.join(config.output, name)
         for key, name in (("data", DATA_FILE), ("rejects", REJECTS_FILE), ("stats", STATS_FILE))
     }
 
@@ -361,7 +348,6 @@ def _run(
 def _publish(staging: Path, output: str, out_s3: bool) -> None:
     names = (DATA_FILE, REJECTS_FILE, STATS_FILE)
     if out_s3:
-        from sao_core import storage
 
         for name in names:
             storage.upload_file(str(staging / name), storage.join(output, name))

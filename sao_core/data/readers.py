@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from sao_core import storage
 from sao_core.data.schemas import DataError
 
 EXTENSIONS: dict[str, str] = {
@@ -65,12 +66,6 @@ def _sha256_file(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return "sha256:" + digest.hexdigest()
-
-
-def _is_s3(uri: str) -> bool:
-    from sao_core import storage
-
-    return storage.is_s3_uri(uri)
 
 
 def _supported() -> str:
@@ -117,7 +112,7 @@ class RowSource:
             raise DataError(
                 "data source is empty: give a file path, an s3:// URI or a Hugging Face dataset id"
             )
-        if _is_s3(source):
+        if storage.is_s3_uri(source):
             self._open_s3(source)
             return
         hf_id = _hf_id(source)
@@ -158,7 +153,6 @@ class RowSource:
             self._check_csv()
 
     def _open_s3(self, uri: str) -> None:
-        from sao_core import storage
 
         key_name = uri.rstrip("/").rsplit("/", 1)[-1]
         suffix = Path(key_name).suffix.lower()
