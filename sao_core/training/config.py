@@ -1,0 +1,113 @@
+"""One typed config dataclass per training method; all share `TrainConfig`.
+
+Steps count optimiser updates. `batch_size` is the number of examples in one optimiser step over all
+ranks; each rank takes `batch_size / world_size` of them in `grad_accum` micro-batches. Lengths are in
+tokens. Load from YAML and override from the CLI with `sao_core.config.load_config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sao_core.training.schedule import SCHEDULES
+
+
+@dataclass
+class TrainConfig:
+    """Settings every method shares."""
+
+    data: str                               # prepared dataset: directory (or s3:// prefix) holding data.jsonl
+    output: str                             # run directory: local path or s3:// prefix
+    model: str = "embedded:tiny"            # model reference: embedded:*, directory, s3:// or hub id
+    steps: int = 100                        # optimiser steps in total
+    batch_size: int = 16                    # examples per optimiser step, over all ranks
+    grad_accum: int = 1                     # micro-batches per optimiser step on each rank
+    lr: float = 1e-3
+    schedule: str = "cosine"                # constant | cosine | linear
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.0               # final lr as a share of lr (cosine, linear)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0                  # max global grad norm; 0 disables
+    max_tokens: int = 512                   # examples are cut (or packed) to this many tokens
+    gradient_checkpointing: bool = False
+    bf16: bool = True                       # bf16 autocast on GPU (ignored on CPU)
+    checkpoint_every: int = 0               # steps between resumable checkpoints; 0: only at the end
+    resume: bool = False                    # continue from the newest complete checkpoint in output
+    log_every: int = 10
+    seed: int = 0
+    cache_dir: str = field(default_factory=lambda: str(Path.home() / ".cache" / "sao"))
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        name = type(self).__name__
+        for key in ("steps", "batch_size", "grad_accum", "max_tokens", "log_every"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{name}.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("warmup_steps", "checkpoint_every", "grad_clip", "weight_decay"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{name}.{key} must be >= 0, got {getattr(self, key)}")
+        if not self.lr > 0:
+            raise ValueError(f"{name}.lr must be > 0, got {self.lr}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"{name}.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"{name}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"{name}.batch_size ({self.batch_size}) must be a multiple of grad_accum "
+                             f"({self.grad_accum})")
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    """Supervised fine-tuning on chat messages: cross-entropy on assistant tokens only."""
+
+
+@dataclass
+class CPTConfig(TrainConfig):
+    """Continued pre-training: next-token loss on raw text packed into blocks of `max_tokens`."""
+
+
+@dataclass
+class DPOConfig(TrainConfig):
+    """Direct preference optimisation (sigmoid loss)."""
+
+    beta: float = 0.1                       # strength of the implicit KL constraint
+    reference_model: str = ""               # model reference; empty: the initial policy (`model`)
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.beta > 0:
+            raise ValueError(f"DPOConfig.beta must be > 0, got {self.beta}")
+
+
+@dataclass
+class GKDConfig(TrainConfig):
+    """Generalised knowledge distillation from a teacher sharing the student's tokenizer."""
+
+    teacher_model: str = ""                 # model reference of the teacher (required)
+    beta: float = 0.5                       # 0: forward KL, 1: reverse KL, between: generalised JSD
+    temperature: float = 1.0
+    on_policy_fraction: float = 0.5         # share of examples whose response the student samples
+    max_new_tokens: int = 64                # length of student samples
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.teacher_model:
+            raise ValueError("GKDConfig.teacher_model is required (a model reference)")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"GKDConfig.beta must be in [0, 1], got {self.beta}")
+        if not self.temperature > 0:
+            raise ValueError(f"GKDConfig.temperature must be > 0, got {self.temperature}")
+        if not 0.0 <= self.on_policy_fraction <= 1.0:
+            raise ValueError(f"GKDConfig.on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"GKDConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+METHOD_CONFIGS: dict[str, type[TrainConfig]] = {
+    "sft": SFTConfig,
+    "cpt": CPTConfig,
+    "dpo": DPOConfig,
+    "gkd": GKDConfig,
+}

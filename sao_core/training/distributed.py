@@ -1,0 +1,81 @@
+"""Process-group setup and FSDP2 sharding. Plain single process when not launched by torchrun."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits: rank, world size and the device it trains on."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed() -> DistContext:
+    """Join the torchrun process group (NCCL on GPU, gloo on CPU), or return a single-process context."""
+    if not dist.is_torchelastic_launched():
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        return DistContext(device=device)
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():
+        local = rank % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    return DistContext(rank=rank, world_size=world, device=device)
+
+
+def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+    """FSDP2 (`fully_shard`) each decoder layer, then the root; a no-op in a single process."""
+    if not ctx.distributed:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    for layer in layers or []:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+def broadcast_object(value, ctx: DistContext):
+    """Rank 0's `value` on every rank (any picklable object)."""
+    if not ctx.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_mean(values: dict[str, float], ctx: DistContext) -> dict[str, float]:
+    """Average a dict of floats over ranks (metrics)."""
+    if not ctx.distributed or not values:
+        return values
+    keys = sorted(values)
+    tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64,
+                          device=ctx.device if ctx.device.type == "cuda" else "cpu")
+    dist.all_reduce(tensor)
+    return {k: float(v) / ctx.world_size for k, v in zip(keys, tensor.tolist(), strict=True)}
