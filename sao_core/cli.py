@@ -105,15 +105,22 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sft(args: argparse.Namespace) -> int:
-    from sao_core.training.sft import SFTConfig, run_sft
+def cmd_train(args: argparse.Namespace) -> int:
+    from sao_core.training.config import METHOD_CONFIGS
+    from sao_core.training.trainer import train
 
-    config = config_from_args(SFTConfig, args, {"cache_dir": args.cache_dir})
-    with _progress_bar(config.steps, "sft", args.quiet) as bar:
-        summary = run_sft(config, progress=lambda step, m: (bar.update(1), bar.set_postfix(loss=f"{m['loss']:.3f}")))
-    summary.pop("config", None)
-    print(json.dumps(summary, indent=2))
+    config = config_from_args(METHOD_CONFIGS[args.method], args, {"cache_dir": args.cache_dir})
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports
+    with _progress_bar(config.steps, f"train {args.method}", args.quiet or not main_rank) as bar:
+        summary = train(args.method, config, progress=lambda step, m: _advance(bar, step, m))
+    if main_rank:
+        print(json.dumps(summary, indent=2))
     return 0
+
+
+def _advance(bar, step: int, metrics: dict) -> None:
+    bar.update(step - bar.n)
+    bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
@@ -141,7 +148,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     with _progress_bar(args.steps, "demo sft", args.quiet) as bar:
         summary = run_demo(args.output, args.cache_dir, steps=args.steps,
-                           progress=lambda step, m: (bar.update(1), bar.set_postfix(loss=f"{m['loss']:.3f}")),
+                           progress=lambda step, m: _advance(bar, step, m),
                            say=lambda text: bar.write(text))
     print(json.dumps(summary, indent=2))
     print(f"\nDemo outputs are in {Path(args.output).resolve()} (summary: {summary['summary_file']})")
@@ -149,9 +156,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- parser and main
-def build_parser() -> argparse.ArgumentParser:
+def _method_in(argv: list[str]) -> str | None:
+    """The value of --method in argv (train's flags depend on it)."""
+    for i, token in enumerate(argv):
+        if token == "--method" and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith("--method="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from sao_core.data.prepare import PrepareConfig
-    from sao_core.training.sft import SFTConfig
+    from sao_core.training.config import METHOD_CONFIGS, TrainConfig
 
     parser = argparse.ArgumentParser(prog="sao", description="SAO and LLM post-training on Kubeflow Pipelines.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -170,9 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(p, PrepareConfig)
     p.set_defaults(func=cmd_prepare_data)
 
-    p = sub.add_parser("sft", help="supervised fine-tuning on prepared chat data")
-    add_config_arguments(p, SFTConfig, skip=("cache_dir",))
-    p.set_defaults(func=cmd_sft)
+    method = _method_in(argv or [])
+    p = sub.add_parser("train", help="train with sft, cpt, dpo or gkd from a prepared dataset to an exported model",
+                       description="Flags after --method depend on the method: "
+                                   "`sao train --method dpo --help` lists DPO's.")
+    p.add_argument("--method", required=True, choices=sorted(METHOD_CONFIGS), help="training method")
+    add_config_arguments(p, METHOD_CONFIGS.get(method, TrainConfig), skip=("cache_dir",))
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("checkpoint", help="publish, verify or find the latest checkpoint (path or s3://)")
     p.add_argument("action", choices=["publish", "verify", "latest"])
@@ -189,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `sao` console script; returns the exit code."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -197,13 +219,20 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one progress bar per command is enough
+    except ImportError:
+        pass
     from sao_core.data.prepare import DataError
     from sao_core.models import ModelLoadError
     from sao_core.storage import StorageError
+    from sao_core.training.trainer import TrainingError
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, ModelLoadError, StorageError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, DataError, ModelLoadError, StorageError, TrainingError, ValueError, FileNotFoundError) as err:
         print(f"sao {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

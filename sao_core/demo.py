@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +43,8 @@ def run_demo(output: str | Path, cache_dir: str | Path, steps: int = 300, train_
     """Run the demo into `output` (a local directory); return its summary (also written as summary.json)."""
     from sao_core.data.prepare import PrepareConfig, prepare
     from sao_core.models import EMBEDDED_TINY, load_model_and_tokenizer, resolve_model
-    from sao_core.training.sft import SFTConfig, run_sft
+    from sao_core.training.config import SFTConfig
+    from sao_core.training.trainer import train
 
     started = time.time()
     out = Path(output)
@@ -72,12 +74,15 @@ def run_demo(output: str | Path, cache_dir: str | Path, steps: int = 300, train_
     before = tool_call_accuracy(base_model, tokenizer, held_out)
 
     say(f"[3/5] SFT for {steps} steps on {sft_data.rows_written} conversations")
-    summary = run_sft(SFTConfig(data=str(out / "prepared" / "tool_arith_sft"), output=str(out / "sft"),
-                                model=EMBEDDED_TINY, steps=steps, batch_size=16, lr=3e-3, warmup_steps=10,
-                                max_tokens=256, cache_dir=str(cache_dir)), progress=progress)
-    say(f"[4/5] checkpoint published and verified: {summary['checkpoint']}")
+    sft_dir = out / "sft"
+    if sft_dir.exists():  # the demo starts over each time; a real run would pass resume=True instead
+        shutil.rmtree(sft_dir)
+    summary = train("sft", SFTConfig(data=str(out / "prepared" / "tool_arith_sft"), output=str(sft_dir),
+                                     model=EMBEDDED_TINY, steps=steps, batch_size=16, lr=3e-3, warmup_steps=10,
+                                     max_tokens=256, cache_dir=str(cache_dir)), progress=progress)
+    say(f"[4/5] model exported and verified: {summary['model']} (resumable state: {summary['checkpoint']})")
 
-    trained, tokenizer = load_model_and_tokenizer(summary["checkpoint"], cache_dir)
+    trained, tokenizer = load_model_and_tokenizer(summary["model"], cache_dir)
     after = tool_call_accuracy(trained, tokenizer, held_out)
     say(f"[5/5] held-out tool-call accuracy (greedy): {before:.2f} before SFT -> {after:.2f} after")
 
@@ -89,8 +94,9 @@ def run_demo(output: str | Path, cache_dir: str | Path, steps: int = 300, train_
         "rows": {"tool_arith_sft": sft_data.rows_written, "imo_answerbench": imo.rows_written},
         "sft": {k: summary[k] for k in ("steps", "first_train_loss", "last_train_loss", "eval_loss_before",
                                         "eval_loss_after", "trained_tokens", "seconds")},
-        "checkpoint": summary["checkpoint"],
-        "checkpoint_verified": storage.is_complete_checkpoint(summary["checkpoint"]),
+        "model_checkpoint": summary["model"],
+        "model_verified": storage.is_complete_checkpoint(summary["model"]),
+        "training_state": summary["checkpoint"],
         "held_out_tool_call_accuracy": {"before": before, "after": after, "problems": len(held_out)},
         "seconds": time.time() - started,
     }

@@ -12,7 +12,7 @@ import pytest
 from sao_core import storage
 from sao_core.cli import build_parser, main
 
-SUBCOMMANDS = ["build-model", "prepare-data", "sft", "checkpoint", "demo"]
+SUBCOMMANDS = ["build-model", "prepare-data", "train", "checkpoint", "demo"]
 
 
 def test_console_script_help():
@@ -25,18 +25,24 @@ def test_console_script_help():
 @pytest.mark.parametrize("name", SUBCOMMANDS)
 def test_every_subcommand_has_help(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args([name, "--help"])
+        build_parser([name, "--help"]).parse_args([name, "--help"])
     assert exit_info.value.code == 0
     assert "usage: sao " + name in capsys.readouterr().out
 
 
-def test_sft_help_lists_fields_with_defaults(capsys):
+@pytest.mark.parametrize("method, flags", [
+    ("sft", ["--data", "--steps", "--batch-size", "--lr", "--schedule", "--resume", "--config"]),
+    ("dpo", ["--beta", "--reference-model"]),
+    ("gkd", ["--teacher-model", "--on-policy-fraction", "--temperature"]),
+])
+def test_train_help_lists_the_method_fields(method, flags, capsys):
+    argv = ["train", "--method", method, "--help"]
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["sft", "--help"])
+        build_parser(argv).parse_args(argv)
     text = capsys.readouterr().out
-    for flag in ("--data", "--steps", "--batch-size", "--lr", "--schedule", "--config"):
+    for flag in flags:
         assert flag in text
-    assert "[default: 200]" in text
+    assert "[default: 100]" in text
 
 
 def test_prepare_data_end_to_end(tmp_path, capsys):
@@ -62,8 +68,11 @@ def test_config_file_and_override(tmp_path, capsys):
     (["prepare-data", "--source", "x.jsonl", "--kind", "nope", "--output", "o"], "kind"),
     (["prepare-data", "--source", "/no/such/file.jsonl", "--kind", "cpt", "--output", "o"], "/no/such/file.jsonl"),
     (["prepare-data", "--kind", "cpt", "--output", "o"], "missing required field.*source"),
-    (["sft", "--data", "d", "--output", "o", "--steps", "ten"], "field 'steps': expected int"),
-    (["sft", "--data", "d", "--output", "o", "--bogus-flag", "1"], None),
+    (["train", "--method", "sft", "--data", "d", "--output", "o", "--steps", "ten"], "field 'steps': expected int"),
+    (["train", "--method", "sft", "--data", "d", "--output", "o", "--bogus-flag", "1"], None),
+    (["train", "--method", "sft", "--data", "missing", "--output", "o"], "cannot read the dataset"),
+    (["train", "--method", "ppo", "--data", "d", "--output", "o"], None),
+    (["train", "--method", "gkd", "--data", "d", "--output", "o"], "teacher_model is required"),
     (["checkpoint", "latest", "/no/such/root"], None),
     (["checkpoint", "verify", "s3://"], "s3"),
 ])
@@ -98,3 +107,27 @@ def test_build_model_and_checkpoint_commands(tmp_path, capsys, sao_cache):
     assert main(["--quiet", "checkpoint", "verify", str(dest)]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
     assert storage.is_complete_checkpoint(str(dest))
+
+
+def test_train_command_end_to_end(tmp_path, capsys, sao_cache):
+    from sao_core.data.synthetic import tool_arith_sft_rows
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tool_arith_sft_rows(20)))
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(f"data: {tmp_path / 'd'}\noutput: {tmp_path / 'run'}\nsteps: 5\nbatch_size: 4\n")
+    code = main(["--quiet", "--cache-dir", str(sao_cache), "train", "--method", "sft", "--config", str(cfg),
+                 "--steps", "3"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 3 and storage.is_complete_checkpoint(summary["model"])
+
+
+def test_demo_small(tmp_path, sao_cache):
+    from sao_core.demo import run_demo
+
+    said = []
+    result = run_demo(tmp_path / "demo", sao_cache, steps=5, train_rows=40, eval_problems=3, say=said.append)
+    assert len(said) == 5 and said[-1].startswith("[5/5]")
+    assert result["rows"]["imo_answerbench"] == 400 and result["model_verified"]
+    assert json.loads((tmp_path / "demo" / "summary.json").read_text())["sft"]["steps"] == 5

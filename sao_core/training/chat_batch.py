@@ -46,3 +46,24 @@ def pad_batch(examples: list[EncodedChat], pad_id: int) -> dict[str, torch.Tenso
         attention[row, :n] = 1
         loss_mask[row, :n] = torch.tensor(e.loss_mask)
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+def as_messages(value, role: str) -> list[dict]:
+    """A string becomes one message of `role`; a list of messages is returned as it is."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+        return value
+    raise ValueError(f"expected a string or a list of messages, got {type(value).__name__}")
+
+
+def encode_response(tokenizer, prompt: list[dict], response: list[dict], max_tokens: int) -> EncodedChat:
+    """Encode prompt + response; only assistant tokens of the response are learned (prompt turns are
+    masked even when they hold assistant messages)."""
+    full = encode_chat(tokenizer, prompt + response, max_tokens)
+    prompt_len = len(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                                   return_dict=True)["input_ids"])
+    mask = [0 if i < prompt_len else m for i, m in enumerate(full.loss_mask)]
+    if not any(mask):
+        raise ValueError(f"the response has no tokens left after cutting to {max_tokens} tokens")
+    return EncodedChat(full.input_ids, mask)

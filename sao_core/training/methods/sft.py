@@ -1,0 +1,35 @@
+"""SFT: cross-entropy on the assistant tokens of chat conversations."""
+
+from __future__ import annotations
+
+from sao_core.objectives.common import token_logprobs
+from sao_core.objectives.sft import sft_loss
+from sao_core.training.chat_batch import encode_chat, pad_batch
+from sao_core.training.methods.base import Method, row_error
+
+
+def token_nll(model, batch, pad_id: int, device):
+    """SFT/CPT loss of a micro-batch of `EncodedChat` examples: (loss, metrics)."""
+    tensors = {k: v.to(device) for k, v in pad_batch(batch, pad_id).items()}
+    logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
+    return sft_loss(token_logprobs(logits, tensors["input_ids"]), tensors["loss_mask"])
+
+
+class SFTMethod(Method):
+    name = "sft"
+    dataset_kind = "sft"
+
+    def build_examples(self, rows, source):
+        examples = []
+        for index, row in enumerate(rows):
+            messages = row.get("messages")
+            if not isinstance(messages, list):
+                raise row_error(source, index, "no 'messages' list (prepare the data with --kind sft)")
+            try:
+                examples.append(encode_chat(self.tokenizer, messages, self.config.max_tokens))
+            except ValueError as err:
+                raise row_error(source, index, str(err)) from err
+        return examples
+
+    def loss(self, model, batch, step, training=True, micro=0):
+        return token_nll(model, batch, self.tokenizer.pad_token_id, self.ctx.device)
