@@ -11,9 +11,11 @@ or a shared volume); the checkpoint then goes to a path or an s3:// prefix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,15 @@ from sao_core.training.distributed import DistContext, barrier
 STATE_FILE = "trainer_state.json"
 
 
+@contextlib.contextmanager
+def _single_process_quiet(ctx: DistContext):
+    """DCP warns on every call that it runs without a process group; in one process that is intended."""
+    with warnings.catch_warnings():
+        if not ctx.distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
@@ -44,7 +55,8 @@ def save_training_checkpoint(staging: Path, dest_uri: str, model, optimizer, tra
         staging.mkdir(parents=True)
     barrier(ctx)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging / "dcp"))
+    with _single_process_quiet(ctx):
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging / "dcp"))
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
     torch.save(rng, staging / f"rng-rank{ctx.rank}.pt")
@@ -64,7 +76,8 @@ def load_training_checkpoint(local_dir: Path, model, optimizer, ctx: DistContext
     state = json.loads((local_dir / STATE_FILE).read_text())
     model_sd, optim_sd = get_state_dict(model, optimizer)
     loaded = {"model": model_sd, "optim": optim_sd}
-    dcp.load(loaded, checkpoint_id=str(local_dir / "dcp"))
+    with _single_process_quiet(ctx):
+        dcp.load(loaded, checkpoint_id=str(local_dir / "dcp"))
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     rng_file = local_dir / f"rng-rank{ctx.rank}.pt"
     if state.get("world_size") == ctx.world_size and rng_file.exists():
