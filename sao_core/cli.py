@@ -123,6 +123,20 @@ def _advance(bar, step: int, metrics: dict) -> None:
     bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
 
 
+def cmd_rollout_serve(args: argparse.Namespace) -> int:
+    from sao_core.rollout.manager import RolloutPlan
+    from sao_core.rollout.server import ServeConfig, serve
+
+    config = config_from_args(ServeConfig, args, {"cache_dir": args.cache_dir})
+    plan = load_config(RolloutPlan, args.plan) if args.plan else None
+    if plan is not None:
+        plan.validate()
+    print(f"rollout service: http://{config.host}:{config.port} (engine {config.engine}, model {config.model}); "
+          "OpenAPI at /docs; stop with POST /v1/shutdown or Ctrl-C", file=sys.stderr)
+    serve(config, plan)
+    return 0
+
+
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from sao_core import storage
 
@@ -194,6 +208,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--method", required=True, choices=sorted(METHOD_CONFIGS), help="training method")
     add_config_arguments(p, METHOD_CONFIGS.get(method, TrainConfig), skip=("cache_dir",))
     p.set_defaults(func=cmd_train)
+
+    rollout = sub.add_parser("rollout", help="the rollout service (engine + environments over HTTP)")
+    rollout_sub = rollout.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
+    p = rollout_sub.add_parser("serve", help="serve episodes and trajectories over HTTP until shut down")
+    from sao_core.rollout.server import ServeConfig
+
+    add_config_arguments(p, ServeConfig, skip=("cache_dir",))
+    p.add_argument("--plan", metavar="YAML", help="start this rollout plan at once (RolloutPlan fields: dataset, "
+                                                  "rollouts_per_prompt, epochs, max_in_flight, ...)")
+    p.set_defaults(func=cmd_rollout_serve)
 
     p = sub.add_parser("checkpoint", help="publish, verify or find the latest checkpoint (path or s3://)")
     p.add_argument("action", choices=["publish", "verify", "latest"])

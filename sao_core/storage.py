@@ -462,6 +462,12 @@ def read_manifest(uri: str, settings: S3Settings | None = None) -> dict:
     return manifest
 
 
+def checkpoint_digest(uri: str, settings: S3Settings | None = None) -> str:
+    """sha256 (hex) of a complete checkpoint's ``manifest.json``: one checksum that pins every file."""
+    read_manifest(uri, settings)
+    return hashlib.sha256(read_text(join(uri, MANIFEST_NAME), settings).encode()).hexdigest()
+
+
 def _check_against(root: pathlib.Path, manifest: dict, shown_as: str | None = None) -> None:
     """Compare every manifest file under ``root``; errors name the file as ``shown_as/<rel>``."""
     for rel, entry in sorted(manifest["files"].items()):

@@ -1,0 +1,78 @@
+"""HTTP client of the rollout service (used by learners, the evaluator and tests)."""
+
+from __future__ import annotations
+
+import httpx
+
+from sao_core.rollout.trajectory import Trajectory
+
+
+class RolloutUnavailable(ConnectionError):
+    """The service cannot be reached (not started, restarting, wrong URL)."""
+
+
+class RolloutRequestError(ValueError):
+    """The service refused a request (4xx); the message is the service's."""
+
+
+class RolloutClient:
+    """Talks to one rollout service as one consumer (a learner's identity for leases)."""
+
+    def __init__(self, url: str, consumer: str = "learner", timeout_s: float = 30.0):
+        self.url = url.rstrip("/")
+        self.consumer = consumer
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def _call(self, method: str, path: str, timeout_s: float | None = None, **kwargs) -> dict:
+        try:
+            response = self._http.request(method, path, timeout=timeout_s or self._http.timeout, **kwargs)
+        except httpx.TransportError as err:
+            raise RolloutUnavailable(f"rollout service {self.url} unreachable ({type(err).__name__}: {err})") from err
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail")
+            except ValueError:
+                detail = response.text
+            raise RolloutRequestError(f"{method} {path} -> {response.status_code}: {detail}")
+        return response.json()
+
+    def health(self) -> dict:
+        return self._call("GET", "/healthz")
+
+    def status(self) -> dict:
+        return self._call("GET", "/v1/status")
+
+    def start(self, plan: dict) -> dict:
+        return self._call("POST", "/v1/rollouts/start", json=plan)
+
+    def stop(self) -> dict:
+        return self._call("POST", "/v1/rollouts/stop")
+
+    def take(self, max_items: int = 1, wait_s: float = 0.0, reconnect: bool = False) -> tuple[list[Trajectory], dict]:
+        """Finished trajectories (validated) and the response's other fields."""
+        body = self._call("GET", "/v1/trajectories", timeout_s=wait_s + 30.0,
+                          params={"consumer": self.consumer, "max": max_items, "wait_s": wait_s,
+                                  "reconnect": str(reconnect).lower()})
+        return [Trajectory.from_dict(t) for t in body.pop("trajectories")], body
+
+    def ack(self, ids: list[str], dropped: list[str] | None = None) -> dict:
+        return self._call("POST", "/v1/trajectories/ack", json={"ids": list(ids), "dropped": list(dropped or [])})
+
+    def push_weights(self, version: int, uri: str, sha256: str) -> dict:
+        return self._call("POST", "/v1/weights", timeout_s=600.0,
+                          json={"version": version, "uri": uri, "sha256": sha256})
+
+    def pause(self) -> dict:
+        return self._call("POST", "/v1/pause")
+
+    def resume(self) -> dict:
+        return self._call("POST", "/v1/resume")
+
+    def generate(self, prompts: list, **sampling) -> list[list[dict]]:
+        return self._call("POST", "/v1/generate", timeout_s=600.0, json={"prompts": prompts, **sampling})["results"]
+
+    def shutdown(self, grace_s: float = 30.0) -> dict:
+        return self._call("POST", "/v1/shutdown", json={"grace_s": grace_s})
+
+    def close(self) -> None:
+        self._http.close()

@@ -1,0 +1,77 @@
+"""The engine interface and sampling settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class EngineError(RuntimeError):
+    """The engine cannot do what was asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. Training rollouts must use the defaults (plain sampling at temperature 1)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                       # 0: no top-k
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the tokenizer's end-of-turn token
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def check_training_sampling(params: SamplingParams) -> None:
+    """Training rollouts need the true behaviour log-probs: plain sampling at T = 1, no top-p / top-k."""
+    if params.temperature != 1.0 or params.top_p != 1.0 or params.top_k != 0:
+        raise ValueError(
+            "training rollouts must sample with temperature 1.0, top_p 1.0 and top_k 0 so that the recorded "
+            f"log-probs are the policy's (got temperature={params.temperature}, top_p={params.top_p}, "
+            f"top_k={params.top_k}); other settings are allowed only in evaluation mode"
+        )
+
+
+@dataclass
+class Generation:
+    """One sampled continuation. Lists are aligned: `logprobs[i]` and `versions[i]` belong to
+    `token_ids[i]`. `logprobs` are under the model's own distribution (temperature 1, no truncation)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str                      # "stop" (end-of-turn token) or "length"
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """An inference engine. `version` is the policy version of the weights in use."""
+
+    version: int
+    eos_token_ids: tuple[int, ...]
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+
+    async def load_weights(self, model_dir: str, version: int) -> None:
+        """Swap to the verified Hugging Face model in `model_dir`; tokens sampled afterwards carry
+        `version`. In-flight requests continue on the new weights. On failure the old weights stay."""
+        ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def stats(self) -> dict: ...

@@ -1,0 +1,140 @@
+"""Run one episode: the engine samples action tokens, the environment answers, tokens accumulate.
+
+Token-in/token-out: the model's tokens are appended exactly as sampled; only the prompt and the
+environment's observations are tokenised, each rendered by the tokenizer's own chat template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from sao_core.envs.base import Environment, Task
+from sao_core.rollout.engines.base import Engine, SamplingParams
+from sao_core.rollout.trajectory import Timings, Trajectory
+
+_PLACEHOLDER = "\u2063sao-action\u2063"
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Per-episode budget: tokens of the whole trajectory, seconds of wall time (0: unlimited)."""
+
+    max_total_tokens: int = 4096
+    max_new_tokens_per_turn: int = 256
+    timeout_s: float = 0.0
+
+
+def prompt_tokens(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the episode's opening messages followed by the generation prompt."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    return list(rendered["input_ids"])
+
+
+def observation_tokens(tokenizer, observation: str) -> list[int]:
+    """Tokens that follow the model's end-of-turn token when the tool answers `observation`: the rest of
+    the template after the assistant turn, the tool message, and the next generation prompt."""
+    before = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
+    text = tokenizer.apply_chat_template(before + [{"role": "tool", "content": observation}], tokenize=False,
+                                         add_generation_prompt=True)
+    eos = tokenizer.eos_token
+    start = text.index(eos, text.index(_PLACEHOLDER)) + len(eos)
+    return list(tokenizer.encode(text[start:], add_special_tokens=False))
+
+
+def action_text(tokenizer, token_ids: list[int]) -> str:
+    """The text of a model turn for the environment: tool-call markers such as <tool_call> are special
+    tokens in many tokenizers and must survive; only end-of-turn / padding markers are removed."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=False)
+    for marker in {tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token} - {None, ""}:
+        text = text.replace(marker, "")
+    return text
+
+
+async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, params: SamplingParams,
+                      limits: EpisodeLimits, queued_at: float | None = None, sample_index: int = 0,
+                      trajectory_id: str | None = None) -> Trajectory:
+    """Play one episode to the end and return its trajectory (never raises for env or tool failures:
+    they end the episode with finish_reason env_error / tool_error)."""
+    started = time.time()
+    timings = Timings(queued=queued_at or started, started=started)
+    tokens: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+
+    def add(ids, action, lps=None, vs=None):
+        tokens.extend(ids)
+        mask.extend([1 if action else 0] * len(ids))
+        logprobs.extend(lps if lps is not None else [0.0] * len(ids))
+        versions.extend(vs if vs is not None else [-1] * len(ids))
+
+    reward, finish, turns, info = 0.0, "stop", 0, {}
+    deadline = started + limits.timeout_s if limits.timeout_s else None
+    try:
+        messages = await asyncio.to_thread(env.reset, task)
+        add(prompt_tokens(tokenizer, messages), action=False)
+        while True:
+            budget = limits.max_total_tokens - len(tokens)
+            if budget <= 0 or turns >= env.max_turns:
+                finish = "length"
+                break
+            if deadline and time.time() > deadline:
+                finish = "timeout"
+                break
+            turn_params = SamplingParams(**{**params.__dict__,
+                                            "max_new_tokens": min(params.max_new_tokens,
+                                                                  limits.max_new_tokens_per_turn, budget)})
+            generation = await _with_deadline(engine.generate(tokens, turn_params), deadline)
+            if generation is None:
+                finish = "timeout"
+                break
+            turns += 1
+            timings.generation_seconds += generation.seconds
+            add(generation.token_ids, action=True, lps=generation.logprobs, vs=generation.versions)
+            if generation.finish_reason == "length":
+                finish = "length"
+                break
+            text = action_text(tokenizer, generation.token_ids)
+            try:
+                step = await _with_deadline(asyncio.to_thread(env.step, text), deadline)
+            except Exception as err:  # an environment bug ends this episode only
+                finish, info = "env_error", {"error": f"{type(err).__name__}: {err}"}
+                break
+            if step is None:
+                finish = "timeout"
+                break
+            timings.tool_seconds += step.tool_seconds
+            if step.done:
+                reward, finish, info = step.reward, step.finish_reason or "stop", step.info
+                break
+            add(observation_tokens(tokenizer, step.observation or ""), action=False)
+    except Exception as err:
+        if finish == "stop":
+            finish, info = "env_error", {"error": f"{type(err).__name__}: {err}"}
+    finally:
+        await asyncio.to_thread(_close_quietly, env)
+    timings.finished = time.time()
+    return Trajectory(
+        id=trajectory_id or uuid.uuid4().hex, prompt_id=task.id, env=task.env, token_ids=tokens,
+        action_mask=mask, rollout_logprobs=logprobs, versions=versions, reward=float(reward), num_turns=turns,
+        finish_reason=finish, timings=timings, sample_index=sample_index, metadata={"info": info} if info else {},
+    )
+
+
+async def _with_deadline(awaitable, deadline: float | None):
+    if deadline is None:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, max(0.0, deadline - time.time()))
+    except TimeoutError:
+        return None
+
+
+def _close_quietly(env: Environment) -> None:
+    try:
+        env.close()
+    except Exception:  # closing must never hide the episode's result
+        pass

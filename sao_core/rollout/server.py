@@ -1,0 +1,115 @@
+"""Run the rollout service: in the foreground (`sao rollout serve`) or in a background thread of the
+current process (tests, colocated learners)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from sao_core.rollout.manager import RolloutManager, RolloutPlan
+from sao_core.rollout.service import create_app
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeConfig:
+    """Settings of one rollout service process."""
+
+    model: str = "embedded:tiny"            # model reference (embedded:*, directory, s3://, hub id)
+    engine: str = "hf"                      # hf | vllm
+    host: str = "127.0.0.1"
+    port: int = 8000                        # 0: pick a free port
+    max_batch: int = 32                     # hf engine: sequences per forward pass
+    lease_seconds: float = 600.0            # taken-but-unacknowledged trajectories return after this
+    seed: int = 0
+    cache_dir: str = ""
+
+    def validate(self) -> None:
+        if self.engine not in ("hf", "vllm"):
+            raise ValueError(f"ServeConfig.engine must be hf or vllm, got {self.engine!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServeConfig.port must be in [0, 65535], got {self.port}")
+        if self.max_batch < 1 or self.lease_seconds <= 0:
+            raise ValueError("ServeConfig.max_batch must be >= 1 and lease_seconds > 0")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RolloutServer:
+    """A rollout service on its own thread and event loop. `url` is ready once `start()` returns."""
+
+    def __init__(self, config: ServeConfig, plan: RolloutPlan | None = None):
+        config.validate()
+        self.config = config
+        self.plan = plan
+        self.port = config.port or _free_port(config.host)
+        self.url = f"http://{config.host}:{self.port}"
+        self._thread: threading.Thread | None = None
+        self._server: uvicorn.Server | None = None
+        self._error: BaseException | None = None
+        self.manager: RolloutManager | None = None
+
+    def _build(self) -> tuple[RolloutManager, object]:
+        from sao_core.rollout.engines import make_engine
+
+        options = {"max_batch": self.config.max_batch, "seed": self.config.seed} if self.config.engine == "hf" else {}
+        engine = make_engine(self.config.engine, self.config.model, self.config.cache_dir, **options)
+        manager = RolloutManager(engine, engine.tokenizer, self.config.cache_dir, self.config.lease_seconds)
+        app = create_app(manager, on_shutdown=self._request_exit)
+        return manager, app
+
+    def _request_exit(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+
+    async def serve_async(self) -> None:
+        """Serve until shutdown (foreground use)."""
+        self.manager, app = self._build()
+        if self.plan is not None:
+            self.manager.start(self.plan)
+        config = uvicorn.Config(app, host=self.config.host, port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        await self._server.serve()
+        await self.manager.shutdown(grace_s=0)
+
+    def start(self, timeout_s: float = 60.0) -> RolloutServer:
+        """Start in a background thread; return once /healthz answers."""
+        def run():
+            try:
+                asyncio.run(self.serve_async())
+            except BaseException as err:  # surfaced by start() / stop()
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="rollout-service", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._error is not None:
+                raise RuntimeError(f"rollout service failed to start: {self._error}") from self._error
+            if self._server is not None and self._server.started:
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(f"rollout service did not start within {timeout_s} s")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._request_exit()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+def serve(config: ServeConfig, plan: RolloutPlan | None = None) -> None:
+    """Run the service in the foreground until it is shut down (POST /v1/shutdown or Ctrl-C)."""
+    server = RolloutServer(config, plan)
+    log.info("rollout service on %s (engine %s, model %s)", server.url, config.engine, config.model)
+    asyncio.run(server.serve_async())

@@ -1,0 +1,104 @@
+"""The trajectory record: one schema from the rollout service to the learner (JSON on the wire).
+
+Token-aligned lists all have the length of `token_ids`: `action_mask[t]` is 1 where the model sampled
+token t, `rollout_logprobs[t]` is the engine's log-prob of that sampled token (0 elsewhere), and
+`versions[t]` is the policy version that sampled it (-1 on prompt and observation tokens). A trajectory
+may span several versions when weights changed mid-episode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sao_core.envs.base import FINISH_REASONS
+
+
+class TrajectoryError(ValueError):
+    """A trajectory record is malformed; the message names the field."""
+
+
+@dataclass
+class Timings:
+    """Wall-clock stamps (Unix seconds) and durations (seconds) of one episode."""
+
+    queued: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+    generation_seconds: float = 0.0
+    tool_seconds: float = 0.0
+
+
+@dataclass
+class Trajectory:
+    id: str
+    prompt_id: str
+    env: str
+    token_ids: list[int]
+    action_mask: list[int]
+    rollout_logprobs: list[float]
+    versions: list[int]
+    reward: float
+    num_turns: int
+    finish_reason: str
+    timings: Timings = field(default_factory=Timings)
+    sample_index: int = 0                    # k-th rollout of this prompt in its plan (GRPO groups)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(self.action_mask)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version among the action tokens (-1 when there are none)."""
+        vs = [v for v, m in zip(self.versions, self.action_mask, strict=True) if m]
+        return min(vs) if vs else -1
+
+    def staleness(self, current_version: int) -> int:
+        """current version − oldest version that produced one of its tokens (0 when none)."""
+        oldest = self.min_version
+        return current_version - oldest if oldest >= 0 else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        """Parse and validate a record (e.g. from JSON); TrajectoryError names the bad field."""
+        if not isinstance(data, dict):
+            raise TrajectoryError(f"a trajectory must be a JSON object, got {type(data).__name__}")
+        try:
+            timings = Timings(**data.get("timings", {}))
+        except TypeError as err:
+            raise TrajectoryError(f"field 'timings': {err}") from None
+        required = ("id", "prompt_id", "env", "token_ids", "action_mask", "rollout_logprobs", "versions", "reward",
+                    "num_turns", "finish_reason")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise TrajectoryError(f"missing field(s): {', '.join(missing)}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise TrajectoryError(f"unknown field(s): {', '.join(unknown)}")
+        record = cls(**{**data, "timings": timings})
+        record.validate()
+        return record
+
+    def validate(self) -> None:
+        n = len(self.token_ids)
+        for name in ("action_mask", "rollout_logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise TrajectoryError(f"field {name!r} has {len(getattr(self, name))} entries, token_ids has {n}")
+        if any(m not in (0, 1) for m in self.action_mask):
+            raise TrajectoryError("field 'action_mask' must hold only 0 and 1")
+        if any(not isinstance(t, int) or t < 0 for t in self.token_ids):
+            raise TrajectoryError("field 'token_ids' must hold non-negative integers")
+        if any(not math.isfinite(lp) or lp > 1e-4 for lp in self.rollout_logprobs):
+            raise TrajectoryError("field 'rollout_logprobs' must hold finite log-probabilities (<= 0)")
+        if self.finish_reason not in FINISH_REASONS:
+            raise TrajectoryError(f"field 'finish_reason' must be one of {', '.join(FINISH_REASONS)}, "
+                                  f"got {self.finish_reason!r}")
+        if not math.isfinite(self.reward):
+            raise TrajectoryError("field 'reward' must be finite")

@@ -1,0 +1,293 @@
+"""The rollout service over real HTTP on 127.0.0.1 with the HF engine on the embedded model (warm-started
+by SFT on the tool task): streaming order, log-prob fidelity, weight updates mid-episode, at-least-once
+delivery with acknowledgements, admission control, training-mode sampling, malformed requests, metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sao_core import storage
+from sao_core.data.prepare import PrepareConfig, prepare
+from sao_core.data.synthetic import tool_arith_sft_rows
+from sao_core.envs.base import Task
+from sao_core.envs.tool_arith import tool_arith_tasks
+from sao_core.objectives.common import token_logprobs
+from sao_core.rollout.client import RolloutClient, RolloutRequestError, RolloutUnavailable
+from sao_core.rollout.engines.base import SamplingParams
+from sao_core.rollout.episode import EpisodeLimits, observation_tokens, prompt_tokens, run_episode
+from sao_core.rollout.server import RolloutServer, ServeConfig
+from sao_core.training.config import SFTConfig
+from sao_core.training.trainer import train
+
+
+@pytest.fixture(scope="module")
+def warm_model(tmp_path_factory, sao_cache):
+    """The embedded model after a short SFT on multi-call tool_arith conversations."""
+    root = tmp_path_factory.mktemp("warm")
+    (root / "data").mkdir()
+    rows = list(tool_arith_sft_rows(600, seed=21, p_more=0.5, max_ops=4))
+    (root / "data" / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = train("sft", SFTConfig(data=str(root / "data"), output=str(root / "run"), steps=150, batch_size=16,
+                                     lr=3e-3, max_tokens=256, cache_dir=str(sao_cache)))
+    return summary["model"]
+
+
+def _rl_dataset(root: Path, count: int, seed: int = 3) -> str:
+    tasks = tool_arith_tasks(count, seed=seed, p_more=0.5, max_ops=4)
+    raw = root / f"rl-{count}-{seed}.jsonl"
+    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
+                                       "metadata": t.metadata}) + "\n" for t in tasks))
+    out = root / f"rl-{count}-{seed}"
+    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(out)))
+    return str(out)
+
+
+@pytest.fixture
+def service(warm_model, sao_cache):
+    server = RolloutServer(ServeConfig(model=warm_model, port=0, cache_dir=str(sao_cache), max_batch=16)).start()
+    client = RolloutClient(server.url, consumer="learner-a")
+    yield server, client
+    client.close()
+    server.stop()
+
+
+def _plan(dataset: str, **kw) -> dict:
+    return {"dataset": dataset, "max_new_tokens_per_turn": 48, "max_total_tokens": 512, "seed": 1, **kw}
+
+
+def _drain(client: RolloutClient, timeout_s: float = 120.0, ack: bool = True):
+    """Take trajectories one by one until the plan is done; return them with the status at each arrival."""
+    got, seen_running = [], []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        items, info = client.take(max_items=1, wait_s=5.0)
+        for t in items:
+            got.append(t)
+            seen_running.append(client.status()["running"])
+            if ack:
+                client.ack([t.id])
+        if not items and info["plan_done"]:
+            return got, seen_running
+    raise AssertionError("plan did not finish in time")
+
+
+def test_streaming_order_logprobs_and_versions(service, tmp_path, warm_model, sao_cache):
+    from sao_core.models import load_model
+
+    server, client = service
+    dataset = _rl_dataset(tmp_path, 16)
+    client.start(_plan(dataset, env_options={"tool_arith": {"latency_median_s": 0.05, "latency_sigma": 1.5}}))
+    got, running = _drain(client)
+    assert len(got) == 16 and len({t.id for t in got}) == 16
+    finished = [t.timings.finished for t in got]
+    assert finished == sorted(finished)                  # delivered in the order they finished
+    assert running[0] > 0                                # the first arrived while others still ran
+    assert finished[-1] - finished[0] > 0.5              # and the long tail came well after
+    assert max(t.num_turns for t in got) >= 2            # multi-turn tool episodes
+    # Recorded log-probs equal a recomputation with the same weights.
+    model = load_model(warm_model, sao_cache)
+    worst = 0.0
+    for t in got:
+        ids = torch.tensor([t.token_ids])
+        with torch.no_grad():
+            recomputed = token_logprobs(model(input_ids=ids).logits, ids)[0]
+        mask = torch.tensor(t.action_mask, dtype=torch.bool)
+        worst = max(worst, float((recomputed[mask] - torch.tensor(t.rollout_logprobs)[mask]).abs().max()))
+        assert all(v == 0 for v, m in zip(t.versions, t.action_mask, strict=True) if m)
+        assert all(v == -1 for v, m in zip(t.versions, t.action_mask, strict=True) if not m)
+    assert worst < 1e-4, worst
+
+
+def test_weight_update_mid_episode_and_bad_checksum(service, tmp_path, warm_model):
+    server, client = service
+    dataset = _rl_dataset(tmp_path, 8, seed=5)
+    weights = tmp_path / "weights-v1"
+    storage.publish_checkpoint(warm_model, str(weights), metadata={"step": 1})
+    digest = storage.checkpoint_digest(str(weights))
+    client.start(_plan(dataset, env_options={"tool_arith": {"latency_median_s": 0.6, "latency_sigma": 0.0}}))
+    deadline = time.monotonic() + 60
+    while client.status()["engine"]["tokens_generated"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.push_weights(1, str(weights), digest)["version"] == 1
+    with pytest.raises(RolloutRequestError, match="400.*checksum mismatch"):
+        client.push_weights(2, str(weights), "0" * 64)
+    with pytest.raises(RolloutRequestError, match="409.*not newer"):
+        client.push_weights(1, str(weights), digest)
+    assert client.status()["version"] == 1
+    got, _ = _drain(client)
+    assert len(got) == 8                                 # generation went on after the refused update
+    spanning = 0
+    for t in got:
+        action_versions = [v for v, m in zip(t.versions, t.action_mask, strict=True) if m]
+        assert action_versions == sorted(action_versions) and set(action_versions) <= {0, 1}
+        spanning += {0, 1} <= set(action_versions)
+    assert spanning >= 1                                 # some episode changed weights mid-way
+
+
+def test_unacknowledged_trajectories_come_back_after_reconnect(service, tmp_path):
+    server, client = service
+    dataset = _rl_dataset(tmp_path, 6, seed=7)
+    client.start(_plan(dataset))
+    first = []
+    while len(first) < 3:
+        items, _ = client.take(max_items=3 - len(first), wait_s=10)
+        first += items
+    # The learner dies without acknowledging; a new connection of the same consumer gets them first.
+    again = RolloutClient(server.url, consumer="learner-a")
+    items, info = again.take(max_items=3, wait_s=0, reconnect=True)
+    assert info["redelivered"] == 3 and [t.id for t in items] == [t.id for t in first]
+    assert again.ack([t.id for t in items])["acknowledged"] == 3
+    rest, _ = _drain(again)
+    ids = [t.id for t in items] + [t.id for t in rest]
+    assert len(ids) == 6 and len(set(ids)) == 6
+    assert again.take(max_items=5, wait_s=0, reconnect=True)[0] == []   # acknowledged ones never return
+    assert again.ack(["no-such-id"])["unknown"] == ["no-such-id"]
+    again.close()
+
+
+def test_admission_control_caps_in_flight(service, tmp_path):
+    server, client = service
+    dataset = _rl_dataset(tmp_path, 10, seed=9)
+    client.start(_plan(dataset, max_in_flight=3))
+    peak = 0
+    deadline = time.monotonic() + 30
+    while client.status()["ready"] + client.status()["taken"] < 3 and time.monotonic() < deadline:
+        peak = max(peak, client.status()["in_flight"])
+        time.sleep(0.05)
+    time.sleep(0.5)
+    status = client.status()
+    assert status["in_flight"] == 3 and status["running"] == 0 and peak <= 3   # nobody acknowledged: no more start
+    got, _ = _drain(client)
+    assert len(got) == 10
+
+
+def test_training_mode_refuses_other_sampling_but_eval_allows_it(service, tmp_path):
+    server, client = service
+    dataset = _rl_dataset(tmp_path, 2, seed=11)
+    with pytest.raises(RolloutRequestError, match="400.*temperature 1.0"):
+        client.start(_plan(dataset, temperature=0.7))
+    with pytest.raises(RolloutRequestError, match="400.*rollouts need --kind rl"):
+        data = tmp_path / "sft"
+        data.mkdir()
+        (data / "data.jsonl").write_text('{"messages": []}\n')
+        (data / "stats.json").write_text('{"kind": "sft"}')
+        client.start(_plan(str(data)))
+    results = client.generate([[{"role": "user", "content": "Compute 2 + 3"}]], n=3, temperature=0.7, top_k=5,
+                              max_new_tokens=16, seed=4)
+    assert len(results) == 1 and len(results[0]) == 3
+    assert all(s["finish_reason"] in ("stop", "length") and s["token_ids"] for s in results[0])
+
+
+def test_status_metrics_health_and_shutdown(service, tmp_path):
+    server, client = service
+    dataset = _rl_dataset(tmp_path, 3, seed=13)
+    client.start(_plan(dataset))
+    _drain(client)
+    status = client.status()
+    assert status["finished"] == 3 and status["acknowledged"] == 3 and status["in_flight"] == 0
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for name in ("sao_rollout_tokens_generated", "sao_rollout_in_flight", "sao_rollout_tokens_per_second",
+                 "sao_rollout_tool_seconds_bucket", "sao_rollout_weight_load_seconds", "sao_rollout_policy_version",
+                 "sao_rollout_episodes{finish_reason="):
+        assert name in metrics, name
+    assert client.health()["ok"] is True
+    client.shutdown(grace_s=1)
+    server._thread.join(15)
+    assert not server._thread.is_alive()
+    with pytest.raises(RolloutUnavailable, match="unreachable"):
+        client.health()
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+                           lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                           max_leaves=12)
+
+
+def test_malformed_requests_get_4xx_never_5xx(service):
+    server, client = service
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    posts = [p for p, ops in spec["paths"].items() if "post" in ops and p != "/v1/shutdown"]
+    assert {"/v1/rollouts/start", "/v1/trajectories/ack", "/v1/weights", "/v1/generate"} <= set(posts)
+    http = httpx.Client(base_url=server.url, timeout=30)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(posts), body=json_values | st.binary(max_size=30))
+    def post_anything(path, body):
+        if isinstance(body, bytes):
+            response = http.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            response = http.post(path, json=body)
+        assert response.status_code < 500, (path, body, response.text)
+        if response.status_code >= 400:
+            assert response.json()["detail"]
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(consumer=st.text(max_size=10), max_items=st.text(max_size=5) | st.integers(-5, 20000))
+    def take_anything(consumer, max_items):
+        response = http.get("/v1/trajectories", params={"consumer": consumer, "max": max_items, "wait_s": 0})
+        assert response.status_code < 500, response.text
+
+    post_anything()
+    take_anything()
+    assert client.health()["ok"]
+    http.close()
+
+
+class _CrashingEnv:
+    name = "crashing"
+    max_turns = 4
+
+    def reset(self, task):
+        return task.prompt
+
+    def step(self, action_text):
+        raise RuntimeError("environment bug")
+
+    def close(self):
+        pass
+
+
+def test_environment_crash_ends_the_episode_as_env_error(warm_model, sao_cache):
+    import asyncio
+
+    from sao_core.rollout.engines.hf import HFEngine
+
+    async def go():
+        engine = HFEngine(warm_model, str(sao_cache))
+        task = Task(id="t", env="crashing", prompt=[{"role": "user", "content": "Compute 1 + 2"}])
+        result = await run_episode(task, _CrashingEnv(), engine, engine.tokenizer, SamplingParams(max_new_tokens=32),
+                                   EpisodeLimits(max_total_tokens=256))
+        await engine.close()
+        return result
+
+    trajectory = asyncio.run(go())
+    assert trajectory.finish_reason == "env_error" and "environment bug" in trajectory.metadata["info"]["error"]
+    assert trajectory.num_action_tokens > 0
+
+
+def test_observation_tokens_follow_the_chat_template(sao_cache):
+    from sao_core.models import EMBEDDED_TINY, load_tokenizer
+
+    tok = load_tokenizer(EMBEDDED_TINY, sao_cache)
+    conversation = [{"role": "user", "content": "Compute 3 + 4"},
+                    {"role": "assistant", "content": "<tool_call>calc 3 + 4</tool_call>"},
+                    {"role": "tool", "content": "7"},
+                    {"role": "assistant", "content": "The answer is \\boxed{7}."}]
+    action1 = tok.encode("<tool_call>calc 3 + 4</tool_call><|im_end|>", add_special_tokens=False)
+    action2 = tok.encode("The answer is \\boxed{7}.<|im_end|>", add_special_tokens=False)
+    ids = prompt_tokens(tok, conversation[:1]) + action1 + observation_tokens(tok, "7") + action2
+    expected = tok.apply_chat_template(conversation, tokenize=False)
+    assert tok.decode(ids) == expected.rstrip("\n")
+
+
+def test_server_start_failure_is_clear(sao_cache):
+    with pytest.raises(RuntimeError, match="failed to start"):
+        RolloutServer(ServeConfig(model="/no/such/model", port=0, cache_dir=str(sao_cache))).start()
