@@ -12,7 +12,7 @@ import pytest
 from sao_core import storage
 from sao_core.cli import build_parser, main
 
-SUBCOMMANDS = ["build-model", "prepare-data", "train", "checkpoint", "demo"]
+SUBCOMMANDS = ["build-model", "prepare-data", "train", "rollout", "checkpoint", "demo"]
 
 
 def test_console_script_help():
@@ -131,3 +131,37 @@ def test_demo_small(tmp_path, sao_cache):
     assert len(said) == 5 and said[-1].startswith("[5/5]")
     assert result["rows"]["imo_answerbench"] == 400 and result["model_verified"]
     assert json.loads((tmp_path / "demo" / "summary.json").read_text())["sft"]["steps"] == 5
+
+
+def test_rollout_serve_help_and_a_real_server_process(tmp_path, capsys, sao_cache):
+    import socket
+    import time
+
+    import httpx
+
+    argv = ["rollout", "serve", "--help"]
+    with pytest.raises(SystemExit):
+        build_parser(argv).parse_args(argv)
+    text = capsys.readouterr().out
+    for flag in ("--model", "--engine", "--port", "--max-batch", "--lease-seconds", "--plan"):
+        assert flag in text
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**__import__("os").environ, "SAO_CACHE_DIR": str(sao_cache)}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "sao"), "--quiet", "rollout", "serve", "--port",
+                             str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/healthz").json()["ok"]:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/status").json()["engine"]["engine"] == "hf"
+        assert httpx.post(f"{url}/v1/shutdown", json={"grace_s": 0}).json()["shutting_down"]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()

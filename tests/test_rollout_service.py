@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from sao_core import storage
 from sao_core.data.prepare import PrepareConfig, prepare
-from sao_core.data.synthetic import tool_arith_sft_rows
 from sao_core.envs.base import Task
 from sao_core.envs.tool_arith import tool_arith_tasks
 from sao_core.objectives.common import token_logprobs
@@ -24,20 +23,11 @@ from sao_core.rollout.client import RolloutClient, RolloutRequestError, RolloutU
 from sao_core.rollout.engines.base import SamplingParams
 from sao_core.rollout.episode import EpisodeLimits, observation_tokens, prompt_tokens, run_episode
 from sao_core.rollout.server import RolloutServer, ServeConfig
-from sao_core.training.config import SFTConfig
-from sao_core.training.trainer import train
 
 
-@pytest.fixture(scope="module")
-def warm_model(tmp_path_factory, sao_cache):
-    """The embedded model after a short SFT on multi-call tool_arith conversations."""
-    root = tmp_path_factory.mktemp("warm")
-    (root / "data").mkdir()
-    rows = list(tool_arith_sft_rows(600, seed=21, p_more=0.5, max_ops=4))
-    (root / "data" / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = train("sft", SFTConfig(data=str(root / "data"), output=str(root / "run"), steps=150, batch_size=16,
-                                     lr=3e-3, max_tokens=256, cache_dir=str(sao_cache)))
-    return summary["model"]
+@pytest.fixture
+def warm_model(warm_tool_model):
+    return warm_tool_model
 
 
 def _rl_dataset(root: Path, count: int, seed: int = 3) -> str:
