@@ -1,0 +1,754 @@
+"""The `swe` environment: an agent fixes a GitHub issue with one ``bash`` tool; graded by tests.
+
+Episode (one `SWEEnv` per episode, as every environment):
+
+- `reset(task)` creates the episode's sandbox and puts the repository at the task's base commit
+  in it, then returns ``[system, user]``: the system message describes the tool and the submit
+  sentinel, the user message is the issue (the task's prompt when it has one, else the problem
+  statement).
+- Each model turn may hold tool calls, ``<tool_call>{"name": "bash", "arguments": {"command":
+  "..."}}</tool_call>`` (JSON, as the chat template renders structured calls; ``arguments`` may be
+  a JSON string; text inside ``<think>`` is ignored). Each command runs with ``bash -c`` in a new
+  shell in the repository root under `command_timeout_s`; the observation is its output (stdout
+  then stderr, cut in the middle past `max_output_chars`) and ``[exit code N]`` (or ``[timed out
+  after T s]``). Bad JSON, an unknown tool or a missing command give an ``error: ...`` observation
+  and the episode goes on; so does a turn with neither a call nor the sentinel.
+- **Submit sentinel**: ``<submit/>`` in the model's text (outside tool calls), or a bash call whose
+  command is just ``submit``. Calls in the same turn run first. The env then takes
+  ``git add -A && git diff --cached --binary <base>`` of the repository as the model's patch and
+  grades it in a **fresh** sandbox (`grade_patch`: apply the patch, reset the files the test patch
+  touches, apply the test patch, run the FAIL_TO_PASS and PASS_TO_PASS tests, parse the log), so
+  nothing the agent did outside its diff can influence the tests; `grade_in_place=True` instead
+  resets the agent's own repository (``git reset --hard <base> && git clean -fd``) and grades there.
+  Reward 1.0 if resolved, else 0.0; finish_reason "stop"; ``info`` holds the grade report
+  (``grade``), the patch (``patch``), ``failed_tests`` and ``resolved``.
+- A turn with tool calls when `max_turns` turns are used ends the episode: finish_reason "length",
+  reward 0 (no automatic submission). A `SandboxError` while running commands or grading ends it
+  with "tool_error". A sandbox that cannot be created or prepared in `reset` raises there (the
+  rollout records env_error).
+
+Where the repository comes from (`repo_source`, per task):
+
+- ``task.metadata["repo_path"]``: a local git repository (development and tests). Its history up
+  to ``base_commit`` (only that: later commits, which may hold the fix, are left out) is bundled on
+  the host, written into the sandbox's work dir and checked out there (``git init`` + ``fetch`` of
+  the bundle); no network anywhere. The repository is the sandbox's work dir.
+- otherwise the sandbox image holds it (production: a Kubernetes pod of the SWE-bench instance
+  image, `swebench_image`), at ``task.metadata["repo_dir"]`` (default ``/testbed``); commands
+  ``cd`` there, after `setup_command` (default: activate the image's ``testbed`` conda env when
+  ``/opt/miniconda3`` exists).
+- `repo_source` may be ``"image"`` (always the image), ``"local"`` (require ``repo_path``) or a
+  directory of local mirrors (``<dir>/<owner>__<name>``, ``<dir>/<owner>/<name>`` or
+  ``<dir>/<name>``).
+
+Sandboxes: `sandbox_factory` is called with the task when it takes a required positional argument
+(``factory(task)``, e.g. to pick the instance image), else without. By default (`sandbox_kind`
+"local") each sandbox is a `LocalSandbox` (`sandbox_limits`, `sandbox_options`: ``root``, ``env``);
+``"kubernetes"`` makes a `KubernetesPodSandbox` of ``task.metadata["image"]`` or the SWE-bench
+image (`image_template`), working in the repository dir (``sandbox_options``: namespace, ...).
+
+Tests run with `test_command` (None: per repository, `runner_spec_for`: pytest ``-rA`` for most,
+Django's ``tests/runtests.py`` and sympy's ``bin/test`` as in the SWE-bench harness) on the files the
+test patch touches, parsed by the matching log parser (`sao_core.envs.swe_grading`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import shlex
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sao_core.envs.base import StepResult, Task
+from sao_core.envs.grading import answer_region
+from sao_core.envs.swe_grading import (
+    DEFAULT_TEST_COMMAND,
+    GradeReport,
+    RepoShell,
+    RunnerSpec,
+    apply_patch,
+    grade,
+    parse_test_log,
+    patch_files,
+    run_tests,
+    runner_spec_for,
+)
+from sao_core.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
+
+__all__ = [
+    "BASH_TOOL",
+    "DEFAULT_REPO_DIR",
+    "DEFAULT_TEST_COMMAND",
+    "NAME",
+    "SUBMIT_SENTINEL",
+    "SWEBENCH_SETUP",
+    "SWEEnv",
+    "SWEInstance",
+    "default_sandbox_factory",
+    "grade_patch",
+    "parse_bash_call",
+    "prepare_repository",
+    "swebench_image",
+    "task_from_swe_record",
+]
+
+NAME = "swe"
+SUBMIT_SENTINEL = "<submit/>"
+DEFAULT_REPO_DIR = "/testbed"
+# SWE-bench instance images install the repository into a conda env named "testbed".
+SWEBENCH_SETUP = "if [ -f /opt/miniconda3/bin/activate ]; then . /opt/miniconda3/bin/activate testbed; fi"
+DEFAULT_IMAGE_TEMPLATE = "docker.io/swebench/sweb.eval.x86_64.{key}:latest"
+
+#: The tool, as an OpenAI-style function spec (for chat templates that render a `tools` list).
+BASH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a bash command in the repository root and return its output and exit code.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string", "description": "The command to run."}},
+            "required": ["command"],
+        },
+    },
+}
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are fixing an issue in a software repository, checked out at the issue's base commit in "
+    "your working directory. You have one tool, bash; to run a command write\n"
+    '<tool_call>{{"name": "bash", "arguments": {{"command": "grep -rn some_name ."}}}}</tool_call>\n'
+    "and you get back its output and exit code. Each command runs in a new shell in the repository "
+    "root (cd and variables do not carry over), without network access, and is stopped after "
+    "{timeout:g} seconds. Edit files with shell tools (sed -i, cat <<'EOF' > file, python). Change "
+    "the source code, not the tests. When the fix is complete, reply with " + SUBMIT_SENTINEL + " and "
+    "no tool call: your changes (git diff) are then checked by running the repository's tests. You "
+    "have at most {max_turns} turns."
+)
+
+_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_SUBMIT = re.compile(r"<submit\s*/?>", re.IGNORECASE)
+_MAX_INFO_PATCH_CHARS = 200_000
+
+
+# ------------------------------------------------------------------------------------------ tasks
+
+def _string_list(value: Any, what: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what} is not a JSON list of strings: {exc}") from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{what} must be a list of strings")
+    return list(value)
+
+
+@dataclass(frozen=True)
+class SWEInstance:
+    """What the environment needs from a task (see `SWEInstance.from_task`)."""
+
+    id: str
+    repo: str | None
+    base_commit: str | None
+    problem_statement: str
+    test_patch: str
+    fail_to_pass: tuple[str, ...]
+    pass_to_pass: tuple[str, ...]
+    repo_path: str | None = None         # local git repository to copy in (None: the image has it)
+    repo_dir: str = DEFAULT_REPO_DIR     # where the image holds it
+    image: str | None = None
+    test_command: str | None = None
+    log_parser: str | None = None
+    setup_command: str | None = None
+
+    @classmethod
+    def from_task(cls, task: Task, repo_source: str | None = None) -> SWEInstance:
+        """Read a task whose metadata is a prepared ``swe_bench_verified`` record (``repo,
+        base_commit, problem_statement, test_patch, fail_to_pass, pass_to_pass``; SWE-bench's own
+        ``FAIL_TO_PASS``/``PASS_TO_PASS`` JSON strings also work; ``task.tests`` stands in for
+        FAIL_TO_PASS), plus optional ``repo_path, repo_dir, image, test_command, log_parser,
+        setup_command``."""
+        md = dict(task.metadata or {})
+
+        def get(*keys: str) -> Any:
+            for key in keys:
+                if md.get(key) is not None:
+                    return md[key]
+            return None
+
+        f2p = _string_list(get("fail_to_pass", "FAIL_TO_PASS"), "fail_to_pass") or list(task.tests or [])
+        if not f2p:
+            raise ValueError(f"swe task {task.id}: no FAIL_TO_PASS tests to grade against")
+        p2p = _string_list(get("pass_to_pass", "PASS_TO_PASS"), "pass_to_pass")
+        problem = get("problem_statement")
+        if problem is None:
+            users = [m.get("content") for m in task.prompt if m.get("role") == "user"]
+            problem = users[-1] if users else ""
+        repo = get("repo")
+        repo_path = get("repo_path")
+        if repo_source == "image":
+            repo_path = None
+        elif repo_source == "local":
+            if not repo_path:
+                raise ValueError(f"swe task {task.id}: repo_source='local' but no metadata.repo_path")
+        elif repo_source and not repo_path:
+            repo_path = _mirror_path(repo_source, repo, task.id)
+        if repo_path is not None:
+            repo_path = os.fspath(repo_path)
+        return cls(
+            id=str(task.id),
+            repo=str(repo) if repo else None,
+            base_commit=str(get("base_commit")) if get("base_commit") else None,
+            problem_statement=str(problem or ""),
+            test_patch=str(get("test_patch") or ""),
+            fail_to_pass=tuple(f2p),
+            pass_to_pass=tuple(p2p),
+            repo_path=repo_path,
+            repo_dir=str(get("repo_dir") or DEFAULT_REPO_DIR),
+            image=get("image"),
+            test_command=get("test_command"),
+            log_parser=get("log_parser"),
+            setup_command=get("setup_command"),
+        )
+
+    @property
+    def local(self) -> bool:
+        return self.repo_path is not None
+
+
+def _mirror_path(directory: str, repo: str | None, task_id: str) -> str:
+    if not repo:
+        raise ValueError(f"swe task {task_id}: repo_source is a directory but the task has no repo")
+    owner, _, name = repo.partition("/")
+    for candidate in (f"{owner}__{name}", os.path.join(owner, name), name or owner):
+        path = os.path.join(directory, candidate)
+        if os.path.isdir(path):
+            return path
+    raise ValueError(f"swe task {task_id}: no local mirror of {repo} under {directory}")
+
+
+def task_from_swe_record(
+    record: Mapping[str, Any],
+    *,
+    repo_path: str | None = None,
+    repo_dir: str | None = None,
+    image: str | None = None,
+) -> Task:
+    """A `Task` for the ``swe`` env from a prepared ``swe_bench_verified`` record."""
+    issue = str(record.get("problem_statement") or "")
+    metadata = {k: v for k, v in record.items() if k != "id"}
+    for key, value in (("repo_path", repo_path), ("repo_dir", repo_dir), ("image", image)):
+        if value is not None:
+            metadata[key] = value
+    return Task(
+        id=str(record["id"]),
+        env=NAME,
+        prompt=[{"role": "user", "content": issue}],
+        tests=list(_string_list(record.get("fail_to_pass"), "fail_to_pass")) or None,
+        metadata=metadata,
+    )
+
+
+def swebench_image(instance_id: str, template: str = DEFAULT_IMAGE_TEMPLATE) -> str:
+    """The SWE-bench instance image of `instance_id` (Docker Hub spells ``__`` as ``_1776_``)."""
+    return template.format(key=instance_id.lower().replace("__", "_1776_"), id=instance_id)
+
+
+# ------------------------------------------------------------------------------------------ sandboxes
+
+SandboxFactory = Callable[..., Sandbox]
+
+
+def _call_factory(factory: SandboxFactory, task: Task) -> Sandbox:
+    """``factory(task)`` when it has a required positional parameter, else ``factory()``."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return factory()
+    wants_task = any(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params
+    )
+    return factory(task) if wants_task else factory()
+
+
+def default_sandbox_factory(
+    kind: str = "local",
+    limits: SandboxLimits | Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
+    image_template: str = DEFAULT_IMAGE_TEMPLATE,
+) -> Callable[[Task], Sandbox]:
+    """A ``factory(task)``: a `LocalSandbox` (kind "local"), or a `KubernetesPodSandbox` (kind
+    "kubernetes") of the task's image (``metadata.image``, else the SWE-bench instance image)
+    working in its repository dir (``metadata.repo_dir``, default /testbed) when the image holds
+    the repository, or in an emptyDir when the task brings a ``repo_path``."""
+    if isinstance(limits, Mapping):
+        limits = SandboxLimits(**limits)
+    chosen = limits if limits is not None else SandboxLimits()
+    opts = dict(options or {})
+    if kind == "local":
+        from sao_core.sandbox.local import LocalSandbox
+
+        return lambda task: LocalSandbox(chosen, **opts)
+    if kind == "kubernetes":
+        def make(task: Task) -> Sandbox:
+            from sao_core.sandbox.kubernetes import KubernetesPodSandbox
+
+            md = task.metadata or {}
+            kw = dict(opts)
+            image = kw.pop("image", None) or md.get("image") or swebench_image(task.id, image_template)
+            if not md.get("repo_path"):
+                kw.setdefault("workdir", str(md.get("repo_dir") or DEFAULT_REPO_DIR))
+                kw.setdefault("mount_workdir", False)
+            return KubernetesPodSandbox(image=image, limits=chosen, **kw)
+
+        return make
+    raise ValueError(f"unknown sandbox kind {kind!r}; expected 'local' or 'kubernetes'")
+
+
+# ------------------------------------------------------------------------------------------ repository
+
+def _host_git(args: list[str], cwd: str | None = None, timeout: float = 300) -> str:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                             env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SandboxError(f"git {' '.join(args[:2])} failed on the host: {exc}") from exc
+    if out.returncode != 0:
+        raise ValueError(f"git {' '.join(args)} failed: {out.stderr.strip()[:500]}")
+    return out.stdout.strip()
+
+
+def bundle_at_commit(repo_path: str, commit: str | None) -> tuple[bytes, str]:
+    """``(bundle bytes, full sha)``: a git bundle of `repo_path`'s history up to `commit` (HEAD
+    when None) with one branch, ``main``. Later commits are not in it. The repository is only read
+    (a throw-away repository borrows its objects through ``objects/info/alternates``)."""
+    repo_path = os.path.abspath(repo_path)
+    sha = _host_git(["-C", repo_path, "rev-parse", "--verify", f"{commit or 'HEAD'}^{{commit}}"])
+    common = _host_git(["-C", repo_path, "rev-parse", "--git-common-dir"])
+    objects = os.path.join(common if os.path.isabs(common) else os.path.join(repo_path, common), "objects")
+    with tempfile.TemporaryDirectory(prefix="sao-bundle-") as tmp:
+        bare = os.path.join(tmp, "r.git")
+        _host_git(["init", "-q", "--bare", bare])
+        with open(os.path.join(bare, "objects", "info", "alternates"), "w") as f:
+            f.write(os.path.realpath(objects) + "\n")
+        _host_git(["-C", bare, "update-ref", "refs/heads/main", sha])
+        path = os.path.join(tmp, "repo.bundle")
+        _host_git(["-C", bare, "bundle", "create", "-q", path, "refs/heads/main"])
+        with open(path, "rb") as f:
+            return f.read(), sha
+
+
+def prepare_repository(
+    sandbox: Sandbox,
+    instance: SWEInstance,
+    setup_command: str | None = SWEBENCH_SETUP,
+    timeout_s: float = 600,
+) -> tuple[RepoShell, str]:
+    """Put the repository at its base commit into `sandbox`; returns ``(shell, base sha)``.
+
+    Local (`instance.repo_path`): bundle on the host, write it to ``.git/sao/repo.bundle`` in the
+    sandbox work dir, check it out there as branch ``main``; commands get ``HOME=.git/sao/home``. Image: check that `repo_dir` is a git
+    repository and check out the base commit if HEAD is elsewhere; `setup_command` runs before
+    every command there. Failures raise `SandboxError`."""
+    if instance.local:
+        data, sha = bundle_at_commit(instance.repo_path, instance.base_commit)
+        # HOME inside the git dir: caches and dotfiles that tools write do not land in the diff
+        home = 'export HOME="$PWD/.git/sao/home"; [ -d .git ] && mkdir -p "$HOME"'
+        shell = RepoShell(sandbox, None, "\n".join(filter(None, [home, setup_command])))
+        init = shell.run("git init -q -b main . && git config user.email agent@sao.invalid && "
+                         "git config user.name 'SAO agent'", timeout_s=timeout_s)
+        if not init.ok:
+            raise SandboxError(f"git init failed in the sandbox: {(init.stderr or init.stdout).strip()[:500]}")
+        sandbox.write_file(".git/sao/repo.bundle", data)
+        fetch = shell.run(
+            'b="$(git rev-parse --git-dir)/sao/repo.bundle"; git fetch -q "$b" main && '
+            'git reset -q --hard FETCH_HEAD && rm -f "$b" && git rev-parse HEAD',
+            timeout_s=timeout_s,
+        )
+        head = fetch.stdout.strip().splitlines()[-1] if fetch.stdout.strip() else ""
+        if not fetch.ok or head != sha:
+            raise SandboxError(f"could not check out {sha[:12]} in the sandbox: "
+                               f"{(fetch.stderr or fetch.stdout).strip()[:500]}")
+        return shell, sha
+    shell = RepoShell(sandbox, instance.repo_dir, setup_command)
+    res = shell.run("git rev-parse HEAD", timeout_s=timeout_s)
+    head = res.stdout.strip().splitlines()[-1] if res.ok and res.stdout.strip() else ""
+    if not re.fullmatch(r"[0-9a-f]{40,64}", head):
+        raise SandboxError(f"no git repository at {instance.repo_dir} in the sandbox: "
+                           f"{(res.stderr or res.stdout).strip()[:500]}")
+    base = instance.base_commit
+    if base and not head.startswith(base):
+        res = shell.run(f"git -c advice.detachedHead=false checkout -q -f {shlex.quote(base)} && git rev-parse HEAD",
+                        timeout_s=timeout_s)
+        if not res.ok:
+            raise SandboxError(f"could not check out {base} in {instance.repo_dir}: "
+                               f"{(res.stderr or res.stdout).strip()[:500]}")
+        head = res.stdout.strip().splitlines()[-1]
+    return shell, head
+
+
+# ------------------------------------------------------------------------------------------ grading
+
+def _reset_test_files(shell: RepoShell, base: str, test_patch: str, timeout_s: float) -> None:
+    """Files the test patch touches go back to the base commit (a new one is removed), as the
+    SWE-bench harness does, so the model's edits to them cannot matter."""
+    lines = []
+    for path, _deleted in patch_files(test_patch):
+        q = shlex.quote(path)
+        lines.append(f"if git cat-file -e {base}:{q} 2>/dev/null; then git checkout -q {base} -- {q}; "
+                     f"else rm -f -- {q}; fi")
+    if lines:
+        res = shell.run("\n".join(lines), timeout_s=timeout_s)
+        if not res.ok:
+            raise SandboxError(f"could not reset the test files: {(res.stderr or res.stdout).strip()[:500]}")
+
+
+def grade_in_shell(
+    shell: RepoShell,
+    instance: SWEInstance,
+    base: str,
+    patch_text: str,
+    spec: RunnerSpec,
+    test_timeout_s: float = 600,
+    step_timeout_s: float = 120,
+) -> GradeReport:
+    """Grade `patch_text` in a repository that is clean at `base`: apply it, reset the test
+    files, apply the test patch, run the tests, parse, `grade`."""
+    started = time.monotonic()
+    f2p, p2p = list(instance.fail_to_pass), list(instance.pass_to_pass)
+
+    def finish(report: GradeReport, **fields: Any) -> GradeReport:
+        report = replace(report, **fields)
+        report.seconds = time.monotonic() - started
+        return report
+
+    empty = not patch_text.strip()
+    method, apply_log = None, ""
+    if not empty:
+        ok, method, apply_log = apply_patch(shell, patch_text, name="model.diff", timeout_s=step_timeout_s)
+        if not ok:
+            return finish(grade({}, f2p, p2p), patch_empty=False, patch_applied=False,
+                          apply_log=apply_log[-20_000:], error="the patch does not apply")
+    _reset_test_files(shell, base, instance.test_patch, step_timeout_s)
+    test_patch_ok: bool | None = None
+    if instance.test_patch.strip():
+        test_patch_ok, _, test_log = apply_patch(shell, instance.test_patch, name="test.diff",
+                                                 timeout_s=step_timeout_s)
+        if not test_patch_ok:
+            return finish(grade({}, f2p, p2p), patch_empty=empty, patch_applied=None if empty else True,
+                          apply_method=method, test_patch_applied=False, apply_log=test_log[-20_000:],
+                          error="the test patch does not apply")
+    targets = spec.target_list(instance.test_patch, [*f2p, *p2p])
+    log, code, timed_out, command = run_tests(shell, spec, targets, timeout_s=test_timeout_s)
+    report = grade(parse_test_log(log, spec.parser), f2p, p2p)
+    return finish(report, patch_empty=empty, patch_applied=None if empty else True, apply_method=method,
+                  test_patch_applied=test_patch_ok, tests_run=True, test_command=command,
+                  test_exit_code=code, tests_timed_out=timed_out, apply_log=apply_log[-20_000:],
+                  test_log_tail=log[-20_000:], error="the tests timed out" if timed_out else None)
+
+
+def _check_source(instance: SWEInstance, local_default: bool) -> None:
+    if local_default and not instance.local:
+        raise ValueError(
+            f"swe task {instance.id} has no metadata.repo_path, so its repository must come from the "
+            f"instance image ({instance.repo_dir}), which a local sandbox does not have: use "
+            "sandbox_kind='kubernetes' (or a sandbox_factory that starts the image), a repo_path, or "
+            "repo_source=<directory of local mirrors>")
+
+
+def _runner(instance: SWEInstance, test_command: str | None, log_parser: str | None) -> RunnerSpec:
+    return runner_spec_for(instance.repo, instance.test_command or test_command,
+                           instance.log_parser or log_parser)
+
+
+def _setup_for(instance: SWEInstance, setup_command: str | None) -> str | None:
+    if instance.local:
+        return instance.setup_command
+    return instance.setup_command if instance.setup_command is not None else setup_command
+
+
+def grade_patch(
+    task: Task,
+    patch_text: str,
+    sandbox_factory: SandboxFactory | None = None,
+    *,
+    test_command: str | None = None,
+    log_parser: str | None = None,
+    test_timeout_s: float = 600,
+    repo_source: str | None = None,
+    setup_command: str | None = SWEBENCH_SETUP,
+    sandbox_limits: SandboxLimits | None = None,
+) -> GradeReport:
+    """Grade a model-produced patch for a swe task in a fresh sandbox (`sandbox_factory`, called
+    with the task if it takes it; default a `LocalSandbox`): prepare the repository at the base
+    commit, apply the patch, reset the test files, apply the test patch, run the FAIL_TO_PASS and
+    PASS_TO_PASS tests, parse the log. A patch that does not apply is not resolved (``error``
+    says why). `SandboxError` propagates."""
+    instance = SWEInstance.from_task(task, repo_source)
+    if sandbox_factory is None:
+        _check_source(instance, True)
+        sandbox_factory = default_sandbox_factory(
+            "local", sandbox_limits or SandboxLimits(wall_seconds=120, cpu_seconds=int(test_timeout_s),
+                                                     memory_mb=4096, max_processes=256))
+    sandbox = _call_factory(sandbox_factory, task)
+    try:
+        shell, base = prepare_repository(sandbox, instance, _setup_for(instance, setup_command))
+        return grade_in_shell(shell, instance, base, patch_text or "",
+                              _runner(instance, test_command, log_parser), test_timeout_s)
+    finally:
+        sandbox.close()
+
+
+# ------------------------------------------------------------------------------------------ tool calls
+
+def parse_bash_call(body: str) -> tuple[str | None, str | None]:
+    """``(command, None)`` for a valid bash call body, else ``(None, error observation)``."""
+    try:
+        call = json.loads(body, strict=False)   # strict=False: raw newlines inside strings
+    except json.JSONDecodeError as exc:
+        return None, f"error: the tool call is not valid JSON ({exc.msg} at position {exc.pos})"
+    if not isinstance(call, dict):
+        return None, 'error: a tool call must be a JSON object {"name": "bash", "arguments": {"command": ...}}'
+    if isinstance(call.get("function"), dict):   # OpenAI form {"type": "function", "function": {...}}
+        call = call["function"]
+    name = call.get("name")
+    if name != "bash":
+        return None, f"error: unknown tool {name!r}; the only tool is 'bash'"
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments, strict=False)
+        except json.JSONDecodeError as exc:
+            return None, f"error: the tool call's arguments are not valid JSON ({exc.msg})"
+    command = arguments.get("command") if isinstance(arguments, dict) else None
+    if not isinstance(command, str) or not command.strip():
+        return None, 'error: bash needs arguments {"command": "<shell command>"}'
+    return command, None
+
+
+def format_observation(result: ExecResult, timeout_s: float, max_chars: int) -> str:
+    """Output (stdout, then stderr; cut in the middle past `max_chars`) and the exit code."""
+    text = result.stdout
+    if result.stderr:
+        text += ("" if not text or text.endswith("\n") else "\n") + result.stderr
+    if len(text) > max_chars:
+        half = max_chars // 2
+        text = f"{text[:half]}\n...[{len(text) - 2 * half} characters cut]...\n{text[-half:]}"
+    elif result.truncated:
+        text += "\n...[output cut by the sandbox]"
+    status = f"[timed out after {timeout_s:g} s]" if result.timed_out else f"[exit code {result.exit_code}]"
+    return f"{text.rstrip()}\n{status}" if text.strip() else status
+
+
+# ------------------------------------------------------------------------------------------ env
+
+class SWEEnv:
+    """One SWE episode (see the module docstring)."""
+
+    name = NAME
+    tools = (BASH_TOOL,)
+
+    def __init__(
+        self,
+        sandbox_factory: SandboxFactory | None = None,
+        max_turns: int = 40,
+        command_timeout_s: float = 60,
+        test_command: str | None = None,
+        test_timeout_s: float = 600,
+        repo_source: str | None = None,
+        *,
+        log_parser: str | None = None,
+        sandbox_kind: str = "local",
+        sandbox_limits: SandboxLimits | Mapping[str, Any] | None = None,
+        sandbox_options: Mapping[str, Any] | None = None,
+        image_template: str = DEFAULT_IMAGE_TEMPLATE,
+        setup_command: str | None = SWEBENCH_SETUP,
+        max_output_chars: int = 10_000,
+        grade_in_place: bool = False,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        prepare_timeout_s: float = 600,
+    ):
+        if max_turns < 1:
+            raise ValueError("max_turns must be >= 1")
+        self._local_default = sandbox_factory is None and sandbox_kind == "local"
+        if sandbox_factory is None:
+            if sandbox_limits is None:
+                sandbox_limits = SandboxLimits(
+                    wall_seconds=float(command_timeout_s),
+                    cpu_seconds=int(max(command_timeout_s, test_timeout_s)),
+                    memory_mb=4096,
+                    max_processes=256,
+                )
+            sandbox_factory = default_sandbox_factory(sandbox_kind, sandbox_limits, sandbox_options, image_template)
+        self.sandbox_factory = sandbox_factory
+        self.max_turns = max_turns
+        self.command_timeout_s = float(command_timeout_s)
+        self.test_command = test_command
+        self.test_timeout_s = float(test_timeout_s)
+        self.repo_source = repo_source
+        self.log_parser = log_parser
+        self.setup_command = setup_command
+        self.max_output_chars = max_output_chars
+        self.grade_in_place = grade_in_place
+        self.system_prompt = system_prompt
+        self.prepare_timeout_s = prepare_timeout_s
+        self.sandbox: Sandbox | None = None
+        self.shell: RepoShell | None = None
+        self.task: Task | None = None
+        self.instance: SWEInstance | None = None
+        self.base: str | None = None
+        self.turns = 0
+        self.calls = 0
+        self._done = False
+
+    # -------------------------------------------------------------------- protocol
+
+    def reset(self, task: Task) -> list[dict]:
+        self.close()
+        self.task = task
+        self.instance = SWEInstance.from_task(task, self.repo_source)
+        _check_source(self.instance, self._local_default)
+        self.turns = self.calls = 0
+        self._done = False
+        self.sandbox = _call_factory(self.sandbox_factory, task)
+        try:
+            self.shell, self.base = prepare_repository(
+                self.sandbox, self.instance, _setup_for(self.instance, self.setup_command), self.prepare_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        return self._messages(task)
+
+    def step(self, action_text: str) -> StepResult:
+        if self._done:
+            raise RuntimeError("the episode is over")
+        if self.task is None or self.shell is None:
+            raise RuntimeError("reset() must be called before step()")
+        self.turns += 1
+        region = answer_region(action_text) or ""
+        bodies = _CALL.findall(region)
+        submit = bool(_SUBMIT.search(_CALL.sub("", region)))
+        commands: list[tuple[str | None, str | None]] = []
+        for body in bodies:
+            command, problem = parse_bash_call(body.strip())
+            if command is not None and command.strip() == "submit":
+                submit = True
+                continue
+            commands.append((command, problem))
+        if not commands and not submit:
+            if self.turns >= self.max_turns:
+                return self._end("length")
+            return StepResult(done=False, observation=(
+                'error: no tool call. Run a command with <tool_call>{"name": "bash", "arguments": '
+                f'{{"command": "..."}}}}</tool_call>, or reply {SUBMIT_SENTINEL} when the fix is complete.'),
+                info={"turn": self.turns, "calls": self.calls})
+        if commands and not submit and self.turns >= self.max_turns:
+            return self._end("length", calls=len(commands))
+        outputs: list[str] = []
+        tool_seconds = 0.0
+        for command, problem in commands:
+            if command is None:
+                outputs.append(problem or "error: invalid tool call")
+                continue
+            started = time.monotonic()
+            try:
+                self.calls += 1
+                result = self.shell.run(command, timeout_s=self.command_timeout_s)
+            except (SandboxError, OSError) as exc:
+                tool_seconds += time.monotonic() - started
+                return self._end("tool_error", tool_seconds=tool_seconds, error=f"{type(exc).__name__}: {exc}")
+            tool_seconds += time.monotonic() - started
+            outputs.append(format_observation(result, self.command_timeout_s, self.max_output_chars))
+        if submit:
+            return self._submit(tool_seconds)
+        return StepResult(done=False, observation="\n".join(outputs), tool_seconds=tool_seconds,
+                          info={"turn": self.turns, "calls": self.calls})
+
+    def close(self) -> None:
+        sandbox, self.sandbox, self.shell = self.sandbox, None, None
+        if sandbox is not None:
+            sandbox.close()
+
+    # -------------------------------------------------------------------- internals
+
+    def _messages(self, task: Task) -> list[dict]:
+        messages = [dict(m) for m in task.prompt] if task.prompt else []
+        if not any(m.get("role") == "user" for m in messages):
+            messages.append({"role": "user", "content": self.instance.problem_statement})
+        if self.system_prompt and not any(m.get("role") == "system" for m in messages):
+            try:
+                text = self.system_prompt.format(timeout=self.command_timeout_s, max_turns=self.max_turns)
+            except (KeyError, IndexError, ValueError):   # a custom prompt with literal braces
+                text = self.system_prompt
+            messages.insert(0, {"role": "system", "content": text})
+        return messages
+
+    def model_patch(self) -> str:
+        """The repository's changes against the base commit (new files included), as a patch."""
+        assert self.shell is not None and self.base is not None
+        res = self.shell.run(
+            'd="$(git rev-parse --git-dir)/sao"; mkdir -p "$d" && git add -A . && '
+            f'git diff --cached --binary {self.base} > "$d/model.diff"',
+            timeout_s=self.prepare_timeout_s,
+        )
+        if not res.ok:
+            raise SandboxError(f"could not take the diff: {(res.stderr or res.stdout).strip()[:500]}")
+        data, _ = self.shell.read(self.shell.scratch("model.diff"), max_bytes=64 << 20)
+        return data.decode("utf-8", "surrogateescape")
+
+    def _submit(self, tool_seconds: float) -> StepResult:
+        started = time.monotonic()
+        instance = self.instance
+        assert instance is not None and self.task is not None
+        spec = _runner(instance, self.test_command, self.log_parser)
+        patch = ""
+        try:
+            patch = self.model_patch()
+            if self.grade_in_place:
+                res = self.shell.run(f"git reset -q --hard {self.base} && git clean -fdq",
+                                     timeout_s=self.prepare_timeout_s)
+                if not res.ok:
+                    raise SandboxError(f"could not reset the repository: {(res.stderr or res.stdout).strip()[:500]}")
+                report = grade_in_shell(self.shell, instance, self.base, patch, spec, self.test_timeout_s)
+            else:
+                self.close()   # the agent's sandbox is done; grade in a fresh one
+                sandbox = _call_factory(self.sandbox_factory, self.task)
+                try:
+                    shell, base = prepare_repository(sandbox, instance, _setup_for(instance, self.setup_command),
+                                                     self.prepare_timeout_s)
+                    report = grade_in_shell(shell, instance, base, patch, spec, self.test_timeout_s)
+                finally:
+                    sandbox.close()
+        except (SandboxError, OSError) as exc:
+            return self._end("tool_error", tool_seconds=tool_seconds + time.monotonic() - started,
+                             error=f"{type(exc).__name__}: {exc}", patch=_cut(patch), submitted=True)
+        self._done = True
+        return StepResult(
+            done=True, observation=None, reward=1.0 if report.resolved else 0.0, finish_reason="stop",
+            tool_seconds=tool_seconds + time.monotonic() - started,
+            info={"resolved": report.resolved, "grade": report.to_dict(), "patch": _cut(patch),
+                  "failed_tests": report.failed_tests, "turns": self.turns, "calls": self.calls},
+        )
+
+    def _end(self, finish_reason: str, tool_seconds: float = 0.0, **info: Any) -> StepResult:
+        self._done = True
+        info.update(turns=self.turns, calls=self.calls)
+        return StepResult(done=True, observation=None, reward=0.0, finish_reason=finish_reason,
+                          tool_seconds=tool_seconds, info=info)
+
+
+def _cut(patch: str) -> str:
+    """The patch for ``info``: valid text (undecodable bytes replaced), cut past a limit."""
+    patch = patch.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    if len(patch) <= _MAX_INFO_PATCH_CHARS:
+        return patch
+    return patch[:_MAX_INFO_PATCH_CHARS] + f"\n[... {len(patch) - _MAX_INFO_PATCH_CHARS} characters cut]"
