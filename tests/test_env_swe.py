@@ -121,10 +121,11 @@ def sandbox_python():
 
     site = str(Path(pytest.__file__).resolve().parent.parent)
     env = {"PYTHONPATH": site, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    with LocalSandbox(SandboxLimits(wall_seconds=20), env=env) as box:
+    # The site-packages may sit under the host's /tmp (a fresh clone in CI), which the jail hides.
+    with LocalSandbox(SandboxLimits(wall_seconds=20), env=env, ro_paths=[site]) as box:
         for cand in (sys.executable, "/usr/bin/python3", shutil.which("python3")):
             if cand and box.exec([cand, "-c", "import pytest"]).ok:
-                return cand, env
+                return cand, env, site
     pytest.fail(f"no python in the sandbox can import pytest from {site}")
 
 
@@ -132,12 +133,12 @@ def sandbox_python():
 def factory(sandbox_python):
     from sao_core.sandbox.local import LocalSandbox
 
-    _, env = sandbox_python
+    _, env, site = sandbox_python
     made = []
 
     def make():
         box = LocalSandbox(SandboxLimits(wall_seconds=30, cpu_seconds=60, memory_mb=2048, max_processes=128),
-                           env=env)
+                           env=env, ro_paths=[site])
         made.append(box)
         return box
 

@@ -128,3 +128,20 @@ def test_gae_shape_errors():
 def test_adaptive_lambda_by_hand():
     got = adaptive_lambda(torch.tensor([0, 1, 2, 10]), alpha=1.5)
     assert torch.allclose(got, torch.tensor([0.0, 1 / 3, 2 / 3, 14 / 15]))
+
+
+def test_value_loss_by_hand_with_and_without_clipping():
+    from sao_core.objectives.sao import value_loss
+
+    values = torch.tensor([[0.0, 0.5, 0.9, 7.0]], requires_grad=True)
+    old = torch.tensor([[0.0, 0.1, 0.8, 0.0]])
+    returns = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    mask = torch.tensor([[0, 1, 1, 0]])
+    loss, m = value_loss(values, old, returns, mask)
+    assert loss.item() == pytest.approx((0.25 + 0.01) / 2)
+    loss.backward()
+    assert torch.allclose(values.grad, torch.tensor([[0.0, -0.5, -0.1, 0.0]]))
+    # clip 0.2: token 1 moved 0.4 from old 0.1 -> clipped value 0.3, error 0.49 > 0.25; token 2 unclipped.
+    clipped, _ = value_loss(values, old, returns, mask, clip=0.2)
+    assert clipped.item() == pytest.approx((0.49 + 0.01) / 2)
+    assert m["value_mean"] == pytest.approx(0.7)

@@ -400,3 +400,24 @@ def test_make_sandbox_local():
         assert box.exec("echo ok").ok
     finally:
         box.close()
+
+
+def test_ro_paths_show_hidden_host_paths_read_only(tmp_path):
+    # The jail mounts a private /tmp, so host files under /tmp are invisible unless listed in ro_paths.
+    host_dir = tempfile.mkdtemp(prefix="sao-ro-")
+    os.chmod(host_dir, 0o755)
+    with open(os.path.join(host_dir, "tool.txt"), "w") as f:
+        f.write("visible")
+    os.chmod(os.path.join(host_dir, "tool.txt"), 0o644)
+    try:
+        with LocalSandbox() as hidden:
+            assert not hidden.exec(f"cat {host_dir}/tool.txt").ok
+        with LocalSandbox(ro_paths=[host_dir]) as shown:
+            assert shown.exec(f"cat {host_dir}/tool.txt").stdout == "visible"
+            assert not shown.exec(f"echo x > {host_dir}/tool.txt").ok
+        with open(os.path.join(host_dir, "tool.txt")) as f:
+            assert f.read() == "visible"
+        with pytest.raises(SandboxError, match="do not exist"):
+            LocalSandbox(ro_paths=["/no/such/dir"])
+    finally:
+        shutil.rmtree(host_dir, ignore_errors=True)

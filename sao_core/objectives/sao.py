@@ -70,3 +70,35 @@ def dis_policy_loss(
             "action_tokens": float(mask.sum()),
         }
     return loss, metrics
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,
+               clip: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Critic loss: mean squared error on action tokens, optionally clipped around the old values.
+
+    Args:
+        values: [B, T] current critic values (with gradient).
+        old_values: [B, T] values before this round of critic updates (constants).
+        returns: [B, T] targets (λ = 1 returns; with γ = 1 every target is the trajectory's reward).
+        action_mask: [B, T] 1 on action tokens; the loss is the mean over them.
+        clip: 0 disables; otherwise the loss per token is max((v − R)², (v_clip − R)²) with
+            v_clip = old + clamp(v − old, −clip, clip).
+
+    Returns:
+        (scalar loss, metrics with ``value_loss``, ``explained_variance``, ``value_mean``).
+    """
+    mask = action_mask.bool()
+    n = mask.sum().clamp(min=1).float()
+    err = (values.float() - returns.float()) ** 2
+    if clip > 0:
+        clipped = old_values.float() + torch.clamp(values.float() - old_values.float(), -clip, clip)
+        err = torch.maximum(err, (clipped - returns.float()) ** 2)
+    loss = (err * mask).sum() / n
+    with torch.no_grad():
+        target = returns.float()[mask]
+        residual = target - values.float()[mask]
+        variance = target.var(unbiased=False) if target.numel() > 1 else torch.tensor(0.0)
+        explained = 1.0 - residual.var(unbiased=False) / variance if float(variance) > 1e-12 else torch.tensor(0.0)
+        metrics = {"value_loss": float(loss.detach()), "explained_variance": float(explained),
+                   "value_mean": float(values.float()[mask].mean()) if mask.any() else 0.0}
+    return loss, metrics

@@ -54,7 +54,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import PurePosixPath
 
@@ -156,8 +156,15 @@ class LocalSandbox:
         limits: SandboxLimits = SandboxLimits(),
         root: str | None = None,
         env: Mapping[str, str] | None = None,
+        ro_paths: Sequence[str] = (),
     ):
+        """`ro_paths`: host paths to show read-only inside the jail even where a private mount hides
+        them (e.g. a toolchain or virtualenv under the host's /tmp)."""
         self.limits = limits
+        self.ro_paths = [os.path.realpath(p) for p in ro_paths]
+        missing = [p for p in self.ro_paths if not os.path.exists(p)]
+        if missing:
+            raise SandboxError(f"ro_paths do not exist on the host: {', '.join(missing)}")
         self._bwrap = shutil.which("bwrap")
         if self._bwrap is None:
             raise SandboxError(f"bubblewrap (bwrap) is not installed; install it with: {INSTALL_HINT}")
@@ -217,7 +224,10 @@ class LocalSandbox:
                  "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         if "--size" in self._features:
             args += ["--size", str(max(16, lim.memory_mb) * 1024 * 1024)]
-        args += ["--tmpfs", "/tmp", "--bind", self.workdir, self.workdir, "--chdir", self.workdir]
+        args += ["--tmpfs", "/tmp"]
+        for path in self.ro_paths:
+            args += ["--ro-bind", path, path]
+        args += ["--bind", self.workdir, self.workdir, "--chdir", self.workdir]
         if status_fd is not None and "--json-status-fd" in self._features:
             args += ["--json-status-fd", str(status_fd)]
         args += [
