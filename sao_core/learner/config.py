@@ -1,0 +1,87 @@
+"""Settings of an RL run (`sao train-rl`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RL_METHODS = ("sao", "grpo", "grpo_async", "grpo_dis", "running_mean")
+GROUP_METHODS = ("grpo", "grpo_async", "grpo_dis")
+
+
+@dataclass
+class RLConfig:
+    """One RL run. Steps count learner steps (one batch each); lengths are in tokens; lr are constant."""
+
+    data: str                                  # prepared rl dataset (directory, data.jsonl or s3://)
+    output: str                                # run directory: local path or s3:// prefix
+    method: str = "sao"                        # sao | grpo | grpo_async | grpo_dis | running_mean
+    model: str = "embedded:tiny"               # initial policy (and critic) checkpoint
+    services: tuple[str, ...] = ()             # rollout service URLs; empty: start one in this process
+    engine: str = "hf"                         # engine of the colocated service: hf | vllm
+    steps: int = 100                           # learner steps (SAO critic warm-up steps included)
+    batch_size: int = 32                       # trajectories per step (B)
+    group_size: int = 8                        # G for the GRPO methods (batch_size must be a multiple)
+    max_staleness: int = 4                     # drop trajectories older than this many versions
+    max_in_flight: int = 0                     # 0: (max_staleness + 1) × batch_size (sync grpo: batch_size)
+    policy_lr: float = 1e-6
+    critic_lr: float = 5e-6
+    critic_updates: int = 2                    # K critic updates per policy update
+    critic_warmup_steps: int = 10              # critic-only steps before the first policy update
+    freeze_critic_attention: bool = False
+    value_clip: float = 0.0                    # 0: no clipping of the value loss
+    eps_low: float = 0.3                       # DIS band (1 - eps_low, 1 + eps_high)
+    eps_high: float = 5.0
+    clip_low: float = 0.2                      # PPO clip for grpo / grpo_async
+    clip_high: float = 0.28
+    lambda_alpha: float = 1.5                  # adaptive lambda: clamp(1 - 1/(alpha * l), 0, 1)
+    gamma: float = 1.0
+    whiten_advantages: bool = False
+    baseline_window: int = 8                   # running_mean: last rewards per prompt
+    grad_clip: float = 1.0
+    env_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    max_new_tokens_per_turn: int = 256
+    max_total_tokens: int = 4096
+    rollout_max_batch: int = 32                # colocated hf engine: sequences per forward pass
+    take_wait_s: float = 2.0                   # long-poll wait per request
+    service_retry_s: float = 300.0             # how long to wait for an unreachable service before failing
+    checkpoint_every: int = 0                  # steps between resumable checkpoints; 0: only at the end
+    keep_weight_versions: int = 3              # published weight versions kept (older ones deleted)
+    resume: bool = False
+    log_every: int = 1
+    seed: int = 0
+    cache_dir: str = field(default_factory=lambda: str(Path.home() / ".cache" / "sao"))
+
+    @property
+    def in_flight_cap(self) -> int:
+        if self.max_in_flight:
+            return self.max_in_flight
+        return self.batch_size if self.method == "grpo" else (self.max_staleness + 1) * self.batch_size
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        return self.group_size if self.method in GROUP_METHODS else 1
+
+    def validate(self) -> None:
+        if self.method not in RL_METHODS:
+            raise ValueError(f"RLConfig.method must be one of {', '.join(RL_METHODS)}, got {self.method!r}")
+        for key in ("steps", "batch_size", "group_size", "critic_updates", "log_every", "max_new_tokens_per_turn",
+                    "max_total_tokens", "rollout_max_batch", "keep_weight_versions"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"RLConfig.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("max_staleness", "max_in_flight", "critic_warmup_steps", "checkpoint_every", "value_clip",
+                    "grad_clip"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"RLConfig.{key} must be >= 0, got {getattr(self, key)}")
+        if self.method in GROUP_METHODS and self.batch_size % self.group_size:
+            raise ValueError(f"RLConfig.batch_size ({self.batch_size}) must be a multiple of group_size "
+                             f"({self.group_size}) for {self.method}")
+        if self.method in GROUP_METHODS and self.group_size < 2:
+            raise ValueError("RLConfig.group_size must be >= 2 for the GRPO methods")
+        if not (self.policy_lr > 0 and self.critic_lr > 0):
+            raise ValueError("RLConfig.policy_lr and critic_lr must be > 0")
+        if not 0 <= self.eps_low <= 1 or self.eps_high < 0:
+            raise ValueError("RLConfig needs 0 <= eps_low <= 1 and eps_high >= 0")
+        if self.engine not in ("hf", "vllm"):
+            raise ValueError(f"RLConfig.engine must be hf or vllm, got {self.engine!r}")

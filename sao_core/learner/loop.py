@@ -1,0 +1,407 @@
+"""The learner loop: take finished trajectories from rollout services, train, push weights.
+
+Lossless protocol. A learner step (1) trains on a batch, (2) writes the batch to the journal
+(``<output>/journal/step-NNNNNN.json``), (3) acknowledges its trajectories, (4) publishes and pushes the
+new weights. A resumable checkpoint (models, optimisers, version, baseline state) is published every
+`checkpoint_every` steps. After a crash, `resume` loads the newest checkpoint and replays the journal
+steps after it (the updates are deterministic, so the weights come back exactly); trajectories that
+were taken but not acknowledged are handed back by the services on reconnect. No acknowledged
+trajectory is lost and none is trained twice in the resulting run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sao_core import storage
+from sao_core.learner.batch import collate
+from sao_core.learner.config import GROUP_METHODS, RLConfig
+from sao_core.learner.updates import Updater
+from sao_core.rollout.client import RolloutClient, RolloutRequestError, RolloutUnavailable
+from sao_core.rollout.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class LearnerError(ValueError):
+    """The run cannot start or continue; the message says what to change."""
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+class ServiceSet:
+    """The rollout services of a run: fair taking, acknowledgements, weight pushes, and re-sync of a
+    service that restarted (it is given the current weights and the plan again)."""
+
+    def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float):
+        self.clients = [RolloutClient(url, consumer=consumer) for url in urls]
+        self.plan = plan
+        self.retry_s = retry_s
+        self.down: set[int] = set()
+        self.weights: tuple[int, str, str] | None = None   # version, uri, digest currently wanted
+        self._next = 0
+
+    def _sync(self, index: int, first: bool = False) -> None:
+        client = self.clients[index]
+        status = client.status()
+        if self.weights is not None:
+            version, uri, digest = self.weights
+            if status["version"] < version:
+                client.push_weights(version, uri, digest)
+        if status.get("plan") is None:
+            client.start(self.plan)
+        elif first or index in self.down:
+            client.take(max_items=1, wait_s=0, reconnect=True)  # lease hand-back happens on the next take
+        self.down.discard(index)
+
+    def connect(self) -> None:
+        for i in range(len(self.clients)):
+            self._call(i, lambda c, i=i: self._sync(i, first=True))
+
+    def _call(self, index: int, fn: Callable[[RolloutClient], Any]):
+        """Run `fn(client)`, waiting (with clear log lines) while the service is unreachable."""
+        client = self.clients[index]
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.5
+        while True:
+            try:
+                if index in self.down:
+                    log.info("rollout service %s is back; re-syncing weights and plan", client.url)
+                    self._sync(index)
+                return fn(client)
+            except RolloutUnavailable as err:
+                if index not in self.down:
+                    log.warning("rollout service %s unreachable (%s); waiting for it", client.url, err)
+                self.down.add(index)
+                if time.monotonic() > deadline:
+                    raise LearnerError(f"rollout service {client.url} unreachable for {self.retry_s:.0f} s") from err
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def take(self, wanted: int, wait_s: float) -> list[tuple[Trajectory, int]]:
+        """Up to `wanted` trajectories, asking the services in turn (round robin)."""
+        out: list[tuple[Trajectory, int]] = []
+        for _ in range(len(self.clients)):
+            index = self._next
+            self._next = (self._next + 1) % len(self.clients)
+            need = max(1, wanted - len(out))
+            items, _ = self._call(index, lambda c, need=need: c.take(max_items=need,
+                                                                     wait_s=wait_s / len(self.clients)))
+            out += [(t, index) for t in items]
+            if len(out) >= wanted:
+                break
+        return out
+
+    def ack(self, by_service: dict[int, list[str]], dropped: dict[int, list[str]] | None = None) -> None:
+        dropped = dropped or {}
+        for index in set(by_service) | set(dropped):
+            ids, gone = by_service.get(index, []), dropped.get(index, [])
+            self._call(index, lambda c, ids=ids, gone=gone: c.ack(ids, gone))
+
+    def push(self, version: int, uri: str, digest: str) -> None:
+        self.weights = (version, uri, digest)
+        for index in range(len(self.clients)):
+            def push_one(client, index=index):
+                try:
+                    client.push_weights(version, uri, digest)
+                except RolloutRequestError as err:
+                    if "not newer" not in str(err):  # already at this version (e.g. after a resume)
+                        raise
+            self._call(index, push_one)
+
+    def pause(self) -> None:
+        for i in range(len(self.clients)):
+            self._call(i, lambda c: c.pause())
+
+    def resume(self) -> None:
+        for i in range(len(self.clients)):
+            self._call(i, lambda c: c.resume())
+
+    def idle_share(self) -> float:
+        shares = []
+        for i in range(len(self.clients)):
+            try:
+                shares.append(1.0 - self.clients[i].status()["engine"].get("busy_share", 0.0))
+            except (RolloutUnavailable, RolloutRequestError, KeyError):
+                continue
+        return sum(shares) / len(shares) if shares else 0.0
+
+    def stop(self) -> None:
+        for client in self.clients:
+            try:
+                client.stop()
+            except (RolloutUnavailable, RolloutRequestError):
+                pass
+            client.close()
+
+
+class Pending:
+    """Trajectories taken and not yet trained, in arrival order, with staleness and group handling."""
+
+    def __init__(self, config: RLConfig):
+        self.config = config
+        self.items: OrderedDict[str, tuple[Trajectory, int]] = OrderedDict()
+        self.dropped = 0
+        self.staleness = Counter()
+
+    def add(self, items: list[tuple[Trajectory, int]]) -> None:
+        for trajectory, index in items:
+            self.items.setdefault(trajectory.id, (trajectory, index))
+
+    def drop_stale(self, version: int) -> dict[int, list[str]]:
+        """Remove trajectories (whole groups for the group methods) older than max_staleness."""
+        stale_keys = set()
+        for trajectory, _ in self.items.values():
+            if trajectory.staleness(version) > self.config.max_staleness:
+                stale_keys.add(self._group_key(trajectory))
+        out: dict[int, list[str]] = {}
+        for tid in [tid for tid, (t, _) in self.items.items() if self._group_key(t) in stale_keys]:
+            trajectory, index = self.items.pop(tid)
+            out.setdefault(index, []).append(tid)
+            self.dropped += 1
+        return out
+
+    def _group_key(self, t: Trajectory) -> tuple:
+        if self.config.method in GROUP_METHODS:
+            return (t.prompt_id, t.metadata.get("epoch", 0))
+        return (t.id,)
+
+    def batch(self) -> list[tuple[Trajectory, int]] | None:
+        """The next batch if one is complete: the first B trajectories, or the first B/G whole groups."""
+        size = self.config.batch_size
+        if self.config.method not in GROUP_METHODS:
+            if len(self.items) < size:
+                return None
+            chosen = list(self.items)[:size]
+        else:
+            groups: OrderedDict[tuple, list[str]] = OrderedDict()
+            for tid, (t, _) in self.items.items():
+                groups.setdefault(self._group_key(t), []).append(tid)
+            complete = [ids for ids in groups.values() if len(ids) == self.config.group_size]
+            if len(complete) * self.config.group_size < size:
+                return None
+            chosen = [tid for ids in complete[: size // self.config.group_size] for tid in ids]
+        return [self.items.pop(tid) for tid in chosen]
+
+
+def _journal_uri(config: RLConfig, step: int) -> str:
+    return storage.join(config.output, "journal", f"{_step_name(step)}.json")
+
+
+def _export(model, tokenizer, staging: Path) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+
+
+def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
+    """Run RL (SAO or a baseline) until `config.steps` learner steps; return the summary."""
+    from sao_core.models import load_model_and_tokenizer, resolve_model
+    from sao_core.models.value import ValueModel
+    from sao_core.training.trainer import TrainingError, load_prepared
+
+    try:
+        config.validate()
+    except ValueError as err:
+        raise LearnerError(str(err)) from err
+    try:
+        _, kind, data_uri = load_prepared(config.data)
+    except TrainingError as err:
+        raise LearnerError(str(err)) from err
+    if kind is not None and kind != "rl":
+        raise LearnerError(f"{data_uri} was prepared with --kind {kind}; train-rl needs --kind rl")
+    checkpoints_uri = storage.join(config.output, "checkpoints")
+    latest = storage.latest_checkpoint(checkpoints_uri)
+    if latest and not config.resume:
+        raise LearnerError(f"{config.output} already holds checkpoints (newest {latest}); pass resume=true to "
+                           "continue that run, or choose another output")
+    torch.manual_seed(config.seed)
+    started = time.time()
+    scratch = Path(tempfile.mkdtemp(prefix="sao-learner-"))
+    policy, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir)
+    initial_dir = resolve_model(config.model, config.cache_dir).path
+    critic = None
+    if config.method == "sao":
+        critic = ValueModel.from_pretrained(initial_dir)
+        if config.freeze_critic_attention:
+            critic.freeze_attention()
+    updater = Updater(config, policy, critic)
+    step, version = 0, 0
+    if latest:
+        try:
+            local = storage.fetch_checkpoint(latest, Path(config.cache_dir) / "s3")
+        except storage.StorageError as err:
+            raise LearnerError(f"cannot resume from {latest}: {err}") from err
+        state = json.loads((local / "learner_state.json").read_text())
+        if state["method"] != config.method:
+            raise LearnerError(f"{latest} belongs to a {state['method']!r} run, not {config.method!r}")
+        updater.load_state_dict(torch.load(local / "learner.pt", weights_only=False))
+        step, version = state["step"], state["version"]
+        log.info("resumed from %s (step %d, version %d)", latest, step, version)
+
+    # Replay journal steps written after the checkpoint (deterministic, so the weights come back exactly).
+    replayed = 0
+    while config.resume and storage.exists(_journal_uri(config, step + 1)):
+        entry = json.loads(storage.read_text(_journal_uri(config, step + 1)))
+        batch = collate([Trajectory.from_dict(t) for t in entry["trajectories"]], tokenizer.pad_token_id)
+        _, changed = updater.step(batch, step)
+        step += 1
+        version += int(changed)
+        replayed += 1
+    if replayed:
+        log.info("replayed %d journal steps; now at step %d, version %d", replayed, step, version)
+
+    consumer = "learner-" + hashlib.sha256(config.output.encode()).hexdigest()[:12]
+    server = None
+    urls = list(config.services)
+    if not urls:
+        from sao_core.rollout.server import RolloutServer, ServeConfig
+
+        server = RolloutServer(ServeConfig(model=config.model, engine=config.engine, port=0,
+                                           cache_dir=config.cache_dir, max_batch=config.rollout_max_batch,
+                                           seed=config.seed)).start()
+        urls = [server.url]
+    plan = {"dataset": config.data, "rollouts_per_prompt": config.rollouts_per_prompt, "epochs": 0,
+            "shuffle": True, "seed": config.seed, "max_in_flight": max(1, config.in_flight_cap // len(urls)),
+            "env_options": config.env_options, "max_new_tokens_per_turn": config.max_new_tokens_per_turn,
+            "max_total_tokens": config.max_total_tokens, "training": True}
+    services = ServiceSet(urls, consumer, plan, config.service_retry_s)
+
+    def publish_weights() -> float:
+        began = time.monotonic()
+        uri = storage.join(config.output, "weights", f"v{version:06d}")
+        _export(policy, tokenizer, scratch / "weights")
+        storage.publish_checkpoint(scratch / "weights", uri, metadata={"version": version, "step": step})
+        services.push(version, uri, storage.checkpoint_digest(uri))
+        old = version - config.keep_weight_versions
+        if old > 0 and not storage.is_s3_uri(config.output):
+            shutil.rmtree(Path(storage.join(config.output, "weights", f"v{old:06d}")), ignore_errors=True)
+        return time.monotonic() - began
+
+    def checkpoint() -> str:
+        staging = scratch / "checkpoint"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        torch.save(updater.state_dict(), staging / "learner.pt")
+        (staging / "learner_state.json").write_text(json.dumps(
+            {"method": config.method, "step": step, "version": version, "config": asdict(config)}, default=list))
+        uri = storage.join(checkpoints_uri, _step_name(step))
+        storage.publish_checkpoint(staging, uri, metadata={"kind": "learner-state", "step": step,
+                                                           "version": version, "method": config.method})
+        return uri
+
+    pending = Pending(config)
+    metrics_path = scratch / "metrics.jsonl"
+    if storage.is_s3_uri(config.output):
+        metrics_uri = storage.join(config.output, "metrics.jsonl")
+        if config.resume and storage.exists(metrics_uri):
+            metrics_path.write_text(storage.read_text(metrics_uri))
+    else:
+        Path(config.output).mkdir(parents=True, exist_ok=True)
+        metrics_path = Path(config.output) / "metrics.jsonl"
+    trained_trajectories = trained_tokens = 0
+    first_rewards: list[float] = []
+    last_rewards: list[float] = []
+    try:
+        if version > 0:
+            services.weights = None
+            publish_weights()
+        services.connect()
+        with metrics_path.open("a" if config.resume else "w") as metrics_file:
+            while step < config.steps:
+                wait_began = time.monotonic()
+                chosen = None
+                while chosen is None:
+                    services.ack({}, pending.drop_stale(version))
+                    chosen = pending.batch()
+                    if chosen is None:
+                        pending.add(services.take(config.batch_size, config.take_wait_s))
+                waited = time.monotonic() - wait_began
+                trajectories = [t for t, _ in chosen]
+                staleness = Counter(t.staleness(version) for t in trajectories)
+                if config.method == "grpo":
+                    services.pause()  # the synchronous baseline: generators wait while the learner works
+                step_began = time.monotonic()
+                batch = collate(trajectories, tokenizer.pad_token_id)
+                metrics, changed = updater.step(batch, step)
+                step += 1
+                storage.write_text(_journal_uri(config, step), json.dumps(
+                    {"step": step, "version_before": version, "ids": [t.id for t in trajectories],
+                     "trajectories": [t.to_dict() for t in trajectories]}))
+                by_service: dict[int, list[str]] = {}
+                for t, index in chosen:
+                    by_service.setdefault(index, []).append(t.id)
+                services.ack(by_service)
+                push_seconds = 0.0
+                if changed:
+                    version += 1
+                    push_seconds = publish_weights()
+                if config.method == "grpo":
+                    services.resume()
+                trained_trajectories += len(trajectories)
+                trained_tokens += int(batch.action_mask.sum())
+                rewards = [t.reward for t in trajectories]
+                if len(first_rewards) < 3 * config.batch_size:
+                    first_rewards += rewards
+                last_rewards = (last_rewards + rewards)[-3 * config.batch_size:]
+                elapsed = time.time() - started
+                record = {"step": step, "version": version, **metrics,
+                          "staleness": {str(k): v for k, v in sorted(staleness.items())},
+                          "dropped_total": pending.dropped, "learner_wait_s": waited,
+                          "update_s": time.monotonic() - step_began, "weight_push_s": push_seconds,
+                          "trajectories_per_s": trained_trajectories / elapsed,
+                          "tokens_per_s": trained_tokens / elapsed, "seconds": elapsed}
+                if step % config.log_every == 0 or step == config.steps:
+                    record["generator_idle_share"] = services.idle_share()
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
+                if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
+                    checkpoint()
+                if progress:
+                    progress(step, record)
+        last_checkpoint = checkpoint()
+        model_uri = storage.join(config.output, "model")
+        _export(policy, tokenizer, scratch / "model")
+        storage.publish_checkpoint(scratch / "model", model_uri, metadata={"method": config.method, "step": step,
+                                                                           "version": version})
+        critic_uri = None
+        if critic is not None:
+            critic_uri = storage.join(config.output, "critic")
+            shutil.rmtree(scratch / "critic", ignore_errors=True)
+            critic.save_pretrained(scratch / "critic")
+            storage.publish_checkpoint(scratch / "critic", critic_uri, metadata={"step": step})
+        if storage.is_s3_uri(config.output):
+            storage.upload_file(metrics_path, storage.join(config.output, "metrics.jsonl"))
+    finally:
+        services.stop()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary = {
+        "method": config.method, "steps": step, "version": version, "replayed_steps": replayed,
+        "trained_trajectories": trained_trajectories, "dropped": pending.dropped,
+        "reward_first": sum(first_rewards) / max(1, len(first_rewards)),
+        "reward_last": sum(last_rewards) / max(1, len(last_rewards)),
+        "seconds": time.time() - started, "checkpoint": last_checkpoint, "model": model_uri, "critic": critic_uri,
+        "resumed_from": latest,
+    }
+    if not storage.is_s3_uri(config.output):
+        (Path(config.output) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    else:
+        storage.write_text(storage.join(config.output, "summary.json"), json.dumps(summary, indent=2))
+    return summary
