@@ -123,6 +123,21 @@ def _advance(bar, step: int, metrics: dict) -> None:
     bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
 
 
+def cmd_train_rl(args: argparse.Namespace) -> int:
+    from sao_core.learner.config import RLConfig
+    from sao_core.learner.loop import train_rl
+
+    config = config_from_args(RLConfig, args, {"cache_dir": args.cache_dir})
+    with _progress_bar(config.steps, f"train-rl {config.method}", args.quiet) as bar:
+        def show(step: int, metrics: dict) -> None:
+            bar.update(step - bar.n)
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", v=metrics["version"], refresh=False)
+
+        summary = train_rl(config, progress=show)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def cmd_rollout_serve(args: argparse.Namespace) -> int:
     from sao_core.rollout.manager import RolloutPlan
     from sao_core.rollout.server import ServeConfig, serve
@@ -209,6 +224,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_config_arguments(p, METHOD_CONFIGS.get(method, TrainConfig), skip=("cache_dir",))
     p.set_defaults(func=cmd_train)
 
+    from sao_core.learner.config import RLConfig
+
+    p = sub.add_parser("train-rl", help="RL with SAO or a GRPO baseline against rollout services (colocated "
+                                        "by default)")
+    add_config_arguments(p, RLConfig, skip=("cache_dir",))
+    p.set_defaults(func=cmd_train_rl)
+
     rollout = sub.add_parser("rollout", help="the rollout service (engine + environments over HTTP)")
     rollout_sub = rollout.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
     p = rollout_sub.add_parser("serve", help="serve episodes and trajectories over HTTP until shut down")
@@ -250,13 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     from sao_core.data.prepare import DataError
+    from sao_core.learner.loop import LearnerError
     from sao_core.models import ModelLoadError
     from sao_core.storage import StorageError
     from sao_core.training.trainer import TrainingError
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, ModelLoadError, StorageError, TrainingError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, DataError, ModelLoadError, StorageError, TrainingError, LearnerError, ValueError,
+            FileNotFoundError, ConnectionError) as err:
         print(f"sao {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

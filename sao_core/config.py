@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from pathlib import Path
@@ -40,6 +41,15 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
             return None
         raise ConfigError(f"{where}: a value is required")
     origin = typing.get_origin(inner)
+    if origin is dict or inner is dict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{where}: expected a JSON object, got {value!r} ({err.msg})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return value
     if origin in (tuple, list):
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple):

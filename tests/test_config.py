@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +18,7 @@ class Example:
     whiten: bool = False
     limit: int | None = None
     envs: tuple[str, ...] = ("math",)
+    options: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def validate(self):
         if self.steps < 1:
@@ -29,6 +31,8 @@ def test_defaults_yaml_then_overrides(tmp_path):
     config = load_config(Example, path, {"steps": "30", "whiten": "true", "limit": "none"})
     assert config == Example(name="run", steps=30, lr=0.5, whiten=True, limit=None, envs=("math", "swe"))
     assert load_config(Example, None, {"name": "x", "envs": "a,b"}).envs == ("a", "b")
+    parsed = load_config(Example, None, {"name": "x", "options": '{"tool_arith": {"latency_median_s": 0.1}}'})
+    assert parsed.options == {"tool_arith": {"latency_median_s": 0.1}}
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -39,6 +43,8 @@ def test_defaults_yaml_then_overrides(tmp_path):
     ({"name": "x", "whiten": "maybe"}, "expected true or false"),
     ({"name": "x", "steps": 0}, "steps must be >= 1"),
     ({"name": {"a": 1}}, "expected a string"),
+    ({"name": "x", "options": "{not json"}, "expected a JSON object"),
+    ({"name": "x", "options": "[1, 2]"}, "expected a mapping"),
 ])
 def test_bad_values_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):

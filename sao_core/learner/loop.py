@@ -53,9 +53,10 @@ class ServiceSet:
         self.retry_s = retry_s
         self.down: set[int] = set()
         self.weights: tuple[int, str, str] | None = None   # version, uri, digest currently wanted
+        self.reconnecting: set[int] = set()
         self._next = 0
 
-    def _sync(self, index: int, first: bool = False) -> None:
+    def _sync(self, index: int) -> None:
         client = self.clients[index]
         status = client.status()
         if self.weights is not None:
@@ -64,13 +65,13 @@ class ServiceSet:
                 client.push_weights(version, uri, digest)
         if status.get("plan") is None:
             client.start(self.plan)
-        elif first or index in self.down:
-            client.take(max_items=1, wait_s=0, reconnect=True)  # lease hand-back happens on the next take
+        else:  # a plan survived us (learner restart): take back what we had taken but not acknowledged
+            self.reconnecting.add(index)
         self.down.discard(index)
 
     def connect(self) -> None:
         for i in range(len(self.clients)):
-            self._call(i, lambda c, i=i: self._sync(i, first=True))
+            self._call(i, lambda c, i=i: self._sync(i))
 
     def _call(self, index: int, fn: Callable[[RolloutClient], Any]):
         """Run `fn(client)`, waiting (with clear log lines) while the service is unreachable."""
@@ -99,8 +100,10 @@ class ServiceSet:
             index = self._next
             self._next = (self._next + 1) % len(self.clients)
             need = max(1, wanted - len(out))
-            items, _ = self._call(index, lambda c, need=need: c.take(max_items=need,
-                                                                     wait_s=wait_s / len(self.clients)))
+            again = index in self.reconnecting
+            items, _ = self._call(index, lambda c, need=need, again=again: c.take(
+                max_items=need, wait_s=wait_s / len(self.clients), reconnect=again))
+            self.reconnecting.discard(index)
             out += [(t, index) for t in items]
             if len(out) >= wanted:
                 break
@@ -152,15 +155,22 @@ class ServiceSet:
 class Pending:
     """Trajectories taken and not yet trained, in arrival order, with staleness and group handling."""
 
-    def __init__(self, config: RLConfig):
+    def __init__(self, config: RLConfig, already_trained: set[str] | None = None):
         self.config = config
         self.items: OrderedDict[str, tuple[Trajectory, int]] = OrderedDict()
         self.dropped = 0
-        self.staleness = Counter()
+        self.already_trained = already_trained or set()
 
-    def add(self, items: list[tuple[Trajectory, int]]) -> None:
+    def add(self, items: list[tuple[Trajectory, int]]) -> dict[int, list[str]]:
+        """Queue new arrivals; returns those already trained (journaled before a crash, never acknowledged),
+        which must only be acknowledged."""
+        trained: dict[int, list[str]] = {}
         for trajectory, index in items:
-            self.items.setdefault(trajectory.id, (trajectory, index))
+            if trajectory.id in self.already_trained:
+                trained.setdefault(index, []).append(trajectory.id)
+            else:
+                self.items.setdefault(trajectory.id, (trajectory, index))
+        return trained
 
     def drop_stale(self, version: int) -> dict[int, list[str]]:
         """Remove trajectories (whole groups for the group methods) older than max_staleness."""
@@ -256,8 +266,10 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
 
     # Replay journal steps written after the checkpoint (deterministic, so the weights come back exactly).
     replayed = 0
+    replayed_ids: set[str] = set()
     while config.resume and storage.exists(_journal_uri(config, step + 1)):
         entry = json.loads(storage.read_text(_journal_uri(config, step + 1)))
+        replayed_ids.update(entry["ids"])
         batch = collate([Trajectory.from_dict(t) for t in entry["trajectories"]], tokenizer.pad_token_id)
         _, changed = updater.step(batch, step)
         step += 1
@@ -305,7 +317,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                                                            "version": version, "method": config.method})
         return uri
 
-    pending = Pending(config)
+    pending = Pending(config, already_trained=replayed_ids)
     metrics_path = scratch / "metrics.jsonl"
     if storage.is_s3_uri(config.output):
         metrics_uri = storage.join(config.output, "metrics.jsonl")
@@ -330,7 +342,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                     services.ack({}, pending.drop_stale(version))
                     chosen = pending.batch()
                     if chosen is None:
-                        pending.add(services.take(config.batch_size, config.take_wait_s))
+                        services.ack(pending.add(services.take(config.batch_size, config.take_wait_s)))
                 waited = time.monotonic() - wait_began
                 trajectories = [t for t, _ in chosen]
                 staleness = Counter(t.staleness(version) for t in trajectories)

@@ -311,6 +311,8 @@ class RolloutManager:
             "finished": self.counts["finished"],
             "acknowledged": self.counts["acknowledged"],
             "dropped": self.counts["dropped"] + self.counts["dropped_by_learner"],
+            "cancelled": self.counts["dropped"],                  # episodes cut off by stop / shutdown
+            "dropped_by_learner": self.counts["dropped_by_learner"],  # acknowledged as too stale
             "redelivered": self.counts["redelivered"],
             "finish_reasons": dict(self.finish_reasons),
             "paused": self._paused,
