@@ -303,3 +303,47 @@ def test_close_fails_requests_in_flight_and_refuses_new_ones(engine, loop, token
         _run(loop, engine.generate(prompt, SamplingParams()))
     with pytest.raises(EngineError, match="closed"):
         _run(loop, engine.load_weights(engine.model_dir, 2))
+
+
+def test_rollout_service_with_the_vllm_engine(tmp_path, sao_cache):
+    """The whole service on vLLM: a tool_arith plan streams trajectories whose log-probs match."""
+    import torch
+
+    from sao_core.data.prepare import PrepareConfig, prepare
+    from sao_core.envs.tool_arith import tool_arith_tasks
+    from sao_core.models import load_model, resolve_model
+    from sao_core.objectives.common import token_logprobs
+    from sao_core.rollout.client import RolloutClient
+    from sao_core.rollout.server import RolloutServer, ServeConfig
+
+    tasks = tool_arith_tasks(4, seed=1, p_more=1.0)
+    raw = tmp_path / "rl.jsonl"
+    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer}) + "\n"
+                           for t in tasks))
+    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(tmp_path / "rl")))
+    server = RolloutServer(ServeConfig(model=MODEL, engine="vllm", port=0, cache_dir=str(sao_cache),
+                                       engine_options={"max_model_len": 1024, "kv_cache_memory_bytes": 64 << 20}))
+    server.start(timeout_s=300)
+    try:
+        client = RolloutClient(server.url)
+        assert client.status()["engine"]["engine"] == "vllm"
+        client.start({"dataset": str(tmp_path / "rl"), "max_new_tokens_per_turn": 16, "max_total_tokens": 96})
+        got = []
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            items, info = client.take(max_items=4, wait_s=5)
+            got += items
+            client.ack([t.id for t in items])
+            if not items and info["plan_done"]:
+                break
+        assert len(got) == 4
+        model = load_model(resolve_model(MODEL, str(sao_cache)).path, str(sao_cache))
+        for t in got:
+            ids = torch.tensor([t.token_ids])
+            with torch.no_grad():
+                recomputed = token_logprobs(model(input_ids=ids).logits, ids)[0]
+            mask = torch.tensor(t.action_mask, dtype=torch.bool)
+            assert float((recomputed[mask] - torch.tensor(t.rollout_logprobs)[mask]).abs().max()) < 1e-4
+        client.shutdown(grace_s=1)
+    finally:
+        server.stop(timeout_s=60)

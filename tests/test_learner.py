@@ -55,17 +55,58 @@ def _config(rl_data, output, model, sao_cache, **kw) -> RLConfig:
     return RLConfig(**{**base, **kw})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["sao", "grpo"])
-def test_rl_raises_reward(method, rl_data, rl_warm_model, tmp_path, sao_cache):
-    summary = train_rl(_config(rl_data, tmp_path / "run", rl_warm_model, sao_cache, method=method, steps=40))
-    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(lines) == 40 and summary["steps"] == 40
-    print(method, summary["reward_first"], summary["reward_last"], summary["seconds"])
-    assert summary["reward_last"] > summary["reward_first"] + 0.15
-    if method == "sao":
-        assert any("critic_loss" in r for r in lines) and lines[-1]["policy_kept"] > 0.5
-        assert max(int(k) for r in lines for k in r["staleness"]) <= 4
+def _trajectory(tid, prompt_id, prompt, action, reward, logprobs):
+    from sao_core.rollout.trajectory import Trajectory
+
+    return Trajectory(id=tid, prompt_id=prompt_id, env="tool_arith", token_ids=prompt + action,
+                      action_mask=[0] * len(prompt) + [1] * len(action),
+                      rollout_logprobs=[0.0] * len(prompt) + logprobs, versions=[-1] * len(prompt) + [0] * len(action),
+                      reward=reward, num_turns=1, finish_reason="stop", metadata={"epoch": 0})
+
+
+@pytest.mark.parametrize("method", ["sao", "grpo", "grpo_async", "grpo_dis", "running_mean"])
+def test_one_update_moves_the_policy_towards_rewarded_actions(method, sao_cache, tiny_model_dir):
+    """A real learner step on a fixed batch: log-probs of rewarded actions go up (and, where the method
+    gives them a negative advantage, unrewarded ones go down)."""
+    import torch
+
+    from sao_core.learner.batch import collate
+    from sao_core.learner.updates import Updater
+    from sao_core.models import load_model_and_tokenizer
+    from sao_core.models.value import ValueModel
+    from sao_core.objectives.common import token_logprobs
+
+    torch.manual_seed(0)
+    policy, tok = load_model_and_tokenizer(tiny_model_dir, sao_cache)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Compute 2 + 3"}], tokenize=True,
+                                     add_generation_prompt=True, return_dict=True)["input_ids"]
+    good = tok.encode("<tool_call>calc 2 + 3</tool_call><|im_end|>", add_special_tokens=False)
+    bad = tok.encode("The answer is \\boxed{7}.<|im_end|>", add_special_tokens=False)
+
+    def logprobs_of(action):
+        ids = torch.tensor([prompt + action])
+        with torch.no_grad():
+            return token_logprobs(policy(input_ids=ids).logits, ids)[0, len(prompt):].tolist()
+
+    rows = []
+    for g in range(2):  # two groups (prompt ids) of two: one rewarded, one not
+        rows.append(_trajectory(f"g{g}", f"p{g}", prompt, good, 1.0, logprobs_of(good)))
+        rows.append(_trajectory(f"b{g}", f"p{g}", prompt, bad, 0.0, logprobs_of(bad)))
+    config = RLConfig(data="unused", output="unused", method=method, batch_size=4, group_size=2, policy_lr=1e-2,
+                      critic_lr=1e-2, critic_warmup_steps=0, cache_dir=str(sao_cache))
+    critic = ValueModel.from_pretrained(tiny_model_dir) if method == "sao" else None
+    updater = Updater(config, policy, critic)
+    if method == "running_mean":  # give the baseline a history so unrewarded actions get A < 0
+        updater.baseline.advantage("p0", 0.5)
+        updater.baseline.advantage("p1", 0.5)
+    before_good, before_bad = sum(logprobs_of(good)), sum(logprobs_of(bad))
+    metrics, changed = updater.step(collate(rows, tok.pad_token_id), step_index=0)
+    assert changed and metrics["reward_mean"] == 0.5
+    assert sum(logprobs_of(good)) > before_good + 0.05
+    if method != "sao":  # with a zero critic SAO's first advantages for R = 0 are 0
+        assert sum(logprobs_of(bad)) < before_bad - 0.05
+    if method in ("sao", "grpo_dis", "running_mean"):
+        assert metrics["policy_kept"] == 1.0   # ratio 1 against the rollout log-probs: nothing masked
 
 
 def test_bad_runs_stop_before_training(rl_data, tmp_path, sao_cache, tiny_model_dir):

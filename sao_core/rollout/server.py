@@ -8,7 +8,7 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
@@ -29,6 +29,7 @@ class ServeConfig:
     max_batch: int = 32                     # hf engine: sequences per forward pass
     lease_seconds: float = 600.0            # taken-but-unacknowledged trajectories return after this
     seed: int = 0
+    engine_options: dict = field(default_factory=dict)   # extra engine settings, e.g. vllm kv_cache_memory_bytes
     cache_dir: str = ""
 
     def validate(self) -> None:
@@ -63,7 +64,10 @@ class RolloutServer:
     def _build(self) -> tuple[RolloutManager, object]:
         from sao_core.rollout.engines import make_engine
 
-        options = {"max_batch": self.config.max_batch, "seed": self.config.seed} if self.config.engine == "hf" else {}
+        options = {"seed": self.config.seed}
+        if self.config.engine == "hf":
+            options["max_batch"] = self.config.max_batch
+        options.update(self.config.engine_options)
         engine = make_engine(self.config.engine, self.config.model, self.config.cache_dir, **options)
         manager = RolloutManager(engine, engine.tokenizer, self.config.cache_dir, self.config.lease_seconds)
         app = create_app(manager, on_shutdown=self._request_exit)
