@@ -160,6 +160,22 @@ def test_admission_control_caps_in_flight(service, tmp_path):
     assert len(got) == 10
 
 
+def test_per_environment_concurrency_cap(service, tmp_path):
+    server, client = service
+    dataset = _rl_dataset(tmp_path, 6, seed=17)
+    client.start(_plan(dataset, env_concurrency={"tool_arith": 2},
+                       env_options={"tool_arith": {"latency_median_s": 0.3, "latency_sigma": 0.0}}))
+    peak = 0
+    got = []
+    deadline = time.monotonic() + 60
+    while len(got) < 6 and time.monotonic() < deadline:
+        peak = max(peak, client.status()["running"])
+        items, _ = client.take(max_items=6, wait_s=0.05)
+        client.ack([t.id for t in items])
+        got += items
+    assert len(got) == 6 and peak == 2
+
+
 def test_training_mode_refuses_other_sampling_but_eval_allows_it(service, tmp_path):
     server, client = service
     dataset = _rl_dataset(tmp_path, 2, seed=11)
