@@ -304,7 +304,7 @@ def test_math_python_episode_with_local_sandbox(grader):
     r = env.step("Let me compute.\n" + _python_call("print(6 * 7)"))
     assert (r.done, r.observation) == (False, "42\n") and r.tool_seconds > 0
     r = env.step(_python_call("print(6 *"))
-    assert not r.done and "SyntaxError" in r.observation and r.observation.endswith("[exit status 1]")
+    assert not r.done and "SyntaxError" in r.observation and r.observation.endswith("[exit code 1]")
     t0 = time.monotonic()
     r = env.step(_python_call("print('start', flush=True)\nwhile True:\n    pass"))
     assert not r.done and r.observation.endswith("[timed out after 1 s]") and time.monotonic() - t0 < 4

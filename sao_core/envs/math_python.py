@@ -19,7 +19,6 @@ directly starts none) and closed by `close()`.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from typing import Any
 from sao_core.envs.base import StepResult, Task
 from sao_core.envs.grading import MathGrader, answer_region
 from sao_core.envs.math_env import grade_final, with_system_prompt
+from sao_core.envs.tool_calls import format_exec_output, parse_tool_call
 from sao_core.sandbox.base import ExecResult, Sandbox, SandboxError
 
 NAME = "math_python"
@@ -57,45 +57,12 @@ _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 def parse_python_call(body: str) -> tuple[str | None, str | None]:
     """``(code, None)`` for a valid python call body, else ``(None, error observation)``."""
-    try:
-        call = json.loads(body, strict=False)  # strict=False: raw newlines inside the code string
-    except json.JSONDecodeError as exc:
-        return None, f"error: the tool call is not valid JSON ({exc.msg} at position {exc.pos})"
-    if not isinstance(call, dict):
-        return None, 'error: a tool call must be a JSON object {"name": ..., "arguments": {...}}'
-    if isinstance(call.get("function"), dict):  # OpenAI form {"type": "function", "function": {...}}
-        call = call["function"]
-    name = call.get("name")
-    if name != "python":
-        return None, f"error: unknown tool {name!r}; the only tool is 'python'"
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments, strict=False)
-        except json.JSONDecodeError as exc:
-            return None, f"error: the tool call's arguments are not valid JSON ({exc.msg})"
-    code = arguments.get("code") if isinstance(arguments, dict) else None
-    if not isinstance(code, str) or not code.strip():
-        return None, 'error: python needs arguments {"code": "<program>"}'
-    return code, None
+    return parse_tool_call(body, "python", "code", "<program>")
 
 
 def format_exec(result: ExecResult, timeout_s: float, max_chars: int) -> str:
-    """The observation text of one run: output (cut in the middle past `max_chars`) and status."""
-    text = result.stdout
-    if result.stderr:
-        text += ("" if not text or text.endswith("\n") else "\n") + result.stderr
-    if len(text) > max_chars:
-        half = max_chars // 2
-        text = f"{text[:half]}\n...[{len(text) - 2 * half} characters cut]...\n{text[-half:]}"
-    status = ""
-    if result.timed_out:
-        status = f"[timed out after {timeout_s:g} s]"
-    elif result.exit_code != 0:
-        status = f"[exit status {result.exit_code}]"
-    if status:
-        return f"{text.rstrip()}\n{status}" if text.strip() else status
-    return text if text.strip() else "(no output)"
+    """The observation text of one run (status shown only when the program failed)."""
+    return format_exec_output(result, timeout_s, max_chars, always_status=False)
 
 
 class MathPythonEnv:

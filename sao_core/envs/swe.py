@@ -80,6 +80,7 @@ from sao_core.envs.swe_grading import (
     run_tests,
     runner_spec_for,
 )
+from sao_core.envs.tool_calls import format_exec_output, parse_tool_call
 from sao_core.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
 
 __all__ = [
@@ -512,41 +513,12 @@ def grade_patch(
 
 def parse_bash_call(body: str) -> tuple[str | None, str | None]:
     """``(command, None)`` for a valid bash call body, else ``(None, error observation)``."""
-    try:
-        call = json.loads(body, strict=False)   # strict=False: raw newlines inside strings
-    except json.JSONDecodeError as exc:
-        return None, f"error: the tool call is not valid JSON ({exc.msg} at position {exc.pos})"
-    if not isinstance(call, dict):
-        return None, 'error: a tool call must be a JSON object {"name": "bash", "arguments": {"command": ...}}'
-    if isinstance(call.get("function"), dict):   # OpenAI form {"type": "function", "function": {...}}
-        call = call["function"]
-    name = call.get("name")
-    if name != "bash":
-        return None, f"error: unknown tool {name!r}; the only tool is 'bash'"
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments, strict=False)
-        except json.JSONDecodeError as exc:
-            return None, f"error: the tool call's arguments are not valid JSON ({exc.msg})"
-    command = arguments.get("command") if isinstance(arguments, dict) else None
-    if not isinstance(command, str) or not command.strip():
-        return None, 'error: bash needs arguments {"command": "<shell command>"}'
-    return command, None
+    return parse_tool_call(body, "bash", "command", "<shell command>")
 
 
 def format_observation(result: ExecResult, timeout_s: float, max_chars: int) -> str:
     """Output (stdout, then stderr; cut in the middle past `max_chars`) and the exit code."""
-    text = result.stdout
-    if result.stderr:
-        text += ("" if not text or text.endswith("\n") else "\n") + result.stderr
-    if len(text) > max_chars:
-        half = max_chars // 2
-        text = f"{text[:half]}\n...[{len(text) - 2 * half} characters cut]...\n{text[-half:]}"
-    elif result.truncated:
-        text += "\n...[output cut by the sandbox]"
-    status = f"[timed out after {timeout_s:g} s]" if result.timed_out else f"[exit code {result.exit_code}]"
-    return f"{text.rstrip()}\n{status}" if text.strip() else status
+    return format_exec_output(result, timeout_s, max_chars, always_status=True)
 
 
 # ------------------------------------------------------------------------------------------ env
