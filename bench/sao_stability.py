@@ -1,4 +1,5 @@
-"""SAO stability run on the embedded tool task: SFT warm start, then N SAO steps (default 1000).
+"""SAO stability run on the embedded tool task: SFT warm start, then N SAO steps (default 1000);
+`--method` runs a baseline with the same settings instead (group size 8 for the GRPO methods).
 
 Prints the reward curve (mean per window of steps), staleness, drops and the DIS mask fractions, and
 writes everything to OUTPUT/stability.json. Not a test: a long run (about 2 s per step on 2 CPU cores
@@ -30,6 +31,8 @@ from sao_core.training.trainer import train  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--method", default="sao", help="sao (default) or a baseline: grpo, grpo_async, grpo_dis, "
+                                                       "running_mean")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--policy-lr", type=float, default=3e-4)
     parser.add_argument("--critic-lr", type=float, default=3e-4)
@@ -51,7 +54,7 @@ def main() -> int:
                                                       "answer": t.answer}) + "\n" for t in tasks))
     prepare(PrepareConfig(source=str(out / "rl.jsonl"), kind="rl", output=str(out / "rl")))
     started = time.time()
-    summary = train_rl(RLConfig(data=str(out / "rl"), output=str(out / "sao"), method="sao", model=warm,
+    summary = train_rl(RLConfig(data=str(out / "rl"), output=str(out / "sao"), method=args.method, model=warm,
                                 steps=args.steps, batch_size=args.batch_size, policy_lr=args.policy_lr,
                                 critic_lr=args.critic_lr, critic_warmup_steps=5, max_new_tokens_per_turn=32,
                                 max_total_tokens=160, seed=args.seed, checkpoint_every=100))
