@@ -19,7 +19,6 @@ directly starts none) and closed by `close()`.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 from sao_core.envs.base import StepResult, Task
 from sao_core.envs.grading import MathGrader, answer_region
 from sao_core.envs.math_env import grade_final, with_system_prompt
-from sao_core.envs.tool_calls import format_exec_output, parse_tool_call
+from sao_core.envs.tool_calls import TOOL_CALL, format_exec_output, parse_tool_call
 from sao_core.sandbox.base import ExecResult, Sandbox, SandboxError
 
 NAME = "math_python"
@@ -52,7 +51,6 @@ DEFAULT_SYSTEM_PROMPT = (
     "and you get back what it prints. Put the final answer in \\boxed{}."
 )
 
-_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 def parse_python_call(body: str) -> tuple[str | None, str | None]:
@@ -111,7 +109,7 @@ class MathPythonEnv:
         if self._done:
             raise RuntimeError("the episode is over")
         self.turns += 1
-        calls = _CALL.findall(answer_region(action_text) or "")
+        calls = TOOL_CALL.findall(answer_region(action_text) or "")
         if not calls:
             self._done = True
             return grade_final(action_text, self.task, self.grader, self.grade_timeout_s,

@@ -80,7 +80,7 @@ from sao_core.envs.swe_grading import (
     run_tests,
     runner_spec_for,
 )
-from sao_core.envs.tool_calls import format_exec_output, parse_tool_call
+from sao_core.envs.tool_calls import TOOL_CALL, format_exec_output, parse_tool_call
 from sao_core.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
 
 __all__ = [
@@ -133,7 +133,6 @@ DEFAULT_SYSTEM_PROMPT = (
     "have at most {max_turns} turns."
 )
 
-_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _SUBMIT = re.compile(r"<submit\s*/?>", re.IGNORECASE)
 _MAX_INFO_PATCH_CHARS = 200_000
 
@@ -607,8 +606,8 @@ class SWEEnv:
             raise RuntimeError("reset() must be called before step()")
         self.turns += 1
         region = answer_region(action_text) or ""
-        bodies = _CALL.findall(region)
-        submit = bool(_SUBMIT.search(_CALL.sub("", region)))
+        bodies = TOOL_CALL.findall(region)
+        submit = bool(_SUBMIT.search(TOOL_CALL.sub("", region)))
         commands: list[tuple[str | None, str | None]] = []
         for body in bodies:
             command, problem = parse_bash_call(body.strip())

@@ -37,10 +37,10 @@ from sao_core.data.synthetic import (
 )
 from sao_core.envs.base import StepResult, Task
 from sao_core.envs.grading import answer_region, extract_boxed
+from sao_core.envs.tool_calls import TOOL_CALL
 
 NAME = "tool_arith"
 
-_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _CALC = re.compile(r"^\s*calc\s+(-?\d+)\s*([-+*])\s*(-?\d+)\s*$")
 _INT = re.compile(r"^\s*[+-]?\d+\s*$")
 
@@ -153,7 +153,7 @@ class ToolArithEnv:
             raise RuntimeError("the episode is over")
         self.turns += 1
         region = answer_region(action_text) or ""
-        calls = _CALL.findall(region)
+        calls = TOOL_CALL.findall(region)
         if calls:
             if self.turns >= self.max_turns:
                 return self._end(0.0, "length", calls=len(calls))

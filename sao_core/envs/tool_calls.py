@@ -8,8 +8,12 @@ arguments given as a JSON string are accepted too).
 from __future__ import annotations
 
 import json
+import re
 
 from sao_core.sandbox.base import ExecResult
+
+# The body of each tool call in a model turn; an unterminated last call (cut by the token budget) counts.
+TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 def parse_tool_call(body: str, tool: str, argument: str, placeholder: str) -> tuple[str | None, str | None]:

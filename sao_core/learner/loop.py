@@ -31,16 +31,13 @@ from sao_core.learner.config import GROUP_METHODS, RLConfig
 from sao_core.learner.updates import Updater
 from sao_core.rollout.client import RolloutClient, RolloutRequestError, RolloutUnavailable
 from sao_core.rollout.trajectory import Trajectory
+from sao_core.training.checkpointing import step_name
 
 log = logging.getLogger(__name__)
 
 
 class LearnerError(ValueError):
     """The run cannot start or continue; the message says what to change."""
-
-
-def _step_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 class ServiceSet:
@@ -209,7 +206,7 @@ class Pending:
 
 
 def _journal_uri(config: RLConfig, step: int) -> str:
-    return storage.join(config.output, "journal", f"{_step_name(step)}.json")
+    return storage.join(config.output, "journal", f"{step_name(step)}.json")
 
 
 def _export(model, tokenizer, staging: Path) -> None:
@@ -312,7 +309,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         torch.save(updater.state_dict(), staging / "learner.pt")
         (staging / "learner_state.json").write_text(json.dumps(
             {"method": config.method, "step": step, "version": version, "config": asdict(config)}, default=list))
-        uri = storage.join(checkpoints_uri, _step_name(step))
+        uri = storage.join(checkpoints_uri, step_name(step))
         storage.publish_checkpoint(staging, uri, metadata={"kind": "learner-state", "step": step,
                                                            "version": version, "method": config.method})
         return uri

@@ -41,3 +41,11 @@ class Method:
 
 def row_error(source: str, index: int, message: str) -> ValueError:
     return ValueError(f"{source}: row {index}: {message}")
+
+
+def row_messages(row: dict, source: str, index: int) -> list[dict]:
+    """The `messages` of a prepared sft row; ValueError naming the row otherwise."""
+    messages = row.get("messages")
+    if not isinstance(messages, list):
+        raise row_error(source, index, "no 'messages' list (prepare the data with --kind sft)")
+    return messages

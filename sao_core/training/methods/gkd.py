@@ -9,7 +9,7 @@ import torch
 
 from sao_core.objectives.gkd import generalized_jsd_loss
 from sao_core.training.chat_batch import EncodedChat, encode_response, pad_batch
-from sao_core.training.methods.base import Method, row_error
+from sao_core.training.methods.base import Method, row_error, row_messages
 from sao_core.training.sampling import sample_continuations
 
 
@@ -26,9 +26,7 @@ class GKDMethod(Method):
     def build_examples(self, rows, source):
         examples = []
         for index, row in enumerate(rows):
-            messages = row.get("messages")
-            if not isinstance(messages, list):
-                raise row_error(source, index, "no 'messages' list (prepare the data with --kind sft)")
+            messages = row_messages(row, source, index)
             last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
             if last is None or last == 0:
                 raise row_error(source, index, "needs a prompt followed by an assistant response")

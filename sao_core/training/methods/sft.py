@@ -5,7 +5,7 @@ from __future__ import annotations
 from sao_core.objectives.common import token_logprobs
 from sao_core.objectives.sft import sft_loss
 from sao_core.training.chat_batch import encode_chat, pad_batch
-from sao_core.training.methods.base import Method, row_error
+from sao_core.training.methods.base import Method, row_error, row_messages
 
 
 def token_nll(model, batch, pad_id: int, device):
@@ -22,9 +22,7 @@ class SFTMethod(Method):
     def build_examples(self, rows, source):
         examples = []
         for index, row in enumerate(rows):
-            messages = row.get("messages")
-            if not isinstance(messages, list):
-                raise row_error(source, index, "no 'messages' list (prepare the data with --kind sft)")
+            messages = row_messages(row, source, index)
             try:
                 examples.append(encode_chat(self.tokenizer, messages, self.config.max_tokens))
             except ValueError as err:
