@@ -24,7 +24,7 @@ def make_env(name: str, **options: Any) -> Environment:
     - ``math_python``: `MathPythonEnv` (sandbox_factory, max_turns, call_timeout_s, ...); without a
       `sandbox_factory`, each episode gets a `LocalSandbox` with `sandbox_limits` (default limits).
     - ``swe``: `SWEEnv` from `sao_core.envs.swe`.
-    - ``tool_arith``: `ToolArithEnv` (max_turns, latency_median_s, latency_sigma, seed).
+    - ``tool_arith``: `ToolArithEnv` (max_turns, latency_median_s, latency_sigma, seed, fixed_turns).
     """
     if name == "math":
         from sao_core.envs.math_env import MathEnv

@@ -15,6 +15,14 @@ A turn that would call the tool when `max_turns` turns have been used ends the e
 and finish_reason "length". Tasks without chain metadata (e.g. a prepared row ``Compute 3*4``) are
 read from the prompt text; if that fails, any well-formed call is computed without checking its
 operands, and only the boxed answer is graded against ``task.answer``.
+
+Benchmark option ``fixed_turns=True`` (default off): every episode of a task with a chain lasts
+exactly ``num_ops + 1`` model turns (the length of the solved conversation, at most `max_turns`),
+whatever the model writes, so that episode lengths follow the task set's distribution (the long tail
+of ``tool_arith_tasks(p_more=...)``) and not the current policy's skill. A turn before the last gets
+the calculator's results for its calls, or ``continue`` when it made none (after one latency draw, so
+every non-final turn waits for the tool); the episode ends after the last turn and the first boxed
+answer given in any turn is graded (no answer: reward 0).
 """
 
 from __future__ import annotations
@@ -118,6 +126,7 @@ class ToolArithEnv:
         latency_median_s: float = 0.0,
         latency_sigma: float = 0.0,
         seed: int | None = None,
+        fixed_turns: bool = False,
     ):
         if max_turns < 1:
             raise ValueError("max_turns must be >= 1")
@@ -126,6 +135,7 @@ class ToolArithEnv:
         self.max_turns = max_turns
         self.latency_median_s = latency_median_s
         self.latency_sigma = latency_sigma
+        self.fixed_turns = bool(fixed_turns)
         self._rng = random.Random(seed)
         self.task: Task | None = None
         self.turns = 0
@@ -134,6 +144,8 @@ class ToolArithEnv:
         self._steps: list[tuple[int, str, int, int]] | None = None
         self._next = 0
         self._done = False
+        self._target_turns: int | None = None     # fixed_turns: this episode's exact number of turns
+        self._first_answer: str | None = None
 
     # -- protocol -----------------------------------------------------------------------------------
 
@@ -144,6 +156,8 @@ class ToolArithEnv:
         self._done = False
         start, ops = _chain_of(task)
         self._steps = tool_arith_steps(start, ops) if ops is not None else None
+        self._first_answer = None
+        self._target_turns = min(len(ops) + 1, self.max_turns) if self.fixed_turns and ops is not None else None
         return [dict(m) for m in task.prompt]
 
     def step(self, action_text: str) -> StepResult:
@@ -154,6 +168,8 @@ class ToolArithEnv:
         self.turns += 1
         region = answer_region(action_text) or ""
         calls = TOOL_CALL.findall(region)
+        if self._target_turns is not None:
+            return self._fixed_step(action_text, calls)
         if calls:
             if self.turns >= self.max_turns:
                 return self._end(0.0, "length", calls=len(calls))
@@ -185,6 +201,27 @@ class ToolArithEnv:
         self._done = True
         info.update(turns=self.turns, calls=self.calls, errors=self.errors)
         return StepResult(done=True, observation=None, reward=reward, finish_reason=finish_reason, info=info)
+
+    def _fixed_step(self, action_text: str, calls: list[str]) -> StepResult:
+        """fixed_turns mode: the episode ends after exactly `_target_turns` turns."""
+        if not calls and self._first_answer is None:
+            self._first_answer = extract_boxed(action_text)
+        if self.turns >= self._target_turns:
+            if self._first_answer is None:
+                return self._end(0.0, "stop", outcome="no_answer")
+            correct = _same_answer(self._first_answer, self.task.answer)
+            return self._end(1.0 if correct else 0.0, "stop", outcome="match" if correct else "mismatch",
+                             answer=self._first_answer)
+        started = time.monotonic()
+        outputs = []
+        for call in calls:
+            self._sleep_latency()
+            outputs.append(self._calc(call))
+        if not calls:
+            self._sleep_latency()
+            outputs.append("continue")
+        return StepResult(done=False, observation="\n".join(outputs), tool_seconds=time.monotonic() - started,
+                          info={"calls": len(calls), "errors": self.errors, "turn": self.turns})
 
     def _sleep_latency(self) -> None:
         if self.latency_median_s <= 0:
