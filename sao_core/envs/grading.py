@@ -286,12 +286,15 @@ class MathGrader:
 
     # -- grading ------------------------------------------------------------------------------------
 
-    def grade(self, answer: str | None, gold: str, timeout_s: float | None = None) -> GradeResult:
-        """Is `answer` (an extracted final answer, e.g. a box's content) equal to `gold`?"""
+    def grade(self, answer: str | None, gold: str, timeout_s: float | None = None, *,
+              text_shortcut: bool = True) -> GradeResult:
+        """Is `answer` (an extracted final answer, e.g. a box's content) equal to `gold`?
+
+        `text_shortcut=False` skips the identical-text fast path, so math-verify decides every answer."""
         started = time.monotonic()
         if answer is None or not answer.strip():
             return GradeResult(False, "no_answer", "no final answer")
-        if _plain(answer) == _plain(gold):
+        if text_shortcut and _plain(answer) == _plain(gold):
             return GradeResult(True, "match", "identical text", time.monotonic() - started)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         worker = self._acquire()

@@ -1,0 +1,146 @@
+"""Settings of one evaluation run (`sao evaluate`, the evaluation KFP component)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Benchmark names, in the order a report lists them.
+BENCHMARK_NAMES: tuple[str, ...] = ("swe_verified", "beyond_aime", "imo_answerbench")
+ENGINES: tuple[str, ...] = ("hf", "vllm")
+SANDBOXES: tuple[str, ...] = ("local", "kubernetes")
+JUDGE_POLICIES: tuple[str, ...] = ("unsettled", "rejected")
+
+DEFAULT_MATH_PROMPT = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+class EvalError(ValueError):
+    """An evaluation cannot run or cannot go on; the message names the benchmark, file, row or field."""
+
+
+@dataclass
+class EvalConfig:
+    """One evaluation: `k` samples of every problem of each benchmark, graded, aggregated, reported.
+
+    Lengths are in tokens, times in seconds. Dataset sources may be a Hugging Face id (``org/name``),
+    a local file (jsonl, json, csv, parquet), a ``save_to_disk`` folder or an ``s3://`` object.
+    """
+
+    model: str                                  # model reference: embedded:tiny, a directory, s3:// checkpoint, hub id
+    output: str                                 # run directory: local path or s3:// prefix
+    benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARK_NAMES))  # comma-separated: swe_verified,beyond_aime,imo_answerbench
+    k: int = 4                                  # samples per problem
+    limit: int | None = None                    # evaluate only the first N problems of each benchmark
+    engine: str = "hf"                          # hf | vllm
+    engine_options: dict = field(default_factory=dict)   # extra engine settings, e.g. {"max_model_len": 32768}
+    max_new_tokens: int = 4096                  # tokens per model turn
+    max_total_tokens: int = 32768               # tokens of a whole episode (prompt, turns, observations)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                              # 0: no top-k
+    seed: int = 0                               # per-sample seeds derive from it (a resumed run samples the same)
+    concurrency: int = 16                       # episodes in flight at once (the engine batches them)
+    swe_concurrency: int = 4                    # of those, SWE episodes (each holds a sandbox)
+    sample_timeout_s: float = 3600.0            # wall-clock limit of one sample (generation, tools, grading); 0: none
+    math_prompt: str = DEFAULT_MATH_PROMPT      # user message of the math benchmarks; {problem} is replaced
+    system_prompt: str | None = None            # math benchmarks: optional system message
+    swe_verified_source: str | None = None      # dataset override [default: SWE-bench/SWE-bench_Verified]
+    beyond_aime_source: str | None = None       # dataset override [default: ByteDance-Seed/BeyondAIME]
+    imo_answerbench_source: str | None = None   # dataset override [default: the bundled IMO-AnswerBench v2 CSV]
+    splits: dict = field(default_factory=dict)  # split per benchmark for Hugging Face ids, e.g. {"beyond_aime": "test"}
+    max_reject_fraction: float = 0.0            # share of malformed dataset rows tolerated (they are listed, not evaluated)
+    sandbox: str = "local"                      # SWE sandboxes: local (bubblewrap) | kubernetes (the instance's SWE-bench image)
+    swe_repo_source: str | None = None          # SWE repositories: directory of local git mirrors (owner__name), 'image' or 'local'
+    swe_max_turns: int = 40                     # SWE agent turns
+    swe_command_timeout_s: float = 60.0         # one bash command of the SWE agent
+    swe_test_timeout_s: float = 1800.0          # running an instance's tests when grading a patch
+    env_options: dict = field(default_factory=dict)  # extra options per environment, e.g. {"swe": {"sandbox_options": {"namespace": "eval"}}}
+    grader_workers: int = 2                     # math-verify worker processes
+    grade_timeout_s: float = 10.0               # math-verify time per answer
+    judge_url: str | None = None                # OpenAI-compatible base URL of an LLM judge (…/v1) for IMO answers rules cannot settle
+    judge_model: str | None = None              # model name sent to the judge
+    judge_api_key_env: str = "SAO_JUDGE_API_KEY"  # environment variable holding the judge's API key (unset: no key)
+    judge_policy: str = "unsettled"             # unsettled: judge only answers rules cannot settle | rejected: also rule mismatches
+    judge_timeout_s: float = 120.0              # one judge request
+    judge_concurrency: int = 4                  # judge requests at once
+    previous_summary: str | None = None         # summary.json of an earlier run (path or s3://) to compare against
+    resume: bool = True                         # reuse the graded samples in OUTPUT/samples.jsonl (same model and settings)
+    response_chars: int = 4000                  # characters of each response (its end) kept in samples.jsonl
+    upload_every_s: float = 60.0                # s3:// output: upload the samples file this often while running
+    cache_dir: str = field(default_factory=lambda: str(Path.home() / ".cache" / "sao"))
+
+    def validate(self) -> None:
+        """Raise EvalError naming the first bad field."""
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise EvalError("model is empty: give a model reference (embedded:tiny, a directory, s3://, org/name)")
+        if not isinstance(self.output, str) or not self.output.strip():
+            raise EvalError("output is empty: give a local folder or an s3:// prefix")
+        names = list(self.benchmarks) if not isinstance(self.benchmarks, str) else [self.benchmarks]
+        if not names:
+            raise EvalError(f"benchmarks is empty; choose from {', '.join(BENCHMARK_NAMES)}")
+        unknown = [n for n in names if n not in BENCHMARK_NAMES]
+        if unknown:
+            raise EvalError(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARK_NAMES)}")
+        if len(set(names)) != len(names):
+            raise EvalError(f"benchmarks lists a name twice: {', '.join(names)}")
+        _positive_int("k", self.k)
+        if self.limit is not None:
+            _positive_int("limit", self.limit)
+        if self.engine not in ENGINES:
+            raise EvalError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        for name in ("max_new_tokens", "max_total_tokens", "concurrency", "swe_concurrency", "swe_max_turns",
+                     "grader_workers", "judge_concurrency", "response_chars"):
+            _positive_int(name, getattr(self, name))
+        if self.max_new_tokens > self.max_total_tokens:
+            raise EvalError(f"max_new_tokens ({self.max_new_tokens}) exceeds max_total_tokens ({self.max_total_tokens})")
+        if not _number(self.temperature) or self.temperature < 0:
+            raise EvalError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
+            raise EvalError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise EvalError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        for name in ("sample_timeout_s", "upload_every_s"):
+            value = getattr(self, name)
+            if not _number(value) or value < 0:
+                raise EvalError(f"{name} must be a number >= 0 (0: none), got {value!r}")
+        for name in ("swe_command_timeout_s", "swe_test_timeout_s", "grade_timeout_s", "judge_timeout_s"):
+            value = getattr(self, name)
+            if not _number(value) or value <= 0:
+                raise EvalError(f"{name} must be a number > 0, got {value!r}")
+        if not _number(self.max_reject_fraction) or not 0 <= self.max_reject_fraction <= 1:
+            raise EvalError(f"max_reject_fraction must be in [0, 1], got {self.max_reject_fraction!r}")
+        if "{problem}" not in self.math_prompt:
+            raise EvalError("math_prompt must contain {problem} (where the problem text goes)")
+        if self.sandbox not in SANDBOXES:
+            raise EvalError(f"sandbox must be one of {', '.join(SANDBOXES)}, got {self.sandbox!r}")
+        if self.judge_policy not in JUDGE_POLICIES:
+            raise EvalError(f"judge_policy must be one of {', '.join(JUDGE_POLICIES)}, got {self.judge_policy!r}")
+        if bool(self.judge_url) != bool(self.judge_model):
+            raise EvalError("judge_url and judge_model go together: give both to use an LLM judge, or neither")
+        if self.judge_url and not str(self.judge_url).startswith(("http://", "https://")):
+            raise EvalError(f"judge_url must be an http(s):// URL, got {self.judge_url!r}")
+        for name in ("splits", "env_options", "engine_options"):
+            if not isinstance(getattr(self, name), dict):
+                raise EvalError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+        bad = [key for key in self.splits if key not in BENCHMARK_NAMES]
+        if bad:
+            raise EvalError(f"splits names unknown benchmark {bad[0]!r}; choose from {', '.join(BENCHMARK_NAMES)}")
+
+    @property
+    def benchmark_list(self) -> list[str]:
+        return [self.benchmarks] if isinstance(self.benchmarks, str) else list(self.benchmarks)
+
+    def source_for(self, benchmark: str) -> str | None:
+        """The dataset override of `benchmark` (None: the benchmark's default source)."""
+        value: Any = getattr(self, f"{benchmark}_source")
+        return value or None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EvalError(f"{name} must be an integer >= 1, got {value!r}")

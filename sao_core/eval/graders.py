@@ -1,0 +1,387 @@
+"""Graders of the three benchmarks; each returns a :class:`Verdict` saying who decided and why.
+
+- **BeyondAIME** (`IntegerGrader`, grader ``exact_int``): the last ``\\boxed{}`` after any reasoning
+  block (`sao_core.envs.grading.extract_boxed`) must hold an integer equal to the reference. Accepted
+  integer spellings: an optional sign, digits with optional thousands separators (``1,000``,
+  ``1{,}000``, ``1\\,000``), surrounding ``$``, ``\\text{}``/``\\mathbf{}`` wrappers, a leading
+  ``x =`` and a trailing full stop. Anything else is ``unparseable`` (wrong).
+- **IMO-AnswerBench** (`ImoGrader`): rules first (grader ``rule``): the same text after light
+  normalisation is a match; otherwise math-verify decides in a worker process with a timeout
+  (`sao_core.envs.grading.MathGrader`). Rules *cannot settle* an answer when math-verify cannot parse
+  it, times out or fails, or when the reference or the answer is worded in prose (``"all odd n"``,
+  ``"1 if the triangle is isosceles, otherwise 2"``: math-verify ignores the words and would decide on
+  the numbers alone). Unsettled answers go to the optional LLM judge (grader ``llm_judge``, any
+  OpenAI-compatible ``/chat/completions`` endpoint); with `judge_policy="rejected"` rule mismatches
+  go to it too. Without a judge, an unsettled answer counts as wrong and is listed (``settled`` False).
+- **SWE-Bench Verified** (`grade_swe_patch`, grader ``swe_tests``): apply the patch in a fresh
+  sandbox (git apply, then fallbacks), reset and apply the instance's test patch, run its tests, parse
+  the log; resolved only when every FAIL_TO_PASS and PASS_TO_PASS test passes
+  (`sao_core.envs.swe.grade_patch`). `verdict_from_swe_report` turns a grade report into a Verdict.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sao_core.envs.grading import MathGrader, answer_region, extract_boxed
+
+GRADERS = ("exact_int", "rule", "llm_judge", "swe_tests")
+
+
+@dataclass
+class Verdict:
+    """The grade of one sample.
+
+    `grade` is the outcome: math ``match``, ``mismatch``, ``no_answer``, ``unparseable``, ``unsettled``,
+    ``timeout``, ``error``; SWE ``resolved``, ``unresolved``, ``empty_patch``, ``patch_does_not_apply``,
+    ``test_patch_does_not_apply``, ``tests_timed_out``, ``no_submission``. `grader` is the grader that
+    decided (one of :data:`GRADERS`; None when there was nothing to grade). `settled` is False when no grader could decide (the sample counts
+    as wrong and is listed). `seconds` is the grading time.
+    """
+
+    correct: bool
+    grade: str
+    grader: str | None                     # None: nothing was graded (a timeout, no submission)
+    answer: str | None = None
+    detail: str = ""
+    settled: bool = True
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------- BeyondAIME
+
+_WRAPPERS = re.compile(r"^\\(?:text|textbf|mathbf|mathrm|boxed|displaystyle)\s*\{(?P<body>.*)\}$", re.S)
+_INTEGER = re.compile(r"[+-]?\d+")
+_GROUPED = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+")
+_ASSIGN = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*=\s*")
+
+
+def parse_integer(answer: str | None) -> int | None:
+    """The integer written in `answer` (see the module docstring for the spellings), else None."""
+    if answer is None:
+        return None
+    text = answer.strip()
+    for _ in range(4):   # peel wrappers: $..$, \(..\), \text{..}, a trailing full stop
+        before = text
+        text = text.strip().rstrip(".").strip()
+        if len(text) >= 2 and text[0] == "$" and text[-1] == "$":
+            text = text.strip("$")
+        if text.startswith("\\(") and text.endswith("\\)"):
+            text = text[2:-2]
+        match = _WRAPPERS.match(text)
+        if match:
+            text = match["body"]
+        text = _ASSIGN.sub("", text.strip())
+        if text == before:
+            break
+    text = text.replace("{,}", ",").replace("\\,", ",").replace("\\!", "").replace("~", "").replace(" ", "")
+    if _GROUPED.fullmatch(text):
+        text = text.replace(",", "")
+    if _INTEGER.fullmatch(text):
+        return int(text)
+    return None
+
+
+class IntegerGrader:
+    """BeyondAIME: integer exact match of the extracted answer (grader ``exact_int``)."""
+
+    name = "exact_int"
+
+    def grade(self, answer: str | None, gold: Any, problem: Mapping[str, Any] | None = None) -> Verdict:
+        started = time.monotonic()
+        if answer is None or not answer.strip():
+            return Verdict(False, "no_answer", self.name, answer, "no final \\boxed{} answer")
+        reference = int(gold)
+        value = parse_integer(answer)
+        if value is None:
+            return Verdict(False, "unparseable", self.name, answer, "the answer is not an integer",
+                           seconds=time.monotonic() - started)
+        same = value == reference
+        return Verdict(same, "match" if same else "mismatch", self.name, answer,
+                       f"{value} {'==' if same else '!='} {reference}", seconds=time.monotonic() - started)
+
+
+# --------------------------------------------------------------------------------------- IMO rules
+
+_MATH_DELIMS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+_TEXT_CMD = re.compile(r"\\(?:text|textrm|textbf|mathrm|mbox|operatorname)\s*\{([^{}]*)\}")
+_SPACING = re.compile(r"\\[,;:!]|\\quad|\\qquad|~|\\left|\\right|\\displaystyle")
+_COMMAND = re.compile(r"\\[A-Za-z]+")
+_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
+
+
+def normalize_answer(text: str) -> str:
+    """A normal form for comparing answers as text: outer math delimiters, ``\\text{}`` wrappers,
+    spacing commands, ``\\left``/``\\right``, ``\\dfrac``/``\\tfrac``, whitespace and a final full stop
+    removed."""
+    out = text.strip()
+    for _ in range(3):
+        before = out
+        out = out.strip().rstrip(".").strip()
+        for opening, closing in _MATH_DELIMS:
+            if out.startswith(opening) and out.endswith(closing) and len(out) > len(opening) + len(closing):
+                inner = out[len(opening):len(out) - len(closing)]
+                if opening not in inner:          # "$a$ and $b$" is not one math span
+                    out = inner
+                    break
+        if out == before:
+            break
+    out = _TEXT_CMD.sub(r"\1", out)
+    out = out.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    out = _SPACING.sub("", out)
+    return re.sub(r"\s+", "", out).rstrip(".")
+
+
+def is_prose(text: str) -> bool:
+    """True when `text` carries words (three or more letters outside LaTeX commands), e.g. ``odd $n$``
+    or ``$f(x)=x$ for all $x$``: math-verify would judge it on its formulas alone."""
+    return bool(_WORD.search(_COMMAND.sub(" ", text)))
+
+
+class ImoGrader:
+    """IMO-AnswerBench: rules (grader ``rule``), then the optional LLM judge (see the module docstring).
+
+    `math_grader` runs math-verify in worker processes; `timeout_s` is its time per answer. `judge`
+    (an :class:`LLMJudge` or None) and `judge_policy` (``unsettled`` | ``rejected``) control the judge.
+    """
+
+    name = "rule"
+
+    def __init__(self, math_grader: MathGrader, timeout_s: float | None = None, judge: LLMJudge | None = None,
+                 judge_policy: str = "unsettled"):
+        self.math_grader = math_grader
+        self.timeout_s = timeout_s
+        self.judge = judge
+        self.judge_policy = judge_policy
+
+    def rule(self, answer: str | None, gold: str, *, text_shortcut: bool = True) -> Verdict:
+        """The rules alone. `text_shortcut=False` makes math-verify decide even identical texts (used to
+        measure what math-verify itself settles)."""
+        started = time.monotonic()
+        if answer is None or not answer.strip():
+            return Verdict(False, "no_answer", self.name, answer, "no final \\boxed{} answer")
+        if text_shortcut:
+            if normalize_answer(answer) == normalize_answer(gold):
+                return Verdict(True, "match", self.name, answer, "same text", seconds=time.monotonic() - started)
+            if (is_prose(gold) or is_prose(answer)) and \
+                    normalize_answer(answer).casefold() == normalize_answer(gold).casefold():
+                return Verdict(True, "match", self.name, answer, "same words", seconds=time.monotonic() - started)
+        prose = [name for name, text in (("reference", gold), ("answer", answer)) if is_prose(text)]
+        if prose:
+            return Verdict(False, "unsettled", self.name, answer,
+                           f"the {' and the '.join(prose)} {'is' if len(prose) == 1 else 'are'} worded in prose: "
+                           "rules cannot compare them", settled=False, seconds=time.monotonic() - started)
+        result = self.math_grader.grade(answer, gold, self.timeout_s, text_shortcut=text_shortcut)
+        settled = result.reason in ("match", "mismatch")
+        return Verdict(result.correct, result.reason, self.name, answer,
+                       result.detail or ("math-verify" if settled else ""), settled=settled,
+                       seconds=time.monotonic() - started)
+
+    def grade(self, answer: str | None, gold: str, problem: Mapping[str, Any] | None = None) -> Verdict:
+        verdict = self.rule(answer, gold)
+        wants_judge = (not verdict.settled) or (self.judge_policy == "rejected" and verdict.grade == "mismatch")
+        if self.judge is None or not wants_judge or verdict.grade == "no_answer":
+            return verdict
+        started = time.monotonic()
+        ruling = self.judge.judge(str((problem or {}).get("problem", "")), gold, answer or "")
+        seconds = verdict.seconds + time.monotonic() - started
+        extra = {"rule_grade": verdict.grade, "rule_detail": verdict.detail, "judge": ruling.to_dict()}
+        if ruling.correct is None:   # the judge failed: the rules' outcome stands, marked as such
+            return Verdict(False, verdict.grade, self.name, answer, f"{verdict.detail}; judge failed: {ruling.error}",
+                           settled=verdict.settled, seconds=seconds, extra=extra)
+        return Verdict(ruling.correct, "match" if ruling.correct else "mismatch", "llm_judge", answer,
+                       ruling.verdict, seconds=seconds, extra=extra)
+
+
+# --------------------------------------------------------------------------------------- LLM judge
+
+JUDGE_SYSTEM = (
+    "You grade final answers to olympiad mathematics problems. You are given a problem, its reference "
+    "answer and a candidate's final answer. Decide whether the candidate's answer is mathematically "
+    "equivalent to the reference answer: the same number, set, expression, function or condition, possibly "
+    "written differently. Do not solve the problem yourself and do not judge the reasoning. An answer "
+    "that is incomplete, has extra solutions, or is only partly right is INCORRECT."
+)
+JUDGE_USER = (
+    "Problem:\n{problem}\n\nReference answer:\n{reference}\n\nCandidate's final answer:\n{answer}\n\n"
+    "Is the candidate's final answer equivalent to the reference answer? End your reply with exactly one of "
+    "\\boxed{{CORRECT}} or \\boxed{{INCORRECT}}."
+)
+_VERDICTS = {"correct": True, "incorrect": False, "equivalent": True, "not equivalent": False, "yes": True,
+             "no": False, "true": True, "false": False}
+_VERDICT_LINE = re.compile(r"(?i)\b(?:verdict|answer|grade)\s*[:=]\s*\**\s*(correct|incorrect)\b")
+
+
+@dataclass
+class JudgeRuling:
+    """One judge call: `correct` is None when the judge could not be asked or its reply had no verdict."""
+
+    correct: bool | None
+    verdict: str = ""
+    reply: str = ""
+    model: str = ""
+    seconds: float = 0.0
+    attempts: int = 0
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["reply"] = out["reply"][-2000:]
+        return out
+
+
+def parse_judge_reply(text: str) -> bool | None:
+    """The verdict in a judge's reply (after any reasoning block): the last ``\\boxed{CORRECT}`` /
+    ``\\boxed{INCORRECT}`` (also yes/no, equivalent/not equivalent), else a ``Verdict: CORRECT`` line."""
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        word = re.sub(r"\\text\s*\{([^{}]*)\}", r"\1", boxed).strip().strip("*").strip().lower()
+        if word in _VERDICTS:
+            return _VERDICTS[word]
+    region = answer_region(text) or ""
+    found = _VERDICT_LINE.findall(region)
+    if found:
+        return found[-1].lower() == "correct"
+    return None
+
+
+class LLMJudge:
+    """An OpenAI-compatible chat endpoint that decides answer equivalence (thread-safe).
+
+    `url` is the API base (``http://host:8000/v1``; ``/chat/completions`` is appended). Requests use
+    temperature 0; connection errors, HTTP 429 and 5xx are retried `retries` times with a back-off of
+    1, 2, 4... seconds. At most `concurrency` requests run at once. `api_key` goes in an
+    ``Authorization: Bearer`` header when given.
+    """
+
+    def __init__(self, url: str, model: str, api_key: str | None = None, timeout_s: float = 120.0,
+                 retries: int = 2, concurrency: int = 4, max_tokens: int = 4096,
+                 sleep: Callable[[float], None] = time.sleep):
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.endpoint = self.url + "/chat/completions"
+        self.model = model
+        self.retries = retries
+        self.max_tokens = max_tokens
+        self._sleep = sleep
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(timeout=timeout_s, headers=headers, trust_env=False)
+        self._slots = threading.BoundedSemaphore(concurrency)
+        self.calls = 0
+
+    def messages(self, problem: str, reference: str, answer: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": JUDGE_SYSTEM},
+                {"role": "user", "content": JUDGE_USER.format(problem=problem.strip() or "(not given)",
+                                                              reference=reference, answer=answer)}]
+
+    def judge(self, problem: str, reference: str, answer: str) -> JudgeRuling:
+        """Ask whether `answer` is equivalent to `reference` for `problem`. Never raises for HTTP or
+        reply problems: `JudgeRuling.error` says what went wrong and `correct` is None."""
+        import httpx
+
+        body = {"model": self.model, "messages": self.messages(problem, reference, answer), "temperature": 0.0,
+                "max_tokens": self.max_tokens}
+        started = time.monotonic()
+        error = "not attempted"
+        attempt = 0
+        with self._slots:
+            for attempt in range(1, self.retries + 2):
+                try:
+                    response = self._client.post(self.endpoint, json=body)
+                except httpx.HTTPError as exc:
+                    error = f"cannot reach the judge at {self.endpoint}: {type(exc).__name__}: {exc}"
+                else:
+                    if response.status_code == 429 or response.status_code >= 500:
+                        error = f"judge answered HTTP {response.status_code}: {response.text[:300]}"
+                    elif response.status_code != 200:
+                        error = f"judge refused the request: HTTP {response.status_code}: {response.text[:300]}"
+                        break
+                    else:
+                        self.calls += 1
+                        return self._ruling(response, started, attempt)
+                if attempt <= self.retries:
+                    self._sleep(2.0 ** (attempt - 1))
+        return JudgeRuling(None, model=self.model, seconds=time.monotonic() - started, attempts=attempt, error=error)
+
+    def _ruling(self, response: Any, started: float, attempts: int) -> JudgeRuling:
+        seconds = time.monotonic() - started
+        try:
+            data = response.json()
+            reply = data["choices"][0]["message"]["content"] or ""
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            return JudgeRuling(None, model=self.model, seconds=seconds, attempts=attempts,
+                               error=f"the judge's reply is not a chat completion ({type(exc).__name__}: "
+                                     f"{response.text[:200]})")
+        correct = parse_judge_reply(reply)
+        if correct is None:
+            return JudgeRuling(None, reply=reply, model=self.model, seconds=seconds, attempts=attempts,
+                               error="the judge's reply has no verdict (\\boxed{CORRECT} or \\boxed{INCORRECT})")
+        return JudgeRuling(correct, "CORRECT" if correct else "INCORRECT", reply, self.model, seconds, attempts)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+# --------------------------------------------------------------------------------------- SWE
+
+def verdict_from_swe_report(report: Mapping[str, Any], patch: str | None = None) -> Verdict:
+    """A Verdict (grader ``swe_tests``) from a `GradeReport` dict (`sao_core.envs.swe_grading`)."""
+    extra = {key: report.get(key) for key in (
+        "fail_to_pass_total", "fail_to_pass_passed", "fail_to_pass_failed", "pass_to_pass_total",
+        "pass_to_pass_passed", "pass_to_pass_failed", "apply_method", "patch_applied", "test_patch_applied",
+        "tests_run", "test_exit_code", "tests_timed_out", "error")}
+    seconds = float(report.get("seconds") or 0.0)
+    failed = list(report.get("fail_to_pass_failed") or []) + list(report.get("pass_to_pass_failed") or [])
+    if report.get("resolved"):
+        return Verdict(True, "resolved", "swe_tests", None, "every FAIL_TO_PASS and PASS_TO_PASS test passed",
+                       seconds=seconds, extra=extra)
+    if report.get("patch_empty"):
+        grade, detail = "empty_patch", "the patch is empty"
+    elif report.get("patch_applied") is False:
+        grade, detail = "patch_does_not_apply", report.get("error") or "the patch does not apply"
+        tail = (report.get("apply_log") or "").strip().splitlines()[-3:]
+        if tail:
+            detail += ": " + " | ".join(tail)
+    elif report.get("test_patch_applied") is False:
+        grade, detail = "test_patch_does_not_apply", report.get("error") or "the test patch does not apply"
+    elif report.get("tests_timed_out"):
+        grade, detail = "tests_timed_out", report.get("error") or "the tests timed out"
+    else:
+        grade = "unresolved"
+        detail = f"{len(failed)} listed test(s) did not pass: {', '.join(failed[:5])}" + (" ..." if len(failed) > 5 else "")
+    return Verdict(False, grade, "swe_tests", None, detail, seconds=seconds, extra=extra)
+
+
+def grade_swe_patch(record: Mapping[str, Any], patch: str, options: Mapping[str, Any] | None = None) -> Verdict:
+    """Grade `patch` for a ``swe_bench_verified`` record in a fresh sandbox.
+
+    `options` are the `SWEEnv` settings used for the benchmark (``sandbox_kind``, ``sandbox_limits``,
+    ``sandbox_options``, ``repo_source``, ``test_command``, ``log_parser``, ``test_timeout_s``,
+    ``setup_command``; see :func:`sao_core.eval.run.swe_env_options`). `SandboxError` propagates.
+    """
+    from sao_core.envs.swe import SWEBENCH_SETUP, default_sandbox_factory, grade_patch, task_from_swe_record
+    from sao_core.sandbox.base import SandboxLimits
+
+    opts = dict(options or {})
+    test_timeout_s = float(opts.get("test_timeout_s", 1800.0))
+    limits = opts.get("sandbox_limits")
+    if limits is None:
+        limits = SandboxLimits(wall_seconds=float(opts.get("command_timeout_s", 60.0)),
+                               cpu_seconds=int(test_timeout_s), memory_mb=4096, max_processes=256)
+    factory = default_sandbox_factory(opts.get("sandbox_kind", "local"), limits, opts.get("sandbox_options"),
+                                      **({"image_template": opts["image_template"]} if "image_template" in opts else {}))
+    task = task_from_swe_record(record)
+    report = grade_patch(task, patch or "", factory, test_command=opts.get("test_command"),
+                         log_parser=opts.get("log_parser"), test_timeout_s=test_timeout_s,
+                         repo_source=opts.get("repo_source"), setup_command=opts.get("setup_command", SWEBENCH_SETUP))
+    return verdict_from_swe_report(report.to_dict(), patch)

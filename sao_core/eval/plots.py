@@ -1,0 +1,219 @@
+"""Small, dependency-free SVG charts for the evaluation report (inline in the HTML, so the report is
+one self-contained file).
+
+Every chart is an ``<svg>`` element with a ``<title>``, ``role="img"`` and an ``aria-label``; each bar is a
+``<rect class="bar">`` and each line point a ``<circle class="point">`` carrying ``data-series``,
+``data-label`` and ``data-value`` attributes (the plotted number), so a test or a script can read the
+values back. Values are plain floats; fractions are drawn on a 0-100 % axis when ``percent`` is set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from html import escape
+
+PALETTE = ("#3b6fb6", "#e08a2c", "#4c9a5b", "#b8474d", "#7d5bb0", "#8c6d46", "#cc6fb0", "#6f7b86")
+FONT = "font-family=\"system-ui, sans-serif\""
+
+
+def _fmt(value: float, percent: bool) -> str:
+    if percent:
+        return f"{100 * value:.1f}%"
+    if abs(value) >= 100 or float(value).is_integer():
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+def _nice_max(value: float) -> float:
+    """A round axis maximum >= value (1, 2, 2.5, 5 x 10^n)."""
+    if value <= 0:
+        return 1.0
+    exponent = math.floor(math.log10(value))
+    for step in (1, 2, 2.5, 5, 10):
+        top = step * 10 ** exponent
+        if top >= value:
+            return float(top)
+    return float(10 ** (exponent + 1))
+
+
+def _open(width: int, height: int, title: str) -> list[str]:
+    t = escape(title)
+    return [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" role="img" aria-label="{t}" '
+            f'viewBox="0 0 {width} {height}" width="{width}" height="{height}">',
+            f"<title>{t}</title>",
+            f'<text x="{width / 2:.1f}" y="18" text-anchor="middle" font-size="14" font-weight="600" {FONT}>{t}</text>']
+
+
+def _legend(names: Sequence[str], x: float, y: float) -> list[str]:
+    out = []
+    for i, name in enumerate(names):
+        yy = y + 16 * i
+        out.append(f'<rect x="{x:.1f}" y="{yy - 9:.1f}" width="10" height="10" fill="{PALETTE[i % len(PALETTE)]}"/>')
+        out.append(f'<text x="{x + 14:.1f}" y="{yy:.1f}" font-size="11" {FONT}>{escape(name)}</text>')
+    return out
+
+
+def bar_chart(title: str, labels: Sequence[str], series: Mapping[str, Sequence[float | None]], *,
+              percent: bool = True, y_label: str = "", width: int = 720, height: int = 320) -> str:
+    """Grouped vertical bars: one group per label, one bar per series (None: no bar)."""
+    names = list(series)
+    values = [v for vs in series.values() for v in vs if v is not None]
+    top = 1.0 if percent else _nice_max(max(values, default=1.0))
+    left, right, top_pad, bottom = 56, 150 if len(names) > 1 else 20, 34, 64
+    plot_w, plot_h = width - left - right, height - top_pad - bottom
+    out = _open(width, height, title)
+    for i in range(6):   # grid and y ticks
+        v = top * i / 5
+        y = top_pad + plot_h - plot_h * i / 5
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="10" {FONT}>{_fmt(v, percent)}</text>')
+    if y_label:
+        out.append(f'<text x="14" y="{top_pad + plot_h / 2:.1f}" font-size="11" {FONT} '
+                   f'transform="rotate(-90 14 {top_pad + plot_h / 2:.1f})" text-anchor="middle">{escape(y_label)}</text>')
+    group_w = plot_w / max(1, len(labels))
+    bar_w = min(48.0, 0.8 * group_w / max(1, len(names)))
+    for g, label in enumerate(labels):
+        x0 = left + g * group_w + (group_w - bar_w * len(names)) / 2
+        for s, name in enumerate(names):
+            value = series[name][g] if g < len(series[name]) else None
+            if value is None:
+                continue
+            h = plot_h * max(0.0, min(value, top)) / top
+            x, y = x0 + s * bar_w, top_pad + plot_h - h
+            colour = PALETTE[s % len(PALETTE)]
+            out.append(f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{bar_w - 2:.1f}" height="{h:.1f}" '
+                       f'fill="{colour}" data-series="{escape(name)}" data-label="{escape(label)}" '
+                       f'data-value="{value:.6g}"><title>{escape(name)} {escape(label)}: {_fmt(value, percent)}</title></rect>')
+            out.append(f'<text x="{x + (bar_w - 2) / 2:.1f}" y="{y - 3:.1f}" text-anchor="middle" font-size="9" '
+                       f'{FONT}>{_fmt(value, percent)}</text>')
+        out.append(f'<text x="{left + g * group_w + group_w / 2:.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" '
+                   f'font-size="11" {FONT}>{escape(_short(label, int(group_w / 6) or 4))}</text>')
+    out.append(f'<line x1="{left}" y1="{top_pad + plot_h}" x2="{left + plot_w}" y2="{top_pad + plot_h}" stroke="#333"/>')
+    if len(names) > 1:
+        out += _legend(names, left + plot_w + 16, top_pad + 10)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def hbar_chart(title: str, labels: Sequence[str], values: Sequence[float], *, counts: Sequence[int] | None = None,
+               percent: bool = True, width: int = 720) -> str:
+    """Horizontal bars, one per label (long labels such as repository names fit)."""
+    row = 20
+    left, right, top_pad = 220, 70, 34
+    height = top_pad + row * max(1, len(labels)) + 24
+    plot_w = width - left - right
+    top = 1.0 if percent else _nice_max(max(values, default=1.0))
+    out = _open(width, height, title)
+    for i in range(6):
+        x = left + plot_w * i / 5
+        out.append(f'<line x1="{x:.1f}" y1="{top_pad}" x2="{x:.1f}" y2="{height - 22}" stroke="#eee"/>')
+        out.append(f'<text x="{x:.1f}" y="{height - 8}" text-anchor="middle" font-size="10" {FONT}>{_fmt(top * i / 5, percent)}</text>')
+    for i, (label, value) in enumerate(zip(labels, values, strict=True)):
+        y = top_pad + i * row
+        w = plot_w * max(0.0, min(value, top)) / top
+        shown = f"{label} ({counts[i]})" if counts is not None else label
+        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end" font-size="11" {FONT}>{escape(_short(shown, 34))}</text>')
+        out.append(f'<rect class="bar" x="{left}" y="{y + 3}" width="{w:.1f}" height="{row - 6}" fill="{PALETTE[0]}" '
+                   f'data-series="score" data-label="{escape(label)}" data-value="{value:.6g}">'
+                   f'<title>{escape(shown)}: {_fmt(value, percent)}</title></rect>')
+        out.append(f'<text x="{left + w + 4:.1f}" y="{y + 13}" font-size="10" {FONT}>{_fmt(value, percent)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def line_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]], *, x_label: str = "",
+               percent: bool = True, log2_x: bool = True, width: int = 720, height: int = 320) -> str:
+    """Lines through (x, y) points, one per series; x on a log2 axis by default (pass@k curves)."""
+    points = [p for ps in series.values() for p in ps]
+    left, right, top_pad, bottom = 56, 170, 34, 48
+    plot_w, plot_h = width - left - right, height - top_pad - bottom
+    xs = sorted({p[0] for p in points}) or [1.0]
+
+    def tx(x: float) -> float:
+        lo, hi = (math.log2(xs[0]), math.log2(xs[-1])) if log2_x else (xs[0], xs[-1])
+        v = math.log2(x) if log2_x else x
+        return left + (plot_w * (v - lo) / (hi - lo) if hi > lo else plot_w / 2)
+
+    top = 1.0 if percent else _nice_max(max((p[1] for p in points), default=1.0))
+
+    def ty(y: float) -> float:
+        return top_pad + plot_h - plot_h * max(0.0, min(y, top)) / top
+
+    out = _open(width, height, title)
+    for i in range(6):
+        y = top_pad + plot_h - plot_h * i / 5
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="10" {FONT}>{_fmt(top * i / 5, percent)}</text>')
+    for x in xs:
+        out.append(f'<text x="{tx(x):.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" font-size="10" {FONT}>{x:g}</text>')
+    if x_label:
+        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{escape(x_label)}</text>')
+    for s, (name, pts) in enumerate(series.items()):
+        colour = PALETTE[s % len(PALETTE)]
+        pts = sorted(pts)
+        if len(pts) > 1:
+            path = " ".join(f"{'M' if i == 0 else 'L'}{tx(x):.1f},{ty(y):.1f}" for i, (x, y) in enumerate(pts))
+            out.append(f'<path class="line" d="{path}" fill="none" stroke="{colour}" stroke-width="2" '
+                       f'data-series="{escape(name)}"/>')
+        for x, y in pts:
+            out.append(f'<circle class="point" cx="{tx(x):.1f}" cy="{ty(y):.1f}" r="3.5" fill="{colour}" '
+                       f'data-series="{escape(name)}" data-label="{x:g}" data-value="{y:.6g}">'
+                       f'<title>{escape(name)} @{x:g}: {_fmt(y, percent)}</title></circle>')
+    out += _legend(list(series), left + plot_w + 16, top_pad + 10)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def histogram_bins(values: Sequence[float], bins: int = 20) -> list[float]:
+    """`bins` + 1 equal-width edges covering `values` (at least [0, 1])."""
+    hi = max(values, default=1.0)
+    hi = hi if hi > 0 else 1.0
+    return [hi * i / bins for i in range(bins + 1)]
+
+
+def histogram(title: str, series: Mapping[str, Sequence[float]], *, bins: int = 20, x_label: str = "",
+              width: int = 720, height: int = 300) -> str:
+    """Stacked histogram of the values of each series over shared equal-width bins (counts on y)."""
+    all_values = [v for vs in series.values() for v in vs]
+    edges = histogram_bins(all_values, bins)
+    counts = {name: [0] * bins for name in series}
+    for name, vs in series.items():
+        for v in vs:
+            i = min(bins - 1, int(bins * v / edges[-1])) if edges[-1] > 0 else 0
+            counts[name][max(0, i)] += 1
+    totals = [sum(counts[n][i] for n in series) for i in range(bins)]
+    top = _nice_max(max(totals, default=1))
+    left, right, top_pad, bottom = 56, 170, 34, 48
+    plot_w, plot_h = width - left - right, height - top_pad - bottom
+    bar_w = plot_w / bins
+    out = _open(width, height, title)
+    for i in range(6):
+        y = top_pad + plot_h - plot_h * i / 5
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="10" {FONT}>{_fmt(top * i / 5, False)}</text>')
+    for i in range(bins):
+        base = 0
+        for s, name in enumerate(series):
+            c = counts[name][i]
+            if not c:
+                continue
+            h = plot_h * c / top
+            y = top_pad + plot_h - plot_h * (base + c) / top
+            label = f"{edges[i]:.0f}-{edges[i + 1]:.0f}"
+            out.append(f'<rect class="bar" x="{left + i * bar_w:.1f}" y="{y:.1f}" width="{bar_w - 1:.1f}" height="{h:.1f}" '
+                       f'fill="{PALETTE[s % len(PALETTE)]}" data-series="{escape(name)}" data-label="{label}" '
+                       f'data-value="{c}"><title>{escape(name)} {label}: {c}</title></rect>')
+            base += c
+    for i in range(0, bins + 1, max(1, bins // 5)):
+        out.append(f'<text x="{left + i * bar_w:.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" font-size="10" '
+                   f'{FONT}>{edges[i]:.0f}</text>')
+    if x_label:
+        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{escape(x_label)}</text>')
+    out += _legend(list(series), left + plot_w + 16, top_pad + 10)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _short(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: max(1, n - 1)] + "…"

@@ -1,0 +1,545 @@
+"""The evaluation runner: k samples of every problem through a rollout engine and an environment,
+graded, aggregated and reported.
+
+Public entry point: :func:`evaluate` (the `sao evaluate` command and the KFP component call it).
+
+How a sample is played: the benchmark's problem becomes an environment task (`math` for BeyondAIME
+and IMO-AnswerBench, `swe` for SWE-Bench Verified), and :func:`sao_core.rollout.episode.run_episode`
+plays it on the engine (``hf`` or ``vllm``, `sao_core.rollout.engines`) exactly as the rollout service
+does for training. Math episodes are graded inside the `math` environment by the benchmark's grader
+(`sao_core.eval.graders`); an answer cut off by the token limit is graded the same way from the text
+that was generated. SWE episodes are graded by the `swe` environment when the agent submits (its patch
+is tested in a fresh sandbox). Sampling seeds derive from (seed, benchmark, problem id, sample index),
+so a resumed or repeated run samples the same way on the same engine.
+
+Outputs (in `EvalConfig.output`, a folder or an ``s3://`` prefix):
+
+- ``samples.jsonl``: one line per sample: ``benchmark, id, sample, status`` (graded | timeout |
+  error), ``correct, grade, grader, settled, answer, detail, finish_reason, timed_out, tokens``
+  (generated tokens), ``prompt_tokens, turns, seconds`` (wall time of the sample), ``generation_seconds,
+  tool_seconds, grade_seconds, seed, groups`` (category, repository, ...), ``response`` (the end of the
+  last model turn), SWE: ``patch`` and ``tests`` (test counts), plus ``judge`` when the LLM judge ruled;
+- ``summary.json``: per benchmark its data set record, scores, counts, graders, breakdowns, token
+  statistics and per-problem results, plus the flat metrics and the comparison with a previous run;
+- ``metrics.json``: the flat ``name -> float`` metrics (KFP-ready, e.g. ``imo_answerbench/avg@4``);
+- ``report.html``: the report (`sao_core.eval.report.write_report`);
+- ``run.json``: the settings that make samples comparable (checked when resuming);
+- ``datasets/<benchmark>/``: the normalised data (``data.jsonl``, ``rejects.jsonl``, ``stats.json``).
+
+Resuming: with `resume` (the default), samples already in ``samples.jsonl`` with status ``graded`` or
+``timeout`` are kept and not generated again; ``error`` samples (a sandbox or engine failure) are
+redone. A different model, sampling settings, prompt or data-set version in ``run.json`` stops the run
+with an error instead of mixing samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sao_core import storage
+from sao_core.eval.benchmarks import LoadedBenchmark, get_benchmark, group_values, load_benchmark, task_for
+from sao_core.eval.config import EvalConfig, EvalError
+from sao_core.eval.graders import ImoGrader, IntegerGrader, LLMJudge, Verdict, verdict_from_swe_report
+from sao_core.eval.metrics import benchmark_metrics, compare, flat_metrics
+
+log = logging.getLogger(__name__)
+
+SAMPLES_FILE = "samples.jsonl"
+SUMMARY_FILE = "summary.json"
+METRICS_FILE = "metrics.json"
+REPORT_FILE = "report.html"
+RUN_FILE = "run.json"
+DATASETS_DIR = "datasets"
+SUMMARY_SCHEMA = 1
+_MAX_PATCH_CHARS = 100_000
+_MAX_LISTED = 200
+
+Progress = Callable[[int, int], None]
+
+
+# ------------------------------------------------------------------------------------------ options
+
+def swe_env_options(config: EvalConfig) -> dict[str, Any]:
+    """Keyword arguments of the `swe` environment (`SWEEnv`) for this run: sandbox kind, turns,
+    timeouts and repository source from the config, then ``config.env_options["swe"]`` on top."""
+    options: dict[str, Any] = {
+        "sandbox_kind": config.sandbox,
+        "max_turns": config.swe_max_turns,
+        "command_timeout_s": config.swe_command_timeout_s,
+        "test_timeout_s": config.swe_test_timeout_s,
+        "repo_source": config.swe_repo_source,
+    }
+    options.update(config.env_options.get("swe") or {})
+    return options
+
+
+def sample_seed(seed: int, benchmark: str, problem_id: str, index: int) -> int:
+    """The sampling seed of one sample: 31 bits of sha256(seed/benchmark/id/index)."""
+    digest = hashlib.sha256(f"{seed}/{benchmark}/{problem_id}/{index}".encode()).hexdigest()
+    return int(digest[:8], 16) & 0x7FFFFFFF
+
+
+def run_settings(config: EvalConfig, loaded: list[LoadedBenchmark]) -> dict[str, Any]:
+    """What must be equal for samples of two runs to be mixed (stored in ``run.json``)."""
+    prompt = f"{config.system_prompt or ''}\x00{config.math_prompt}"
+    return {
+        "model": config.model,
+        "sampling": {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+                     "max_new_tokens": config.max_new_tokens, "max_total_tokens": config.max_total_tokens,
+                     "seed": config.seed},
+        "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
+        "datasets": {b.spec.name: b.dataset.version for b in loaded},
+    }
+
+
+# ------------------------------------------------------------------------------------------ output
+
+class _Output:
+    """The run directory: the folder itself, or a local staging folder uploaded to an s3:// prefix."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self.s3 = storage.is_s3_uri(uri)
+        if self.s3:
+            storage.parse_s3_uri(uri)   # a malformed URI fails here, before any work
+            self.local = Path(tempfile.mkdtemp(prefix="sao-eval-"))
+        else:
+            self.local = Path(uri).expanduser()
+            if self.local.exists() and not self.local.is_dir():
+                raise EvalError(f"output {uri} exists and is not a folder")
+            try:
+                self.local.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise EvalError(f"cannot create the output folder {uri}: {err}") from err
+        self._last_upload = time.monotonic()
+
+    def uri_of(self, name: str) -> str:
+        return storage.join(self.uri, name) if self.s3 else str(self.local / name)
+
+    def fetch(self, name: str) -> None:
+        """s3 output: copy `name` down when it exists there (a resumed run)."""
+        if self.s3 and storage.exists(storage.join(self.uri, name)):
+            storage.download_file(storage.join(self.uri, name), self.local / name)
+
+    def upload(self, *names: str) -> None:
+        if not self.s3:
+            return
+        for name in names:
+            path = self.local / name
+            if path.is_dir():
+                storage.upload_dir(path, storage.join(self.uri, name))
+            elif path.exists():
+                storage.upload_file(path, storage.join(self.uri, name))
+        self._last_upload = time.monotonic()
+
+    def upload_due(self, every_s: float) -> bool:
+        return self.s3 and every_s > 0 and time.monotonic() - self._last_upload >= every_s
+
+    def close(self) -> None:
+        if self.s3:
+            shutil.rmtree(self.local, ignore_errors=True)
+
+
+class _SampleStore:
+    """``samples.jsonl``: read at start (the last line of a slot wins; a torn last line is skipped),
+    appended to (and flushed) as samples finish."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self.unreadable = 0
+        if path.exists():
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    key = (str(record["benchmark"]), str(record["id"]), int(record["sample"]))
+                except (ValueError, KeyError, TypeError):
+                    self.unreadable += 1
+                    continue
+                self.records[key] = record
+        if self.unreadable:
+            log.warning("%s: skipped %d unreadable line(s) (an interrupted write?); those samples are redone",
+                        path, self.unreadable)
+        self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115  (closed in close())
+
+    def done(self, key: tuple[str, str, int]) -> bool:
+        record = self.records.get(key)
+        return record is not None and record.get("status") != "error"
+
+    def append(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        self._fh.flush()
+        self.records[(record["benchmark"], record["id"], record["sample"])] = record
+
+    def of(self, benchmark: str) -> list[dict[str, Any]]:
+        return [r for (b, _, _), r in self.records.items() if b == benchmark]
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _check_resume(output: _Output, settings: dict[str, Any], resume: bool) -> None:
+    path = output.local / RUN_FILE
+    if not resume:
+        for name in (SAMPLES_FILE, RUN_FILE):
+            (output.local / name).unlink(missing_ok=True)
+        return
+    if not path.exists():
+        return
+    try:
+        before = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise EvalError(f"{output.uri_of(RUN_FILE)} is not JSON ({err}); remove it or set resume=false") from err
+    problems = []
+    for key in ("model", "sampling", "prompt_sha256"):
+        if before.get(key) != settings[key]:
+            problems.append(f"{key}: {before.get(key)!r} there, {settings[key]!r} now")
+    for name, version in settings["datasets"].items():
+        old = (before.get("datasets") or {}).get(name)
+        if old is not None and old != version:
+            problems.append(f"{name} data set version: {old} there, {version} now")
+    if problems:
+        raise EvalError(f"output {output.uri} holds samples of a different run ({'; '.join(problems)}); use a new "
+                        "output, or resume=false (--no-resume) to start over there")
+
+
+# ------------------------------------------------------------------------------------------ grading glue
+
+class _EpisodeGrader:
+    """Given to the `math` environment as its grader: grades with the benchmark's grader and keeps the
+    full Verdict (the environment only passes on correct / reason / detail)."""
+
+    def __init__(self, grade: Callable[[str | None], Verdict]):
+        self._grade = grade
+        self.verdict: Verdict | None = None
+
+    def grade(self, answer: str | None, gold: str, timeout_s: float | None = None) -> Any:
+        from sao_core.envs.grading import GradeResult
+
+        self.verdict = self._grade(answer)
+        return GradeResult(self.verdict.correct, self.verdict.grade, self.verdict.detail, self.verdict.seconds)
+
+
+class _Graders:
+    """The graders of one run (math-verify workers and the judge are shared by all samples)."""
+
+    def __init__(self, config: EvalConfig):
+        from sao_core.envs.grading import MathGrader
+
+        self.math = MathGrader(max_workers=config.grader_workers, timeout_s=config.grade_timeout_s)
+        self.judge = None
+        if config.judge_url and config.judge_model:
+            key = os.environ.get(config.judge_api_key_env) if config.judge_api_key_env else None
+            self.judge = LLMJudge(config.judge_url, config.judge_model, api_key=key, timeout_s=config.judge_timeout_s,
+                                  concurrency=config.judge_concurrency)
+        self.imo = ImoGrader(self.math, config.grade_timeout_s, self.judge, config.judge_policy)
+        self.integer = IntegerGrader()
+
+    def for_benchmark(self, name: str):
+        return self.integer if name == "beyond_aime" else self.imo
+
+    def close(self) -> None:
+        self.math.close()
+        if self.judge is not None:
+            self.judge.close()
+
+
+# ------------------------------------------------------------------------------------------ one sample
+
+def _last_turn(trajectory: Any) -> list[int]:
+    """Token ids of the last model turn (the last run of action tokens)."""
+    ids, mask = trajectory.token_ids, trajectory.action_mask
+    end = len(mask)
+    while end > 0 and not mask[end - 1]:
+        end -= 1
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return ids[start:end]
+
+
+def _cut_tail(text: str | None, limit: int) -> str | None:
+    if text is None or len(text) <= limit:
+        return text
+    return f"[... {len(text) - limit} characters cut]" + text[-limit:]
+
+
+async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, Any], index: int, engine: Any,
+                tokenizer: Any, graders: _Graders) -> dict[str, Any]:
+    from sao_core.envs import make_env
+    from sao_core.envs.grading import extract_boxed
+    from sao_core.rollout.engines import SamplingParams
+    from sao_core.rollout.episode import EpisodeLimits, action_text, run_episode
+
+    spec = bench.spec
+    problem_id = str(record["id"])
+    seed = sample_seed(config.seed, spec.name, problem_id, index)
+    task = task_for(spec, record, config.math_prompt, config.system_prompt)
+    grader = graders.for_benchmark(spec.name) if spec.env == "math" else None
+    recorder = None
+    if spec.env == "math":
+        recorder = _EpisodeGrader(lambda answer: grader.grade(answer, record["answer"], record))
+        env = make_env("math", grader=recorder, grade_timeout_s=config.grade_timeout_s)
+    else:
+        env = make_env("swe", **swe_env_options(config))
+    params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                            max_new_tokens=config.max_new_tokens, seed=seed)
+    limits = EpisodeLimits(config.max_total_tokens, config.max_new_tokens, config.sample_timeout_s)
+    started = time.monotonic()
+    trajectory = await run_episode(task, env, engine, tokenizer, params, limits, sample_index=index,
+                                   trajectory_id=f"{spec.name}/{problem_id}/{index}")
+    finish = trajectory.finish_reason
+    info = dict(trajectory.metadata.get("info") or {})
+    response = action_text(tokenizer, _last_turn(trajectory))
+    extra: dict[str, Any] = {}
+    grade_started = time.monotonic()
+    if finish == "timeout":
+        verdict = Verdict(False, "timeout", None, extract_boxed(response) if spec.env == "math" else None,
+                          f"the sample took longer than sample_timeout_s = {config.sample_timeout_s:g} s")
+    elif finish in ("env_error", "tool_error"):
+        verdict = Verdict(False, "error", None, None, str(info.get("error") or finish))
+    elif spec.env == "math":
+        verdict = recorder.verdict if recorder is not None and recorder.verdict is not None else None
+        if verdict is None:   # cut off by the token limit: grade what was written
+            verdict = await asyncio.to_thread(grader.grade, extract_boxed(response), record["answer"], record)
+    elif isinstance(info.get("grade"), dict):
+        verdict = verdict_from_swe_report(info["grade"], info.get("patch"))
+        extra["patch"] = _cut_tail(info.get("patch"), _MAX_PATCH_CHARS)
+    else:
+        verdict = Verdict(False, "no_submission", None, None,
+                          f"the agent did not submit a patch (episode ended: {finish})")
+    status = "timeout" if finish == "timeout" else "error" if finish in ("env_error", "tool_error") else "graded"
+    if spec.env == "swe":
+        extra["tests"] = {k: v for k, v in verdict.extra.items() if k.endswith(("_total", "_passed", "_failed"))}
+    if "judge" in verdict.extra:
+        extra["judge"] = verdict.extra["judge"]
+        extra["rule_grade"] = verdict.extra.get("rule_grade")
+    prompt_tokens = next((i for i, m in enumerate(trajectory.action_mask) if m), len(trajectory.action_mask))
+    return {
+        "benchmark": spec.name,
+        "id": problem_id,
+        "sample": index,
+        "status": status,
+        "correct": bool(verdict.correct) and status == "graded",
+        "grade": verdict.grade,
+        "grader": verdict.grader,
+        "settled": verdict.settled,
+        "answer": verdict.answer,
+        "detail": verdict.detail[:2000],
+        "finish_reason": finish,
+        "timed_out": finish == "timeout",
+        "tokens": trajectory.num_action_tokens,
+        "prompt_tokens": prompt_tokens,
+        "turns": trajectory.num_turns,
+        "seconds": round(time.monotonic() - started, 3),
+        "generation_seconds": round(trajectory.timings.generation_seconds, 3),
+        "tool_seconds": round(trajectory.timings.tool_seconds, 3),
+        "grade_seconds": round(verdict.seconds or (time.monotonic() - grade_started), 3),
+        "seed": seed,
+        "groups": group_values(spec, record),
+        "response": _cut_tail(response, config.response_chars),
+        **extra,
+    }
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+def _make_engine(config: EvalConfig) -> Any:
+    from sao_core.rollout.engines import EngineError, make_engine
+
+    options = dict(config.engine_options)
+    options.setdefault("seed", config.seed)
+    try:
+        return make_engine(config.engine, config.model, config.cache_dir, **options)
+    except EngineError as err:
+        raise EvalError(f"cannot start the {config.engine} engine for model {config.model!r}: {err}") from err
+    except TypeError as err:
+        raise EvalError(f"engine_options {config.engine_options!r} do not fit the {config.engine} engine: {err}") from err
+
+
+async def _generate(config: EvalConfig, loaded: list[LoadedBenchmark], todo: list[tuple[int, dict, int]],
+                    store: _SampleStore, output: _Output, progress: Progress | None, total: int,
+                    done_before: int, given_engine: Any = None) -> int:
+    engine = given_engine if given_engine is not None else _make_engine(config)
+    graders = _Graders(config)
+    slots = asyncio.Semaphore(config.concurrency)
+    swe_slots = asyncio.Semaphore(config.swe_concurrency)
+    finished = 0
+
+    async def one(bench_index: int, record: dict, index: int) -> dict[str, Any]:
+        bench = loaded[bench_index]
+        async with slots:
+            if bench.spec.env == "swe":
+                async with swe_slots:
+                    return await _play(config, bench, record, index, engine, engine.tokenizer, graders)
+            return await _play(config, bench, record, index, engine, engine.tokenizer, graders)
+
+    pending = [asyncio.ensure_future(one(*item)) for item in todo]
+    try:
+        for next_done in asyncio.as_completed(pending):
+            record = await next_done
+            store.append(record)
+            finished += 1
+            if progress is not None:
+                progress(done_before + finished, total)
+            if output.upload_due(config.upload_every_s):
+                await asyncio.to_thread(output.upload, SAMPLES_FILE)
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if given_engine is None:
+            await engine.close()
+        await asyncio.to_thread(graders.close)
+    return finished
+
+
+def load_summary(uri: str) -> dict[str, Any]:
+    """A ``summary.json`` (path, run folder or s3:// URI) written by :func:`evaluate`."""
+    target = uri if uri.endswith(".json") else storage.join(uri, SUMMARY_FILE)
+    try:
+        data = json.loads(storage.read_text(target))
+    except (storage.StorageError, OSError) as err:
+        raise EvalError(f"cannot read the previous summary {target}: {err}") from err
+    except ValueError as err:
+        raise EvalError(f"the previous summary {target} is not JSON: {err}") from err
+    if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
+        raise EvalError(f"{target} is not an evaluation summary (no 'metrics' mapping)")
+    return data
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: Any = None) -> dict[str, Any]:
+    """Run an evaluation and write its outputs (see the module docstring); returns the summary.
+
+    `progress(done, total)` is called after every finished sample (counts of samples, reused ones
+    included). `engine` (optional) is an already started `sao_core.rollout.engines.Engine` with a
+    ``tokenizer`` attribute to generate with instead of starting ``config.engine`` on ``config.model``
+    (e.g. a colocated service's engine); it is not closed. `config.model` still names the run. The summary is the content of ``summary.json``: ``model, engine, started_at,
+    finished_at, seconds`` (wall time), ``samples_generated, samples_reused, config, benchmarks``
+    (per benchmark: ``title, dataset, problems, k, samples, scores, counts, graders, groups, tokens,
+    per_problem, unsettled, errors``), ``metrics`` (flat name -> float, as in ``metrics.json``),
+    ``comparison`` (None or ``{"previous", "model", "metrics": {name: {current, previous, delta}}}``)
+    and ``files`` (where each output went). Raises EvalError for bad settings, unreadable data or
+    previous summary, a model that cannot be loaded, or when every sample failed.
+    """
+    from sao_core.eval.report import write_report
+
+    started, started_at = time.monotonic(), _now()
+    try:
+        config.validate()
+    except EvalError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise EvalError(f"bad evaluation settings: {err}") from err
+    specs = [get_benchmark(name) for name in config.benchmark_list]
+    output = _Output(config.output)
+    try:
+        previous = load_summary(config.previous_summary) if config.previous_summary else None
+        loaded = [
+            load_benchmark(spec, config.source_for(spec.name), config.splits.get(spec.name), config.limit,
+                           config.max_reject_fraction, output.local / DATASETS_DIR / spec.name)
+            for spec in specs
+        ]
+        settings = run_settings(config, loaded)
+        if config.resume:
+            output.fetch(RUN_FILE)
+            output.fetch(SAMPLES_FILE)
+        _check_resume(output, settings, config.resume)
+        (output.local / RUN_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+        store = _SampleStore(output.local / SAMPLES_FILE)
+        try:
+            todo, total, reused = [], 0, 0
+            for index in range(config.k):             # sample 0 of every problem first: early results are balanced
+                for b, bench in enumerate(loaded):
+                    for record in bench.records:
+                        total += 1
+                        if store.done((bench.spec.name, str(record["id"]), index)):
+                            reused += 1
+                        else:
+                            todo.append((b, record, index))
+            log.info("evaluating %s on %s: %d samples to generate, %d reused", config.model,
+                     ", ".join(s.name for s in specs), len(todo), reused)
+            if progress is not None:
+                progress(reused, total)
+            generated = asyncio.run(_generate(config, loaded, todo, store, output, progress, total, reused,
+                                              engine)) if todo else 0
+        finally:
+            store.close()
+        samples = {b.spec.name: _in_scope(b, store.of(b.spec.name), config.k) for b in loaded}
+        summary = summarize(config, loaded, samples, previous)
+        summary.update(started_at=started_at, finished_at=_now(), seconds=round(time.monotonic() - started, 3),
+                       samples_generated=generated, samples_reused=reused,
+                       files={key: output.uri_of(name) for key, name in (
+                           ("samples", SAMPLES_FILE), ("summary", SUMMARY_FILE), ("metrics", METRICS_FILE),
+                           ("report", REPORT_FILE), ("run", RUN_FILE), ("datasets", DATASETS_DIR))})
+        (output.local / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n",
+                                                 encoding="utf-8")
+        (output.local / METRICS_FILE).write_text(json.dumps(summary["metrics"], indent=2, sort_keys=True) + "\n",
+                                                 encoding="utf-8")
+        write_report(summary, [s for b in loaded for s in samples[b.spec.name]], str(output.local), previous)
+        output.upload(SAMPLES_FILE, RUN_FILE, SUMMARY_FILE, METRICS_FILE, REPORT_FILE, DATASETS_DIR)
+    finally:
+        output.close()
+    errors = sum(bench["counts"].get("error", 0) for bench in summary["benchmarks"].values())
+    if total and errors == total:
+        first = next((b["errors"][0] for b in summary["benchmarks"].values() if b["errors"]), {})
+        raise EvalError(f"all {total} samples failed (outputs written to {config.output}); first: "
+                        f"{first.get('benchmark')} {first.get('id')}: {first.get('detail')}")
+    return summary
+
+
+def _in_scope(bench: LoadedBenchmark, samples: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """The samples of this run's problems and sample indices (a resumed folder may hold more)."""
+    ids = {str(r["id"]) for r in bench.records}
+    return [s for s in samples if str(s.get("id")) in ids and isinstance(s.get("sample"), int) and s["sample"] < k]
+
+
+def summarize(config: EvalConfig, loaded: list[LoadedBenchmark], samples: dict[str, list[dict[str, Any]]],
+              previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The summary of graded samples (without the timing and file fields `evaluate` adds)."""
+    benchmarks: dict[str, Any] = {}
+    for bench in loaded:
+        spec = bench.spec
+        current = _in_scope(bench, samples.get(spec.name, []), config.k)
+        metrics = benchmark_metrics(bench.records, current, config.k, spec.groups, spec.majority,
+                                    integer=spec.grader == "exact_int")
+        unsettled = [{"id": s["id"], "sample": s["sample"], "answer": s.get("answer"), "detail": s.get("detail")}
+                     for s in current if s.get("settled") is False and s.get("status") == "graded"]
+        errors = [{"benchmark": spec.name, "id": s["id"], "sample": s["sample"], "detail": s.get("detail")}
+                  for s in current if s.get("status") == "error"]
+        benchmarks[spec.name] = {
+            "title": spec.title,
+            "grader": spec.grader,
+            "dataset": bench.dataset.to_dict(),
+            **metrics,
+            "unsettled_total": len(unsettled),
+            "unsettled": unsettled[:_MAX_LISTED],
+            "errors_total": len(errors),
+            "errors": errors[:_MAX_LISTED],
+        }
+    flat = flat_metrics(benchmarks)
+    public = dataclasses.asdict(config)
+    comparison = None
+    if previous is not None:
+        comparison = {"model": previous.get("model"), "finished_at": previous.get("finished_at"),
+                      "previous": config.previous_summary, "metrics": compare(flat, previous.get("metrics", {}))}
+    return {"schema": SUMMARY_SCHEMA, "model": config.model, "engine": config.engine, "config": public,
+            "benchmarks": benchmarks, "metrics": flat, "comparison": comparison}
