@@ -128,13 +128,15 @@ def cmd_train_rl(args: argparse.Namespace) -> int:
     from sao_core.learner.loop import train_rl
 
     config = config_from_args(RLConfig, args, {"cache_dir": args.cache_dir})
-    with _progress_bar(config.steps, f"train-rl {config.method}", args.quiet) as bar:
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports
+    with _progress_bar(config.steps, f"train-rl {config.method}", args.quiet or not main_rank) as bar:
         def show(step: int, metrics: dict) -> None:
             bar.update(step - bar.n)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", v=metrics["version"], refresh=False)
 
         summary = train_rl(config, progress=show)
-    print(json.dumps(summary, indent=2))
+    if main_rank:
+        print(json.dumps(summary, indent=2))
     return 0
 
 

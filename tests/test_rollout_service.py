@@ -144,6 +144,35 @@ def test_unacknowledged_trajectories_come_back_after_reconnect(service, tmp_path
     again.close()
 
 
+def test_shards_split_the_prompt_stream_and_start_position_skips(warm_model, sao_cache, tmp_path):
+    """Two services of one run (shards 0 and 1 of 2) roll out disjoint prompts that together cover the
+    stream once; a plan restarted at start_position skips the positions before it."""
+    dataset = _rl_dataset(tmp_path, 6, seed=9)
+    servers = [RolloutServer(ServeConfig(model=warm_model, port=0, cache_dir=str(sao_cache), max_batch=8)).start()
+               for _ in range(2)]
+    try:
+        got = []
+        for shard, server in enumerate(servers):
+            client = RolloutClient(server.url, consumer="learner-s")
+            client.start(_plan(dataset, shard=shard, num_shards=2, max_new_tokens_per_turn=16))
+            got.append(_drain(client)[0])
+            client.close()
+        positions = [sorted(t.metadata["position"] for t in items) for items in got]
+        assert positions == [[0, 2, 4], [1, 3, 5]]
+        prompts = [t.prompt_id for items in got for t in items]
+        assert len(set(prompts)) == 6
+        client = RolloutClient(servers[0].url, consumer="learner-t")
+        client.start(_plan(dataset, start_position=4, max_new_tokens_per_turn=16))
+        late = _drain(client)[0]
+        assert sorted(t.metadata["position"] for t in late) == [4, 5]
+        with pytest.raises(RolloutRequestError, match="shard"):
+            client.start(_plan(dataset, shard=2, num_shards=2))
+        client.close()
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def test_admission_control_caps_in_flight(service, tmp_path):
     server, client = service
     dataset = _rl_dataset(tmp_path, 10, seed=9)

@@ -26,6 +26,12 @@ class RLBatch:
                                                           "rollout_logprobs", "versions", "rewards")}
         return RLBatch(self.trajectories, **moved)
 
+    def rows(self, start: int, stop: int) -> RLBatch:
+        """Trajectories [start, stop) of the batch (same padded width T)."""
+        sliced = {k: getattr(self, k)[start:stop] for k in ("input_ids", "attention_mask", "action_mask",
+                                                             "rollout_logprobs", "versions", "rewards")}
+        return RLBatch(self.trajectories[start:stop], **sliced)
+
 
 def collate(trajectories: list[Trajectory], pad_id: int) -> RLBatch:
     """Right-pad `trajectories` into one batch."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -31,7 +32,8 @@ from sao_core.learner.config import GROUP_METHODS, RLConfig
 from sao_core.learner.updates import Updater
 from sao_core.rollout.client import RolloutClient, RolloutRequestError, RolloutUnavailable
 from sao_core.rollout.trajectory import Trajectory
-from sao_core.training.checkpointing import step_name
+from sao_core.training.checkpointing import save_full_model, step_name
+from sao_core.training.distributed import DistContext, broadcast_object, init_distributed, shard_model
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,9 @@ class LearnerError(ValueError):
 
 class ServiceSet:
     """The rollout services of a run: fair taking, acknowledgements, weight pushes, and re-sync of a
-    service that restarted (it is given the current weights and the plan again)."""
+    service that restarted (it is given the current weights and the plan again, starting after the last
+    trained stream position). Service i takes the prompt-stream shard i of len(urls), so no two services
+    roll out the same prompt."""
 
     def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float):
         self.clients = [RolloutClient(url, consumer=consumer) for url in urls]
@@ -61,7 +65,7 @@ class ServiceSet:
             if status["version"] < version:
                 client.push_weights(version, uri, digest)
         if status.get("plan") is None:
-            client.start(self.plan)
+            client.start({**self.plan, "shard": index, "num_shards": len(self.clients)})
         else:  # a plan survived us (learner restart): take back what we had taken but not acknowledged
             self.reconnecting.add(index)
         self.down.discard(index)
@@ -209,15 +213,47 @@ def _journal_uri(config: RLConfig, step: int) -> str:
     return storage.join(config.output, "journal", f"{step_name(step)}.json")
 
 
-def _export(model, tokenizer, staging: Path) -> None:
+def _gather_batch(ctx: DistContext, fetch: Callable[[], list[Trajectory] | None]) -> list[Trajectory] | None:
+    """Rank 0 runs `fetch` and shares its result with every rank. An error on rank 0 reaches the other
+    ranks as a LearnerError instead of leaving them blocked in the broadcast."""
+    if not ctx.distributed:
+        return fetch()
+    message: Any = None
+    if ctx.is_main:
+        try:
+            message = ("ok", fetch())
+        except BaseException as err:
+            broadcast_object(("error", f"{type(err).__name__}: {err}"), ctx)
+            raise
+    kind, value = broadcast_object(message, ctx)
+    if kind == "error":
+        raise LearnerError(f"rank 0 stopped: {value}")
+    return value
+
+
+def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext) -> bool:
+    """Gather the critic (collective) and write it on rank 0; True on the rank that wrote."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from sao_core.models.value import ValueModel
+
+    full = get_model_state_dict(critic, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not ctx.is_main:
+        return False
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(staging)
+    plain = ValueModel.from_pretrained(initial_dir)
+    plain.load_state_dict(full, strict=True)
+    plain.save_pretrained(staging)
+    return True
 
 
 def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
-    """Run RL (SAO or a baseline) until `config.steps` learner steps; return the summary."""
+    """Run RL (SAO or a baseline) until `config.steps` learner steps; return the summary.
+
+    Under torchrun every rank calls this: rank 0 talks to the rollout services, writes the journal,
+    checkpoints and metrics, and shares each batch; all ranks train their share of it (FSDP2) and take
+    part in gathering the weights for each push. Every rank returns rank 0's summary.
+    """
     from sao_core.models import load_model_and_tokenizer, resolve_model
     from sao_core.models.value import ValueModel
     from sao_core.training.trainer import TrainingError, load_prepared
@@ -226,6 +262,10 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         config.validate()
     except ValueError as err:
         raise LearnerError(str(err)) from err
+    ctx = init_distributed()
+    if config.batch_size < ctx.world_size:
+        raise LearnerError(f"batch_size {config.batch_size} is smaller than the {ctx.world_size} ranks; every "
+                           "rank needs at least one trajectory per step")
     try:
         _, kind, data_uri = load_prepared(config.data)
     except TrainingError as err:
@@ -247,27 +287,47 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         critic = ValueModel.from_pretrained(initial_dir)
         if config.freeze_critic_attention:
             critic.freeze_attention()
-    updater = Updater(config, policy, critic)
+    policy = shard_model(policy.to(ctx.device), ctx)
+    if critic is not None:
+        critic = shard_model(critic.to(ctx.device), ctx)
+    updater = Updater(config, policy, critic, ctx)
     step, version = 0, 0
+    data_position = 0  # first prompt-stream position not yet trained (see RolloutPlan)
     if latest:
-        try:
-            local = storage.fetch_checkpoint(latest, Path(config.cache_dir) / "s3")
-        except storage.StorageError as err:
-            raise LearnerError(f"cannot resume from {latest}: {err}") from err
-        state = json.loads((local / "learner_state.json").read_text())
-        if state["method"] != config.method:
-            raise LearnerError(f"{latest} belongs to a {state['method']!r} run, not {config.method!r}")
-        updater.load_state_dict(torch.load(local / "learner.pt", weights_only=False))
-        step, version = state["step"], state["version"]
+        state: dict[str, Any] = {}
+        learner_state: dict[str, Any] | None = None
+        if ctx.is_main:
+            try:
+                local = storage.fetch_checkpoint(latest, Path(config.cache_dir) / "s3")
+            except storage.StorageError as err:
+                learner_state = {"error": f"cannot resume from {latest}: {err}"}
+            else:
+                learner_state = json.loads((local / "learner_state.json").read_text())
+                state = torch.load(local / "learner.pt", weights_only=False)
+        learner_state = broadcast_object(learner_state, ctx)
+        if "error" in learner_state:
+            raise LearnerError(learner_state["error"])
+        if learner_state["method"] != config.method:
+            raise LearnerError(f"{latest} belongs to a {learner_state['method']!r} run, not {config.method!r}")
+        updater.load_state_dict(state)
+        step, version = learner_state["step"], learner_state["version"]
+        data_position = learner_state.get("data_position", 0)
         log.info("resumed from %s (step %d, version %d)", latest, step, version)
 
     # Replay journal steps written after the checkpoint (deterministic, so the weights come back exactly).
     replayed = 0
     replayed_ids: set[str] = set()
-    while config.resume and storage.exists(_journal_uri(config, step + 1)):
-        entry = json.loads(storage.read_text(_journal_uri(config, step + 1)))
+    while config.resume:
+        def next_entry(step=step):
+            uri = _journal_uri(config, step + 1)
+            return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
+        entry = broadcast_object(next_entry() if ctx.is_main else None, ctx)
+        if entry is None:
+            break
         replayed_ids.update(entry["ids"])
-        batch = collate([Trajectory.from_dict(t) for t in entry["trajectories"]], tokenizer.pad_token_id)
+        replay = [Trajectory.from_dict(t) for t in entry["trajectories"]]
+        data_position = max([data_position] + [t.metadata.get("position", -1) + 1 for t in replay])
+        batch = collate(replay, tokenizer.pad_token_id)
         _, changed = updater.step(batch, step)
         step += 1
         version += int(changed)
@@ -277,24 +337,28 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
 
     consumer = "learner-" + hashlib.sha256(config.output.encode()).hexdigest()[:12]
     server = None
-    urls = list(config.services)
-    if not urls:
-        from sao_core.rollout.server import RolloutServer, ServeConfig
+    services: ServiceSet | None = None
+    if ctx.is_main:
+        urls = list(config.services)
+        if not urls:
+            from sao_core.rollout.server import RolloutServer, ServeConfig
 
-        server = RolloutServer(ServeConfig(model=config.model, engine=config.engine, port=0,
-                                           cache_dir=config.cache_dir, max_batch=config.rollout_max_batch,
-                                           seed=config.seed)).start()
-        urls = [server.url]
-    plan = {"dataset": config.data, "rollouts_per_prompt": config.rollouts_per_prompt, "epochs": 0,
-            "shuffle": True, "seed": config.seed, "max_in_flight": max(1, config.in_flight_cap // len(urls)),
-            "env_options": config.env_options, "max_new_tokens_per_turn": config.max_new_tokens_per_turn,
-            "max_total_tokens": config.max_total_tokens, "training": True}
-    services = ServiceSet(urls, consumer, plan, config.service_retry_s)
+            server = RolloutServer(ServeConfig(model=config.model, engine=config.engine, port=0,
+                                               cache_dir=config.cache_dir, max_batch=config.rollout_max_batch,
+                                               seed=config.seed)).start()
+            urls = [server.url]
+        plan = {"dataset": config.data, "rollouts_per_prompt": config.rollouts_per_prompt, "epochs": 0,
+                "shuffle": True, "seed": config.seed, "max_in_flight": max(1, config.in_flight_cap // len(urls)),
+                "env_options": config.env_options, "max_new_tokens_per_turn": config.max_new_tokens_per_turn,
+                "max_total_tokens": config.max_total_tokens, "training": True, "start_position": data_position}
+        services = ServiceSet(urls, consumer, plan, config.service_retry_s)
 
     def publish_weights() -> float:
+        """Gather the policy (collective); rank 0 publishes version `version` and pushes it to every service."""
         began = time.monotonic()
+        if not save_full_model(policy, tokenizer, scratch / "weights", ctx):
+            return 0.0
         uri = storage.join(config.output, "weights", f"v{version:06d}")
-        _export(policy, tokenizer, scratch / "weights")
         storage.publish_checkpoint(scratch / "weights", uri, metadata={"version": version, "step": step})
         services.push(version, uri, storage.checkpoint_digest(uri))
         old = version - config.keep_weight_versions
@@ -303,13 +367,19 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         return time.monotonic() - began
 
     def checkpoint() -> str:
+        """Resumable learner state (collective); rank 0 publishes it."""
+        uri = storage.join(checkpoints_uri, step_name(step))
+        state = updater.state_dict()
+        if not ctx.is_main:
+            return uri
         staging = scratch / "checkpoint"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        torch.save(updater.state_dict(), staging / "learner.pt")
+        torch.save(state, staging / "learner.pt")
         (staging / "learner_state.json").write_text(json.dumps(
-            {"method": config.method, "step": step, "version": version, "config": asdict(config)}, default=list))
-        uri = storage.join(checkpoints_uri, step_name(step))
+            {"method": config.method, "step": step, "version": version, "world_size": ctx.world_size,
+             "data_position": data_position,
+             "config": asdict(config)}, default=list))
         storage.publish_checkpoint(staging, uri, metadata={"kind": "learner-state", "step": step,
                                                            "version": version, "method": config.method})
         return uri
@@ -318,49 +388,66 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     metrics_path = scratch / "metrics.jsonl"
     if storage.is_s3_uri(config.output):
         metrics_uri = storage.join(config.output, "metrics.jsonl")
-        if config.resume and storage.exists(metrics_uri):
+        if ctx.is_main and config.resume and storage.exists(metrics_uri):
             metrics_path.write_text(storage.read_text(metrics_uri))
-    else:
+    elif ctx.is_main:
         Path(config.output).mkdir(parents=True, exist_ok=True)
         metrics_path = Path(config.output) / "metrics.jsonl"
     trained_trajectories = trained_tokens = 0
     first_rewards: list[float] = []
     last_rewards: list[float] = []
+    summary: dict[str, Any] | None = None
+    waited = 0.0
+
+    def next_batch() -> list[tuple[Trajectory, int]]:
+        nonlocal waited
+        wait_began = time.monotonic()
+        chosen = None
+        while chosen is None:
+            services.ack({}, pending.drop_stale(version))
+            chosen = pending.batch()
+            if chosen is None:
+                services.ack(pending.add(services.take(config.batch_size, config.take_wait_s)))
+        waited = time.monotonic() - wait_began
+        if config.method == "grpo":
+            services.pause()  # the synchronous baseline: generators wait while the learner works
+        return chosen
+
     try:
         if version > 0:
-            services.weights = None
+            if services is not None:
+                services.weights = None
             publish_weights()
-        services.connect()
-        with metrics_path.open("a" if config.resume else "w") as metrics_file:
+        _gather_batch(ctx, lambda: services.connect())
+        with (metrics_path.open("a" if config.resume else "w") if ctx.is_main
+              else open(os.devnull, "w")) as metrics_file:
             while step < config.steps:
-                wait_began = time.monotonic()
-                chosen = None
-                while chosen is None:
-                    services.ack({}, pending.drop_stale(version))
-                    chosen = pending.batch()
-                    if chosen is None:
-                        services.ack(pending.add(services.take(config.batch_size, config.take_wait_s)))
-                waited = time.monotonic() - wait_began
+                chosen = _gather_batch(ctx, next_batch)
                 trajectories = [t for t, _ in chosen]
+                data_position = max([data_position] + [t.metadata.get("position", -1) + 1 for t in trajectories])
+                if services is not None:  # a service that restarts resumes the stream from here
+                    services.plan["start_position"] = data_position
                 staleness = Counter(t.staleness(version) for t in trajectories)
-                if config.method == "grpo":
-                    services.pause()  # the synchronous baseline: generators wait while the learner works
                 step_began = time.monotonic()
                 batch = collate(trajectories, tokenizer.pad_token_id)
                 metrics, changed = updater.step(batch, step)
                 step += 1
-                storage.write_text(_journal_uri(config, step), json.dumps(
-                    {"step": step, "version_before": version, "ids": [t.id for t in trajectories],
-                     "trajectories": [t.to_dict() for t in trajectories]}))
-                by_service: dict[int, list[str]] = {}
-                for t, index in chosen:
-                    by_service.setdefault(index, []).append(t.id)
-                services.ack(by_service)
                 push_seconds = 0.0
+
+                def journal_and_ack(chosen=chosen, trajectories=trajectories, step=step, version=version) -> None:
+                    storage.write_text(_journal_uri(config, step), json.dumps(
+                        {"step": step, "version_before": version, "ids": [t.id for t in trajectories],
+                         "trajectories": [t.to_dict() for t in trajectories]}))
+                    by_service: dict[int, list[str]] = {}
+                    for t, index in chosen:
+                        by_service.setdefault(index, []).append(t.id)
+                    services.ack(by_service)
+
+                _gather_batch(ctx, journal_and_ack)
                 if changed:
                     version += 1
                     push_seconds = publish_weights()
-                if config.method == "grpo":
+                if ctx.is_main and config.method == "grpo":
                     services.resume()
                 trained_trajectories += len(trajectories)
                 trained_tokens += int(batch.action_mask.sum())
@@ -374,43 +461,45 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                           "dropped_total": pending.dropped, "learner_wait_s": waited,
                           "update_s": time.monotonic() - step_began, "weight_push_s": push_seconds,
                           "trajectories_per_s": trained_trajectories / elapsed,
-                          "tokens_per_s": trained_tokens / elapsed, "seconds": elapsed}
-                if step % config.log_every == 0 or step == config.steps:
+                          "tokens_per_s": trained_tokens / elapsed, "seconds": elapsed,
+                          "world_size": ctx.world_size}
+                if ctx.is_main and (step % config.log_every == 0 or step == config.steps):
                     record["generator_idle_share"] = services.idle_share()
                     metrics_file.write(json.dumps(record) + "\n")
                     metrics_file.flush()
                 if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
                     checkpoint()
-                if progress:
+                if progress and ctx.is_main:
                     progress(step, record)
         last_checkpoint = checkpoint()
         model_uri = storage.join(config.output, "model")
-        _export(policy, tokenizer, scratch / "model")
-        storage.publish_checkpoint(scratch / "model", model_uri, metadata={"method": config.method, "step": step,
-                                                                           "version": version})
+        if save_full_model(policy, tokenizer, scratch / "model", ctx):
+            storage.publish_checkpoint(scratch / "model", model_uri,
+                                       metadata={"method": config.method, "step": step, "version": version})
         critic_uri = None
         if critic is not None:
             critic_uri = storage.join(config.output, "critic")
-            shutil.rmtree(scratch / "critic", ignore_errors=True)
-            critic.save_pretrained(scratch / "critic")
-            storage.publish_checkpoint(scratch / "critic", critic_uri, metadata={"step": step})
-        if storage.is_s3_uri(config.output):
+            if _save_critic(critic, initial_dir, scratch / "critic", ctx):
+                storage.publish_checkpoint(scratch / "critic", critic_uri, metadata={"step": step})
+        if ctx.is_main and storage.is_s3_uri(config.output):
             storage.upload_file(metrics_path, storage.join(config.output, "metrics.jsonl"))
+        if ctx.is_main:
+            summary = {
+                "method": config.method, "steps": step, "version": version, "replayed_steps": replayed,
+                "trained_trajectories": trained_trajectories, "dropped": pending.dropped,
+                "reward_first": sum(first_rewards) / max(1, len(first_rewards)),
+                "reward_last": sum(last_rewards) / max(1, len(last_rewards)),
+                "seconds": time.time() - started, "checkpoint": last_checkpoint, "model": model_uri,
+                "critic": critic_uri, "resumed_from": latest, "world_size": ctx.world_size,
+            }
+            if not storage.is_s3_uri(config.output):
+                (Path(config.output) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            else:
+                storage.write_text(storage.join(config.output, "summary.json"), json.dumps(summary, indent=2))
     finally:
-        services.stop()
+        if services is not None:
+            services.stop()
         if server is not None:
             server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
-    summary = {
-        "method": config.method, "steps": step, "version": version, "replayed_steps": replayed,
-        "trained_trajectories": trained_trajectories, "dropped": pending.dropped,
-        "reward_first": sum(first_rewards) / max(1, len(first_rewards)),
-        "reward_last": sum(last_rewards) / max(1, len(last_rewards)),
-        "seconds": time.time() - started, "checkpoint": last_checkpoint, "model": model_uri, "critic": critic_uri,
-        "resumed_from": latest,
-    }
-    if not storage.is_s3_uri(config.output):
-        (Path(config.output) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    else:
-        storage.write_text(storage.join(config.output, "summary.json"), json.dumps(summary, indent=2))
-    return summary
+    return broadcast_object(summary, ctx)

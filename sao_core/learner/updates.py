@@ -7,11 +7,20 @@ grpo          group-normalised advantages; PPO clip against π_old recomputed by
 grpo_async    group advantages; PPO clip against the rollout engine's log-probs.
 grpo_dis      group advantages; DIS against the rollout log-probs.
 running_mean  one rollout per prompt; advantage = R − mean of the prompt's last rewards; DIS.
+
+Data parallel (torchrun, FSDP2): every rank receives the whole batch, computes the scalar advantages of
+the whole batch (group statistics and the running-mean baseline stay identical on all ranks), then trains
+on its own contiguous share of the rows. Each rank's loss is a token mean over its rows; multiplying it by
+n_local · W / n_global before FSDP2 averages the gradients over the W ranks makes the update exactly the
+token mean over the whole batch, as in one process. Advantage whitening uses global statistics. Metrics are
+token-weighted over ranks (exact for token means and fractions; `lambda_mean` is a mean over trajectories;
+`explained_variance` is the token-weighted mean of the per-rank values, an approximation).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sao_core.learner.batch import RLBatch
 from sao_core.learner.config import RLConfig
@@ -19,6 +28,12 @@ from sao_core.objectives.common import token_logprobs
 from sao_core.objectives.gae import adaptive_lambda, skip_observation_gae
 from sao_core.objectives.grpo import RunningMeanBaseline, group_advantages, ppo_clip_loss
 from sao_core.objectives.sao import dis_policy_loss, value_loss
+from sao_core.training.distributed import DistContext, all_reduce, broadcast_object
+
+# Metrics combined over ranks by sum or max instead of the token-weighted mean.
+_SUMMED = {"action_tokens"}
+_MAXED = {"logp_diff_max"}
+_ROW_MEANS = {"lambda_mean"}  # means over trajectories, not tokens
 
 
 def _policy_forward(policy, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -38,18 +53,30 @@ def _policy_forward(policy, batch: RLBatch) -> tuple[torch.Tensor, dict[str, flo
     return logp, stats
 
 
-def _whiten(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    values = adv[mask.bool()]
-    if values.numel() < 2:
+def _whiten(adv: torch.Tensor, mask: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Advantages minus their mean over the action tokens of the whole batch, over the (unbiased) std."""
+    values = adv[mask.bool()].double()
+    n, total, squares = all_reduce([values.numel(), float(values.sum()), float((values ** 2).sum())], ctx)
+    if n < 2:
         return adv
-    return torch.where(mask.bool(), (adv - values.mean()) / (values.std() + 1e-8), torch.zeros_like(adv))
+    mean = total / n
+    std = max((squares - n * mean * mean) / (n - 1), 0.0) ** 0.5
+    return torch.where(mask.bool(), (adv - mean) / (std + 1e-8), torch.zeros_like(adv))
 
 
 def _step(optimizer, params, clip: float) -> float:
     norm = torch.nn.utils.clip_grad_norm_(params, clip or float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    # FSDP2 parameters are DTensors; their norm is a DTensor of the global norm.
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def share_rows(batch_size: int, ctx: DistContext) -> tuple[int, int]:
+    """[start, stop) rows of a batch of `batch_size` trained by this rank (contiguous, sizes differ by ≤ 1)."""
+    base, extra = divmod(batch_size, ctx.world_size)
+    start = ctx.rank * base + min(ctx.rank, extra)
+    return start, start + base + (1 if ctx.rank < extra else 0)
 
 
 def group_index(batch: RLBatch) -> torch.Tensor:
@@ -62,8 +89,10 @@ def group_index(batch: RLBatch) -> torch.Tensor:
 class Updater:
     """Holds the models and optimisers of one run and performs learner steps."""
 
-    def __init__(self, config: RLConfig, policy, critic=None):
+    def __init__(self, config: RLConfig, policy, critic=None, ctx: DistContext | None = None):
+        """`policy` and `critic` must already be sharded (`shard_model`) when running under torchrun."""
         self.config = config
+        self.ctx = ctx or DistContext()
         self.policy = policy
         self.critic = critic
         self.policy_opt = torch.optim.AdamW(policy.parameters(), lr=config.policy_lr, weight_decay=0.0)
@@ -72,24 +101,36 @@ class Updater:
         self.baseline = RunningMeanBaseline(window=config.baseline_window)
 
     def step(self, batch: RLBatch, step_index: int) -> tuple[dict[str, float], bool]:
-        """One learner step; returns (metrics, whether the policy changed)."""
+        """One learner step on the whole batch (every rank passes the same batch); returns (metrics, whether
+        the policy changed). Metrics are the same on every rank."""
         method = self.config.method
+        if len(batch.trajectories) < self.ctx.world_size:
+            raise ValueError(f"a batch of {len(batch.trajectories)} trajectories cannot be shared by "
+                             f"{self.ctx.world_size} ranks")
+        # Scalar advantages need the whole batch (groups, running-mean history): computed on every rank.
+        scalar = None
+        if method == "running_mean":
+            scalar = torch.tensor([self.baseline.advantage(t.prompt_id, t.reward) for t in batch.trajectories])
+        elif method != "sao":
+            scalar = group_advantages(batch.rewards, group_index(batch)).to(torch.float32)
+        reward_mean = float(batch.rewards.mean())
+        start, stop = share_rows(len(batch.trajectories), self.ctx)
+        batch = batch.rows(start, stop).to(self.ctx.device)
         mask = batch.action_mask
-        metrics: dict[str, float] = {"reward_mean": float(batch.rewards.mean()),
-                                     "action_tokens": float(mask.sum())}
+        n_local = float(mask.sum())
+        (n_global,) = all_reduce([n_local], self.ctx)
+        # Turns this rank's token mean into its share of the token mean over the whole batch (see above).
+        self.loss_scale = n_local * self.ctx.world_size / max(n_global, 1.0)
+        metrics: dict[str, float] = {"action_tokens": n_local}
         if method == "sao":
             advantages = self._critic_phase(batch, metrics)
             if step_index < self.config.critic_warmup_steps:
                 metrics["critic_warmup"] = 1.0
-                return metrics, False
-        elif method == "running_mean":
-            scalar = torch.tensor([self.baseline.advantage(t.prompt_id, t.reward) for t in batch.trajectories])
-            advantages = scalar.unsqueeze(1) * mask
+                return self._reduce(metrics, n_local, len(batch.trajectories), reward_mean), False
         else:
-            scalar = group_advantages(batch.rewards, group_index(batch))
-            advantages = scalar.unsqueeze(1).to(torch.float32) * mask
+            advantages = scalar[start:stop].to(self.ctx.device).unsqueeze(1) * mask
         if self.config.whiten_advantages:
-            advantages = _whiten(advantages, mask)
+            advantages = _whiten(advantages, mask, self.ctx)
         self.policy.train()
         logp, stats = _policy_forward(self.policy, batch)
         metrics.update(stats)
@@ -102,12 +143,27 @@ class Updater:
         else:  # grpo: π_old recomputed by the learner; one update per batch, so it is the current policy
             loss, m = ppo_clip_loss(logp, logp.detach(), advantages, mask, self.config.clip_low,
                                     self.config.clip_high)
-        loss.backward()
+        (loss * self.loss_scale).backward()
         metrics["policy_grad_norm"] = _step(self.policy_opt, self.policy.parameters(), self.config.grad_clip)
         metrics["policy_loss"] = float(loss.detach())
-        metrics.update({f"policy_{k}": v for k, v in m.items() if k != "loss"})
+        metrics.update({f"policy_{k}": v for k, v in m.items() if k not in ("loss", "action_tokens")})
         metrics["advantage_mean"] = float(advantages[mask.bool()].mean()) if mask.any() else 0.0
-        return metrics, True
+        return self._reduce(metrics, n_local, len(batch.trajectories), reward_mean), True
+
+    def _reduce(self, metrics: dict[str, float], tokens: float, rows: int, reward_mean: float) -> dict[str, float]:
+        """Combine per-rank metrics: token-weighted mean, except sums, maxima and per-trajectory means."""
+        keys = sorted(metrics)
+
+        def weighted(k: str) -> float:
+            return metrics[k] if k in _SUMMED else metrics[k] * (rows if k in _ROW_MEANS else tokens)
+
+        *summed, total_tokens, total_rows = all_reduce([weighted(k) for k in keys] + [tokens, rows], self.ctx)
+        maxed = dict(zip(keys, all_reduce([metrics[k] for k in keys], self.ctx, op="max"), strict=True))
+        out = {k: maxed[k] if k in _MAXED else v if k in _SUMMED
+               else v / max(total_rows if k in _ROW_MEANS else total_tokens, 1e-12)
+               for k, v in zip(keys, summed, strict=True)}
+        out["reward_mean"] = reward_mean
+        return out
 
     def _critic_phase(self, batch: RLBatch, metrics: dict[str, float]) -> torch.Tensor:
         cfg = self.config
@@ -122,7 +178,7 @@ class Updater:
         for k in range(cfg.critic_updates):
             values = self.critic(batch.input_ids, batch.attention_mask)
             loss, m = value_loss(values, old_values, returns, mask, cfg.value_clip)
-            loss.backward()
+            (loss * self.loss_scale).backward()
             norm = _step(self.critic_opt, [p for p in self.critic.parameters() if p.requires_grad], cfg.grad_clip)
             if k == 0:
                 metrics["explained_variance"] = m["explained_variance"]
@@ -132,17 +188,27 @@ class Updater:
         return advantages
 
     # ------------------------------------------------------------------ state for checkpoints
-    def state_dict(self) -> dict:
-        state = {"policy": self.policy.state_dict(), "policy_opt": self.policy_opt.state_dict(),
-                 "baseline": self.baseline.state_dict()}
+    def _pairs(self) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
+        pairs = [("policy", self.policy, self.policy_opt)]
         if self.critic is not None:
-            state.update(critic=self.critic.state_dict(), critic_opt=self.critic_opt.state_dict())
+            pairs.append(("critic", self.critic, self.critic_opt))
+        return pairs
+
+    def state_dict(self) -> dict:
+        """Full (unsharded, CPU) models and optimisers, so a checkpoint resumes on any number of ranks.
+        Collective under torchrun; only rank 0's dict holds the tensors."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = {"baseline": self.baseline.state_dict()}
+        for name, model, optimizer in self._pairs():
+            state[name], state[f"{name}_opt"] = get_state_dict(model, optimizer, options=options)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.policy.load_state_dict(state["policy"])
-        self.policy_opt.load_state_dict(state["policy_opt"])
-        self.baseline.load_state_dict(state["baseline"])
-        if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
-            self.critic_opt.load_state_dict(state["critic_opt"])
+        """Restore from `state_dict()` output. Under torchrun only rank 0 needs `state` (others pass {}):
+        rank 0 broadcasts the tensors."""
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.ctx.distributed)
+        for name, model, optimizer in self._pairs():
+            set_state_dict(model, optimizer, model_state_dict=state.get(name, {}),
+                           optim_state_dict=state.get(f"{name}_opt", {}), options=options)
+        # Every rank computes running-mean advantages itself, so each needs the baseline's history.
+        self.baseline.load_state_dict(broadcast_object(state.get("baseline"), self.ctx))

@@ -53,6 +53,12 @@ class RolloutPlan:
     max_total_tokens: int = 4096
     episode_timeout_s: float = 0.0
     training: bool = True                        # training mode refuses non-default sampling
+    # The prompt stream is one fixed sequence for a seed: position p = epoch × prompts + index in that
+    # epoch's order. Services sharing a run take the positions p ≡ shard (mod num_shards); a plan
+    # restarted for a resumed run skips the positions before start_position (already trained).
+    start_position: int = 0
+    shard: int = 0
+    num_shards: int = 1
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -66,6 +72,9 @@ class RolloutPlan:
             raise RolloutError(f"plan.epochs must be >= 0, got {self.epochs}")
         if self.limit is not None and self.limit < 1:
             raise RolloutError(f"plan.limit must be >= 1, got {self.limit}")
+        if self.start_position < 0 or self.num_shards < 1 or not 0 <= self.shard < self.num_shards:
+            raise RolloutError(f"plan needs start_position >= 0 and 0 <= shard < num_shards, got "
+                               f"{self.start_position}, {self.shard}, {self.num_shards}")
         if any(v < 1 for v in self.env_concurrency.values()):
             raise RolloutError("plan.env_concurrency values must be >= 1")
         try:
@@ -153,7 +162,10 @@ class RolloutManager:
             order = list(range(len(tasks)))
             if plan.shuffle:
                 rng.shuffle(order)
-            for index in order:
+            for offset, index in enumerate(order):
+                position = epoch * len(tasks) + offset
+                if position < plan.start_position or position % plan.num_shards != plan.shard:
+                    continue
                 for k in range(plan.rollouts_per_prompt):
                     while self._paused:
                         await asyncio.sleep(0.05)
@@ -162,7 +174,8 @@ class RolloutManager:
                     env_slot = self._env_slots.get(tasks[index].env)
                     if env_slot is not None:
                         await env_slot.acquire()
-                    episode = asyncio.create_task(self._episode(plan, tasks[index], k, epoch, queued, env_slot))
+                    episode = asyncio.create_task(self._episode(plan, tasks[index], k, epoch, position, queued,
+                                                                env_slot))
                     self._episodes.add(episode)
                     episode.add_done_callback(self._episodes.discard)
             epoch += 1
@@ -170,7 +183,7 @@ class RolloutManager:
         self.plan_done = True
         self._new_ready.set()
 
-    async def _episode(self, plan, task, k, epoch, queued, env_slot) -> None:
+    async def _episode(self, plan, task, k, epoch, position, queued, env_slot) -> None:
         from sao_core.envs import make_env
 
         self.counts["started"] += 1
@@ -187,6 +200,7 @@ class RolloutManager:
             trajectory = await run_episode(task, env, self.engine, self.tokenizer, plan.sampling(), limits,
                                            queued_at=queued, sample_index=k, trajectory_id=f"{digest}-{k}")
             trajectory.metadata["epoch"] = epoch
+            trajectory.metadata["position"] = position
         except asyncio.CancelledError:
             self.counts["dropped"] += 1
             self._slots.release()

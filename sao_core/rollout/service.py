@@ -46,6 +46,9 @@ class PlanRequest(_Strict):
     max_total_tokens: int = Field(4096, ge=1, le=10_000_000)
     episode_timeout_s: float = Field(0.0, ge=0)
     training: bool = True
+    start_position: int = Field(0, ge=0, description="skip prompt slots before this stream position")
+    shard: int = Field(0, ge=0, description="this service's share of the prompt stream (0-based)")
+    num_shards: int = Field(1, ge=1, le=100_000, description="services sharing one prompt stream")
 
 
 class AckRequest(_Strict):

@@ -89,24 +89,33 @@ def load_training_checkpoint(local_dir: Path, model, optimizer, ctx: DistContext
     return state
 
 
+def save_full_model(model, tokenizer, staging: Path, ctx: DistContext) -> bool:
+    """Gather the full weights of a (possibly FSDP2-sharded) causal LM and write a Hugging Face directory
+    (safetensors + tokenizer) at `staging` on rank 0. Collective; returns True on the rank that wrote."""
+    from transformers import AutoModelForCausalLM
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not ctx.is_main:
+        return False
+    shutil.rmtree(staging, ignore_errors=True)
+    dtype = next(model.parameters()).dtype
+    plain = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    plain.load_state_dict(full, strict=True)
+    plain.save_pretrained(staging, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+    return True
+
+
 def export_hf_model(model, tokenizer, staging: Path, dest_uri: str, metadata: dict[str, Any],
                     ctx: DistContext) -> str | None:
     """Gather the full weights and publish a Hugging Face model (safetensors + tokenizer) at `dest_uri`.
 
     Collective; rank 0 writes. Returns `dest_uri` on rank 0, None elsewhere.
     """
-    from transformers import AutoModelForCausalLM
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not ctx.is_main:
+    if not save_full_model(model, tokenizer, staging, ctx):
         barrier(ctx)
         return None
-    shutil.rmtree(staging, ignore_errors=True)
-    dtype = next(model.parameters()).dtype
-    plain = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
-    plain.load_state_dict(full, strict=True)
-    plain.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
     storage.publish_checkpoint(staging, dest_uri, metadata={"kind": "model", **metadata})
     shutil.rmtree(staging, ignore_errors=True)
     barrier(ctx)

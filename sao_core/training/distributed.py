@@ -49,8 +49,9 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
         return model
     from torch.distributed.fsdp import fully_shard
 
-    layers = getattr(getattr(model, "model", model), "layers", None)
-    for layer in layers or []:
+    # Causal LMs keep their decoder layers at model.model.layers, the critic at model.backbone.layers.
+    inner = getattr(model, "model", None) or getattr(model, "backbone", None) or model
+    for layer in getattr(inner, "layers", None) or []:
         fully_shard(layer)
     fully_shard(model)
     return model
@@ -79,3 +80,12 @@ def all_reduce_mean(values: dict[str, float], ctx: DistContext) -> dict[str, flo
                           device=ctx.device if ctx.device.type == "cuda" else "cpu")
     dist.all_reduce(tensor)
     return {k: float(v) / ctx.world_size for k, v in zip(keys, tensor.tolist(), strict=True)}
+
+
+def all_reduce(values: list[float], ctx: DistContext, op: str = "sum") -> list[float]:
+    """Element-wise sum (or max) of a list of floats over ranks; the list itself in one process."""
+    if not ctx.distributed or not values:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.device.type == "cuda" else "cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return [float(v) for v in tensor.tolist()]
