@@ -21,7 +21,7 @@ from sao_core.data.synthetic import tool_arith_sft_rows
 from sao_core.envs.tool_arith import tool_arith_tasks
 from sao_core.learner.config import RLConfig
 from sao_core.learner.loop import LearnerError, train_rl
-from sao_core.rollout.client import RolloutClient
+from sao_core.rollout.client import RolloutClient, RolloutUnavailable
 from sao_core.rollout.server import RolloutServer, ServeConfig
 from sao_core.training.config import SFTConfig
 from sao_core.training.trainer import train
@@ -239,3 +239,64 @@ def test_published_weights_are_verifiable(rl_data, tmp_path, sao_cache, tiny_mod
     latest = storage.latest_checkpoint(str(tmp_path / "run" / "weights"))
     assert latest.endswith("v000002") and storage.verify_checkpoint(latest)
     assert storage.is_complete_checkpoint(summary["model"]) and storage.is_complete_checkpoint(summary["critic"])
+
+
+def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao_cache, tiny_model_dir, caplog):
+    """Two rollout replicas: trajectories come from both (service i rolls out the stream positions
+    ≡ i mod 2); when one dies the learner goes on with the other without waiting, and takes from it again
+    after it restarts on the same port (re-synced to the current weights). Nothing is trained twice."""
+    servers = [RolloutServer(ServeConfig(model=tiny_model_dir, port=0, cache_dir=str(sao_cache))).start()
+               for _ in range(2)]
+    port = servers[1].port
+    result: dict = {}
+    steps_seen: list[int] = []
+
+    def run():
+        try:
+            result["summary"] = train_rl(_config(
+                rl_data, tmp_path / "run", tiny_model_dir, sao_cache, steps=12, batch_size=8,
+                services=tuple(s.url for s in servers), critic_warmup_steps=2, max_new_tokens_per_turn=12,
+                max_total_tokens=80, service_retry_s=60, shutdown_services=True),
+                progress=lambda s, m: steps_seen.append(s))
+        except BaseException as err:  # reported by the assertion below
+            result["error"] = err
+
+    caplog.set_level(logging.INFO, logger="sao_core.learner.loop")
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while len(steps_seen) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        servers[1].stop()
+        down_at = len(steps_seen)
+        while len(steps_seen) < down_at + 3 and thread.is_alive():  # progress on replica 0 alone
+            time.sleep(0.05)
+        back_at = len(steps_seen)
+        servers[1] = RolloutServer(ServeConfig(model=tiny_model_dir, port=port, cache_dir=str(sao_cache))).start()
+        thread.join(240)
+        assert not thread.is_alive()
+        assert "error" not in result, result.get("error")
+        assert result["summary"]["steps"] == 12
+        journal = [json.loads((tmp_path / "run" / "journal" / f"step-{s:06d}.json").read_text())
+                   for s in range(1, 13)]
+        ids = [i for entry in journal for i in entry["ids"]]
+        assert len(ids) == len(set(ids)) == 96
+
+        trained = [t for e in journal for t in e["trajectories"]]
+        assert {t["metadata"]["position"] % 2 for t in trained} == {0, 1}
+        # The restarted replica rejoined: it produced trained trajectories, sampled with the weights pushed
+        # to it at the re-sync or later (the version at the restart is newer than anything it had before).
+        rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        version_at_restart = rows[back_at - 1]["version"]
+        assert version_at_restart > rows[down_at - 1]["version"]
+        assert any(t["metadata"]["position"] % 2 == 1 and min(v for v in t["versions"] if v >= 0) >= version_at_restart
+                   for t in trained)
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert "continuing with the other 1" in messages and "is back" in messages
+        for server in servers:  # shutdown_services=True: both replicas were told to shut down
+            with pytest.raises(RolloutUnavailable):
+                RolloutClient(server.url).status()
+    finally:
+        for server in servers:
+            server.stop()

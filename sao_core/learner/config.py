@@ -45,7 +45,8 @@ class RLConfig:
     max_total_tokens: int = 4096
     rollout_max_batch: int = 32                # colocated hf engine: sequences per forward pass
     take_wait_s: float = 2.0                   # long-poll wait per request
-    service_retry_s: float = 300.0             # how long to wait for an unreachable service before failing
+    service_retry_s: float = 300.0             # how long to wait when no rollout service answers before failing
+    shutdown_services: bool = False            # at the end, shut the services down (TrainJob: lets the job end)
     checkpoint_every: int = 0                  # steps between resumable checkpoints; 0: only at the end
     keep_weight_versions: int = 3              # published weight versions kept (older ones deleted)
     resume: bool = False

@@ -43,19 +43,30 @@ class LearnerError(ValueError):
 
 
 class ServiceSet:
-    """The rollout services of a run: fair taking, acknowledgements, weight pushes, and re-sync of a
-    service that restarted (it is given the current weights and the plan again, starting after the last
-    trained stream position). Service i takes the prompt-stream shard i of len(urls), so no two services
-    roll out the same prompt."""
+    """The rollout services (replicas) of a run.
 
-    def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float):
+    Trajectories are taken from every live service in turn (round robin). Service i rolls out shard i of
+    the prompt stream, so no two services roll out the same prompt. A service that stops answering is
+    dropped from the set with a warning and the run goes on with the others; it is probed again every
+    `probe_s` seconds and, once back, re-synced (current weights pushed, the plan restarted after the
+    last trained stream position if it lost it, acknowledgements that failed while it was away re-sent)
+    and rejoins. Only when every service is down does the learner wait, up to `retry_s`, then fail.
+    """
+
+    def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float, probe_s: float = 2.0):
         self.clients = [RolloutClient(url, consumer=consumer) for url in urls]
         self.plan = plan
         self.retry_s = retry_s
-        self.down: set[int] = set()
+        self.probe_s = probe_s
+        self.down: dict[int, float] = {}                   # index -> monotonic time of the next probe
         self.weights: tuple[int, str, str] | None = None   # version, uri, digest currently wanted
         self.reconnecting: set[int] = set()
+        self.unacked: dict[int, tuple[list[str], list[str]]] = {}  # acks that failed while a service was down
         self._next = 0
+
+    @property
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.clients)) if i not in self.down]
 
     def _sync(self, index: int) -> None:
         client = self.clients[index]
@@ -66,88 +77,130 @@ class ServiceSet:
                 client.push_weights(version, uri, digest)
         if status.get("plan") is None:
             client.start({**self.plan, "shard": index, "num_shards": len(self.clients)})
-        else:  # a plan survived us (learner restart): take back what we had taken but not acknowledged
+        else:  # its plan survived (learner restart, network blip): take back what we took but did not ack
             self.reconnecting.add(index)
-        self.down.discard(index)
+        ids, gone = self.unacked.pop(index, ([], []))
+        if ids or gone:
+            client.ack(ids, gone)
 
-    def connect(self) -> None:
-        for i in range(len(self.clients)):
-            self._call(i, lambda c, i=i: self._sync(i))
+    def _mark_down(self, index: int, err: Exception) -> None:
+        if index not in self.down:
+            others = len(self.live) - 1
+            log.warning("rollout service %s unreachable (%s); %s", self.clients[index].url, err,
+                        f"continuing with the other {others}" if others else "waiting for it")
+        self.down[index] = time.monotonic() + self.probe_s
 
-    def _call(self, index: int, fn: Callable[[RolloutClient], Any]):
-        """Run `fn(client)`, waiting (with clear log lines) while the service is unreachable."""
-        client = self.clients[index]
+    def _try(self, index: int, fn: Callable[[RolloutClient], Any]) -> tuple[bool, Any]:
+        """(True, fn(client)) if the service answers; (False, None) if it is down (marked, probed later)."""
+        if index in self.down:
+            if time.monotonic() < self.down[index]:
+                return False, None
+            try:
+                self._sync(index)
+            except RolloutUnavailable as err:
+                self._mark_down(index, err)
+                return False, None
+            del self.down[index]
+            log.info("rollout service %s is back; re-synced weights and plan", self.clients[index].url)
+        try:
+            return True, fn(self.clients[index])
+        except RolloutUnavailable as err:
+            self._mark_down(index, err)
+            return False, None
+
+    def _wait_for_any(self) -> None:
+        """Block while every service is down, probing them; LearnerError after `retry_s`."""
         deadline = time.monotonic() + self.retry_s
         delay = 0.5
-        while True:
-            try:
-                if index in self.down:
-                    log.info("rollout service %s is back; re-syncing weights and plan", client.url)
-                    self._sync(index)
-                return fn(client)
-            except RolloutUnavailable as err:
-                if index not in self.down:
-                    log.warning("rollout service %s unreachable (%s); waiting for it", client.url, err)
-                self.down.add(index)
-                if time.monotonic() > deadline:
-                    raise LearnerError(f"rollout service {client.url} unreachable for {self.retry_s:.0f} s") from err
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        while not self.live:
+            for index in list(self.down):
+                self.down[index] = 0.0  # probe now
+                self._try(index, lambda c: None)
+            if self.live:
+                return
+            if time.monotonic() > deadline:
+                raise LearnerError(f"no rollout service reachable for {self.retry_s:.0f} s: "
+                                   + ", ".join(c.url for c in self.clients))
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def _each(self, fn: Callable[[RolloutClient], Any]) -> None:
+        """`fn` on every service; the down ones are caught up by `_sync` when they rejoin."""
+        for index in range(len(self.clients)):
+            self._try(index, fn)
+        if not self.live:
+            self._wait_for_any()
+
+    def connect(self) -> None:
+        for index in range(len(self.clients)):
+            self._try(index, lambda c, index=index: self._sync(index))
+        if not self.live:
+            self._wait_for_any()
 
     def take(self, wanted: int, wait_s: float) -> list[tuple[Trajectory, int]]:
-        """Up to `wanted` trajectories, asking the services in turn (round robin)."""
+        """Up to `wanted` trajectories, asking the live services in turn (round robin)."""
         out: list[tuple[Trajectory, int]] = []
         for _ in range(len(self.clients)):
             index = self._next
             self._next = (self._next + 1) % len(self.clients)
             need = max(1, wanted - len(out))
             again = index in self.reconnecting
-            items, _ = self._call(index, lambda c, need=need, again=again: c.take(
-                max_items=need, wait_s=wait_s / len(self.clients), reconnect=again))
+            ok, answer = self._try(index, lambda c, need=need, again=again: c.take(
+                max_items=need, wait_s=wait_s / max(1, len(self.live)), reconnect=again))
+            if not ok:
+                continue
             self.reconnecting.discard(index)
-            out += [(t, index) for t in items]
+            out += [(t, index) for t in answer[0]]
             if len(out) >= wanted:
                 break
+        if not self.live:
+            self._wait_for_any()
         return out
 
     def ack(self, by_service: dict[int, list[str]], dropped: dict[int, list[str]] | None = None) -> None:
         dropped = dropped or {}
         for index in set(by_service) | set(dropped):
             ids, gone = by_service.get(index, []), dropped.get(index, [])
-            self._call(index, lambda c, ids=ids, gone=gone: c.ack(ids, gone))
+            ok, _ = self._try(index, lambda c, ids=ids, gone=gone: c.ack(ids, gone))
+            if not ok:
+                old_ids, old_gone = self.unacked.setdefault(index, ([], []))
+                old_ids += ids
+                old_gone += gone
 
     def push(self, version: int, uri: str, digest: str) -> None:
         self.weights = (version, uri, digest)
-        for index in range(len(self.clients)):
-            def push_one(client, index=index):
-                try:
-                    client.push_weights(version, uri, digest)
-                except RolloutRequestError as err:
-                    if "not newer" not in str(err):  # already at this version (e.g. after a resume)
-                        raise
-            self._call(index, push_one)
+
+        def push_one(client):
+            try:
+                client.push_weights(version, uri, digest)
+            except RolloutRequestError as err:
+                if "not newer" not in str(err):  # already at this version (e.g. after a resume)
+                    raise
+
+        self._each(push_one)
 
     def pause(self) -> None:
-        for i in range(len(self.clients)):
-            self._call(i, lambda c: c.pause())
+        self._each(lambda c: c.pause())
 
     def resume(self) -> None:
-        for i in range(len(self.clients)):
-            self._call(i, lambda c: c.resume())
+        self._each(lambda c: c.resume())
 
     def idle_share(self) -> float:
         shares = []
-        for i in range(len(self.clients)):
+        for i in self.live:
             try:
                 shares.append(1.0 - self.clients[i].status()["engine"].get("busy_share", 0.0))
             except (RolloutUnavailable, RolloutRequestError, KeyError):
                 continue
         return sum(shares) / len(shares) if shares else 0.0
 
-    def stop(self) -> None:
+    def stop(self, shutdown: bool = False) -> None:
+        """Stop the plans (and, with `shutdown`, the service processes); unreachable services are skipped."""
         for client in self.clients:
             try:
                 client.stop()
+                if shutdown:
+                    client.shutdown()
             except (RolloutUnavailable, RolloutRequestError):
                 pass
             client.close()
@@ -444,6 +497,8 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                     services.ack(by_service)
 
                 _gather_batch(ctx, journal_and_ack)
+                # A service that was unreachable when we acknowledged redelivers these; they are only acked.
+                pending.already_trained.update(t.id for t in trajectories)
                 if changed:
                     version += 1
                     push_seconds = publish_weights()
@@ -498,7 +553,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                 storage.write_text(storage.join(config.output, "summary.json"), json.dumps(summary, indent=2))
     finally:
         if services is not None:
-            services.stop()
+            services.stop(shutdown=config.shutdown_services)
         if server is not None:
             server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
