@@ -39,33 +39,36 @@ def test_fixed_turns_solved_episode_is_the_solution_length():
         assert (step.reward, step.finish_reason) == (1.0, "stop")
 
 
-def test_fixed_turns_early_answer_continues_and_first_answer_counts():
+def test_fixed_turns_scripted_tool_answers_the_next_operation_whatever_the_turn_says():
     env = ToolArithEnv(fixed_turns=True)
     env.reset(_chain_task(12, [("+", 7), ("*", 3)], 57))    # 3 turns
-    first = env.step("\\boxed{57}")
-    assert (first.done, first.observation) == (False, "continue")
-    second = env.step("\\boxed{1}")                           # a later answer does not replace the first
-    assert (second.done, second.observation) == (False, "continue")
-    end = env.step("nothing")
+    early = env.step("\\boxed{57}")                        # an early answer does not end the episode
+    assert (early.done, early.observation) == (False, "19")
+    wrong = env.step(_call("5 * 5"))                         # wrong operands: still the chain's 2nd result
+    assert (wrong.done, wrong.observation, wrong.info["errors"]) == (False, "57", 1)
+    end = env.step("The answer is \\boxed{57}.")
     assert (end.done, end.reward, end.finish_reason, end.info["outcome"]) == (True, 1.0, "stop", "match")
+    assert (end.info["calls"], end.info["errors"]) == (1, 1)
 
-    env.reset(_chain_task(12, [("+", 7)], 19))                 # 2 turns; a wrong first answer
-    assert env.step("\\boxed{20}").observation == "continue"
-    end = env.step("\\boxed{19}")
+    env.reset(_chain_task(12, [("+", 7)], 19))                 # 2 turns; the last turn's answer is graded
+    assert env.step("\\boxed{19}").observation == "19"
+    end = env.step("\\boxed{20}")
     assert (end.done, end.reward, end.info["outcome"]) == (True, 0.0, "mismatch")
 
-    env.reset(_chain_task(2, [("*", 3)], 6))                   # no answer at all
-    assert env.step("hmm").observation == "continue"
-    assert env.step(_call("2 * 3")).reward == 0.0
+    env.reset(_chain_task(2, [("*", 3)], 6))                   # the last turn calls instead of answering
+    assert env.step("hmm").observation == "6"
+    end = env.step(_call("2 * 3"))
+    assert (end.done, end.reward, end.info["outcome"]) == (True, 0.0, "no_answer")
 
 
-def test_fixed_turns_calls_and_errors_are_observed_until_the_last_turn():
+def test_fixed_turns_malformed_calls_are_counted_not_shown():
     env = ToolArithEnv(fixed_turns=True)
     env.reset(_chain_task(1, [("+", 1)] * 3, 4))               # 4 turns
     assert env.step(_call("1 + 1")).observation == "2"
-    assert env.step(_call("9 + 9")).observation.startswith("error:")
-    assert env.step(_call("2 + 1")).observation == "3"
-    end = env.step(_call("3 + 1"))                             # the last turn ends the episode, even with a call
+    bad = env.step("<tool_call>calc two plus one</tool_call>")
+    assert (bad.observation, bad.info["errors"]) == ("3", 1)
+    assert env.step(_call("3 + 1")).observation == "4"
+    end = env.step(_call("4 + 1"))                             # the last turn ends the episode, even with a call
     assert (end.done, end.reward, end.finish_reason) == (True, 0.0, "stop")
 
 
@@ -95,4 +98,4 @@ def test_fixed_turns_every_non_final_turn_waits_for_the_tool():
     assert step.tool_seconds >= 0.019 and time.monotonic() - t0 >= 0.019
     assert env.step(_call("1 + 1")).tool_seconds >= 0.019
     final = env.step("\\boxed{3}")
-    assert final.done and final.tool_seconds == 0.0
+    assert final.done and final.reward == 1.0 and final.tool_seconds == 0.0

@@ -16,13 +16,14 @@ and finish_reason "length". Tasks without chain metadata (e.g. a prepared row ``
 read from the prompt text; if that fails, any well-formed call is computed without checking its
 operands, and only the boxed answer is graded against ``task.answer``.
 
-Benchmark option ``fixed_turns=True`` (default off): every episode of a task with a chain lasts
-exactly ``num_ops + 1`` model turns (the length of the solved conversation, at most `max_turns`),
-whatever the model writes, so that episode lengths follow the task set's distribution (the long tail
-of ``tool_arith_tasks(p_more=...)``) and not the current policy's skill. A turn before the last gets
-the calculator's results for its calls, or ``continue`` when it made none (after one latency draw, so
-every non-final turn waits for the tool); the episode ends after the last turn and the first boxed
-answer given in any turn is graded (no answer: reward 0).
+Benchmark option ``fixed_turns=True`` (default off): a scripted tool that makes every episode of a task
+with a chain last exactly ``num_ops + 1`` model turns (the length of the solved conversation, at most
+`max_turns`), whatever the model writes, so that episode lengths follow the task set's distribution (the
+long tail of ``tool_arith_tasks(p_more=...)``) and not the current policy's skill. Turn t before the last
+is answered, after the tool latency (one draw per call, at least one), with the result of the chain's t-th
+operation, right operands or not (so the conversation keeps the form the model was trained on instead of
+derailing after an ``error:`` observation); wrong or malformed calls are only counted in ``info``. The
+last turn ends the episode: reward 1.0 if it gives the right ``\\boxed{}`` answer (and no call).
 """
 
 from __future__ import annotations
@@ -145,7 +146,6 @@ class ToolArithEnv:
         self._next = 0
         self._done = False
         self._target_turns: int | None = None     # fixed_turns: this episode's exact number of turns
-        self._first_answer: str | None = None
 
     # -- protocol -----------------------------------------------------------------------------------
 
@@ -156,7 +156,6 @@ class ToolArithEnv:
         self._done = False
         start, ops = _chain_of(task)
         self._steps = tool_arith_steps(start, ops) if ops is not None else None
-        self._first_answer = None
         self._target_turns = min(len(ops) + 1, self.max_turns) if self.fixed_turns and ops is not None else None
         return [dict(m) for m in task.prompt]
 
@@ -203,24 +202,24 @@ class ToolArithEnv:
         return StepResult(done=True, observation=None, reward=reward, finish_reason=finish_reason, info=info)
 
     def _fixed_step(self, action_text: str, calls: list[str]) -> StepResult:
-        """fixed_turns mode: the episode ends after exactly `_target_turns` turns."""
-        if not calls and self._first_answer is None:
-            self._first_answer = extract_boxed(action_text)
+        """fixed_turns mode (see the module docstring): the episode ends after exactly `_target_turns` turns."""
         if self.turns >= self._target_turns:
-            if self._first_answer is None:
+            boxed = None if calls else extract_boxed(action_text)
+            if boxed is None:
                 return self._end(0.0, "stop", outcome="no_answer")
-            correct = _same_answer(self._first_answer, self.task.answer)
+            correct = _same_answer(boxed, self.task.answer)
             return self._end(1.0 if correct else 0.0, "stop", outcome="match" if correct else "mismatch",
-                             answer=self._first_answer)
+                             answer=boxed)
         started = time.monotonic()
-        outputs = []
+        expected = self._steps[self.turns - 1]
         for call in calls:
+            self.calls += 1
+            match = _CALC.match(call)
+            if match is None or (int(match.group(1)), match.group(2), int(match.group(3))) != expected[:3]:
+                self.errors += 1
+        for _ in range(max(1, len(calls))):
             self._sleep_latency()
-            outputs.append(self._calc(call))
-        if not calls:
-            self._sleep_latency()
-            outputs.append("continue")
-        return StepResult(done=False, observation="\n".join(outputs), tool_seconds=time.monotonic() - started,
+        return StepResult(done=False, observation=str(expected[3]), tool_seconds=time.monotonic() - started,
                           info={"calls": len(calls), "errors": self.errors, "turn": self.turns})
 
     def _sleep_latency(self) -> None:
