@@ -327,3 +327,19 @@ def test_observation_tokens_follow_the_chat_template(sao_cache):
 def test_server_start_failure_is_clear(sao_cache):
     with pytest.raises(RuntimeError, match="failed to start"):
         RolloutServer(ServeConfig(model="/no/such/model", port=0, cache_dir=str(sao_cache))).start()
+
+
+def test_vllm_scaling_settings_map_to_engine_arguments_and_are_checked():
+    config = ServeConfig(engine="vllm", tensor_parallel_size=2, data_parallel_size=4, gpu_memory_utilization=0.85,
+                         max_num_seqs=128, max_model_len=8192, prefix_caching=False)
+    config.validate()
+    assert config.vllm_options() == {"tensor_parallel_size": 2, "data_parallel_size": 4,
+                                     "gpu_memory_utilization": 0.85, "max_num_seqs": 128, "max_model_len": 8192,
+                                     "enable_prefix_caching": False}
+    assert ServeConfig(engine="vllm").vllm_options() == {}
+    with pytest.raises(ValueError, match="tensor_parallel_size apply to the vllm engine only"):
+        ServeConfig(engine="hf", tensor_parallel_size=2).validate()
+    with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
+        ServeConfig(engine="vllm", data_parallel_size=0).validate()
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        ServeConfig(engine="vllm", gpu_memory_utilization=1.5).validate()

@@ -31,10 +31,44 @@ class ServeConfig:
     seed: int = 0
     engine_options: dict = field(default_factory=dict)   # extra engine settings, e.g. vllm kv_cache_memory_bytes
     cache_dir: str = ""
+    # vLLM scaling (engine vllm only). 0 means vLLM's own default.
+    tensor_parallel_size: int = 1           # GPUs one model replica is split over
+    data_parallel_size: int = 1             # engine replicas inside this service (one per TP group of GPUs)
+    gpu_memory_utilization: float = 0.0     # share of GPU memory vLLM may take (weights + KV cache); 0: 0.5
+    max_num_seqs: int = 0                   # concurrent sequences per engine step
+    max_model_len: int = 0                  # context length in tokens; 0: 2048
+    prefix_caching: bool = True             # reuse the KV cache of shared prompt prefixes
 
     def validate(self) -> None:
         if self.engine not in ("hf", "vllm"):
             raise ValueError(f"ServeConfig.engine must be hf or vllm, got {self.engine!r}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_seqs < 0 or self.max_model_len < 0:
+            raise ValueError("ServeConfig.max_num_seqs and max_model_len must be >= 0")
+        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"ServeConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.engine == "hf" and self.vllm_options():
+            raise ValueError(f"{', '.join(sorted(self.vllm_options()))} apply to the vllm engine only "
+                             "(engine is hf)")
+
+    def vllm_options(self) -> dict:
+        """The vLLM engine arguments set by the scaling fields (only those that differ from the defaults)."""
+        options: dict = {}
+        if self.tensor_parallel_size != 1:
+            options["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.data_parallel_size != 1:
+            options["data_parallel_size"] = self.data_parallel_size
+        if self.gpu_memory_utilization:
+            options["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.max_num_seqs:
+            options["max_num_seqs"] = self.max_num_seqs
+        if self.max_model_len:
+            options["max_model_len"] = self.max_model_len
+        if not self.prefix_caching:
+            options["enable_prefix_caching"] = False
+        return options
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServeConfig.port must be in [0, 65535], got {self.port}")
         if self.max_batch < 1 or self.lease_seconds <= 0:
@@ -67,6 +101,9 @@ class RolloutServer:
         options = {"seed": self.config.seed}
         if self.config.engine == "hf":
             options["max_batch"] = self.config.max_batch
+        else:
+            options["enable_prefix_caching"] = True
+            options.update(self.config.vllm_options())
         options.update(self.config.engine_options)
         engine = make_engine(self.config.engine, self.config.model, self.config.cache_dir, **options)
         manager = RolloutManager(engine, engine.tokenizer, self.config.cache_dir, self.config.lease_seconds)
