@@ -141,7 +141,14 @@ def test_bad_runs_stop_before_training(rl_data, tmp_path, sao_cache, tiny_model_
     (sft / "stats.json").write_text('{"kind": "sft"}')
     with pytest.raises(LearnerError, match="needs --kind rl"):
         train_rl(_config(str(sft), tmp_path / "c", tiny_model_dir, sao_cache))
-    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    with pytest.raises(LearnerError, match="rollout_options cannot set port"):
+        train_rl(_config(rl_data, tmp_path / "d", tiny_model_dir, sao_cache, rollout_options={"port": 9}))
+    with pytest.raises(LearnerError, match="unknown field.*gpu_memory"):
+        train_rl(_config(rl_data, tmp_path / "d", tiny_model_dir, sao_cache, rollout_options={"gpu_memory": 0.3}))
+    with pytest.raises(LearnerError, match="apply to the vllm engine only"):
+        train_rl(_config(rl_data, tmp_path / "d", tiny_model_dir, sao_cache,
+                         rollout_options={"tensor_parallel_size": 2}))
+    assert not any((tmp_path / name).exists() for name in "acd")
 
 
 def _journal_ids(output: Path) -> list[str]:

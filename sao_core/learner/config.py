@@ -44,6 +44,7 @@ class RLConfig:
     max_new_tokens_per_turn: int = 256
     max_total_tokens: int = 4096
     rollout_max_batch: int = 32                # colocated hf engine: sequences per forward pass
+    rollout_options: dict[str, Any] = field(default_factory=dict)  # colocated service: other ServeConfig fields, e.g. {"gpu_memory_utilization": 0.3}
     take_wait_s: float = 2.0                   # long-poll wait per request
     service_retry_s: float = 300.0             # how long to wait when no rollout service answers before failing
     shutdown_services: bool = False            # at the end, shut the services down (TrainJob: lets the job end)

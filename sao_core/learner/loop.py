@@ -300,6 +300,25 @@ def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext) -> b
     return True
 
 
+def colocated_serve_config(config: RLConfig):
+    """The ServeConfig of the rollout service a run starts in its own process (no `services` given):
+    GPU split on one machine is `rollout_options={"gpu_memory_utilization": ...}` with the vllm engine."""
+    from sao_core.config import ConfigError, build_config
+    from sao_core.rollout.server import ServeConfig
+
+    fixed = {"model": config.model, "engine": config.engine, "port": 0, "cache_dir": config.cache_dir,
+             "max_batch": config.rollout_max_batch, "seed": config.seed}
+    clash = sorted(set(fixed) & set(config.rollout_options))
+    if clash:
+        raise LearnerError(f"rollout_options cannot set {', '.join(clash)} (set by the run itself)")
+    try:
+        serve = build_config(ServeConfig, {**fixed, **config.rollout_options}, source="rollout_options")
+        serve.validate()
+    except (ConfigError, ValueError) as err:
+        raise LearnerError(str(err)) from err
+    return serve
+
+
 def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
     """Run RL (SAO or a baseline) until `config.steps` learner steps; return the summary.
 
@@ -315,6 +334,8 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         config.validate()
     except ValueError as err:
         raise LearnerError(str(err)) from err
+    if not config.services:
+        colocated_serve_config(config)  # bad rollout options fail before any model is loaded
     ctx = init_distributed()
     if config.batch_size < ctx.world_size:
         raise LearnerError(f"batch_size {config.batch_size} is smaller than the {ctx.world_size} ranks; every "
@@ -394,11 +415,9 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     if ctx.is_main:
         urls = list(config.services)
         if not urls:
-            from sao_core.rollout.server import RolloutServer, ServeConfig
+            from sao_core.rollout.server import RolloutServer
 
-            server = RolloutServer(ServeConfig(model=config.model, engine=config.engine, port=0,
-                                               cache_dir=config.cache_dir, max_batch=config.rollout_max_batch,
-                                               seed=config.seed)).start()
+            server = RolloutServer(colocated_serve_config(config)).start()
             urls = [server.url]
         plan = {"dataset": config.data, "rollouts_per_prompt": config.rollouts_per_prompt, "epochs": 0,
                 "shuffle": True, "seed": config.seed, "max_in_flight": max(1, config.in_flight_cap // len(urls)),
