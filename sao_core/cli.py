@@ -174,6 +174,22 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from sao_core.eval.config import EvalConfig
+    from sao_core.eval.run import evaluate
+
+    config = config_from_args(EvalConfig, args, {"cache_dir": args.cache_dir})
+    with _progress_bar(None, f"evaluate {','.join(config.benchmark_list)}", args.quiet) as bar:
+        def show(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        summary = evaluate(config, progress=show)
+    print(json.dumps(summary["metrics"], indent=2, sort_keys=True))
+    print(f"\nreport: {summary['files']['report']}\nsummary: {summary['files']['summary']}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from sao_core.demo import run_demo
 
@@ -248,6 +264,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("uri", help="checkpoint URI (publish: destination; latest: the root holding checkpoints)")
     p.add_argument("--source", help="local directory to publish")
     p.set_defaults(func=cmd_checkpoint)
+
+    from sao_core.eval.config import EvalConfig
+
+    p = sub.add_parser("evaluate", help="evaluate a model on SWE-Bench Verified, BeyondAIME and IMO-AnswerBench "
+                                        "(samples, summary, metrics, HTML report)")
+    add_config_arguments(p, EvalConfig, skip=("cache_dir",))
+    p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("demo", help="the main job on the embedded default: data preparation and a short SFT run")
     p.add_argument("--output", default="local_outputs/demo", help="output directory [default: local_outputs/demo]")

@@ -156,7 +156,7 @@ def swe_cases() -> list[SweRepoCase]:
                 "    return w * h", "    if w < 0 or h < 0:\n        raise ValueError(\"negative side\")\n    return w * h")},
             test_changes={"tests/test_shapes.py": GEOMETRY_TESTS.replace("from geometry", "import pytest\n\nfrom geometry")
                           + "\n\ndef test_rect_negative():\n    with pytest.raises(ValueError):\n        rect_area(-2, 3)\n"},
-            breaking={"geometry/shapes.py": GEOMETRY.replace("return math.pi * r * r", "return 2 * math.pi * r").replace(
+            breaking={"geometry/shapes.py": GEOMETRY.replace("return math.pi * r * r", "return math.pi * r").replace(
                 "    return w * h", "    if w < 0 or h < 0:\n        raise ValueError(\"negative side\")\n    return w * h")},
             fail_to_pass=["tests/test_shapes.py::test_rect_negative"],
             pass_to_pass=["tests/test_shapes.py::test_circle", "tests/test_shapes.py::test_rect"],
@@ -295,15 +295,16 @@ class ScriptedEngine:
     """An `Engine` whose "model" replays scripted turns: `script` maps a sampling seed (the runner
     derives one per benchmark, problem and sample, `sao_core.eval.run.sample_seed`) to the list of
     texts of that sample's turns; each `generate` call with that seed returns the next turn, encoded
-    with the real tokenizer and ended with its end-of-turn token. Unknown seeds answer `default`.
+    with the real tokenizer and ended with its end-of-turn token (cut at ``max_new_tokens`` like a real
+    engine). Unknown seeds answer `default`; `delays` (seed -> seconds) slows chosen samples down.
     Everything else of the evaluation (environments, sandboxes, graders, metrics, report) is real."""
 
     def __init__(self, tokenizer, script: dict[int, list[str]], default: str = "I do not know.",
-                 latency_s: float = 0.0):
+                 delays: dict[int, float] | None = None):
         self.tokenizer = tokenizer
         self.script = {seed: list(turns) for seed, turns in script.items()}
         self.default = default
-        self.latency_s = latency_s
+        self.delays = dict(delays or {})
         self.version = 0
         self.eos_token_ids = (tokenizer.eos_token_id,)
         self.calls: list[int] = []
@@ -315,8 +316,8 @@ class ScriptedEngine:
         self.calls.append(params.seed)
         turns = self.script.get(params.seed)
         text = turns.pop(0) if turns else self.default
-        if self.latency_s:
-            await asyncio.sleep(self.latency_s)
+        if self.delays.get(params.seed):
+            await asyncio.sleep(self.delays[params.seed])
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         finish = "stop"
         if len(ids) >= params.max_new_tokens:

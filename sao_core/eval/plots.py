@@ -42,6 +42,7 @@ def _open(width: int, height: int, title: str) -> list[str]:
     return [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" role="img" aria-label="{t}" '
             f'viewBox="0 0 {width} {height}" width="{width}" height="{height}">',
             f"<title>{t}</title>",
+            f'<rect class="background" x="0" y="0" width="{width}" height="{height}" fill="#fff"/>',
             f'<text x="{width / 2:.1f}" y="18" text-anchor="middle" font-size="14" font-weight="600" {FONT}>{t}</text>']
 
 

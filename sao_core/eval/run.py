@@ -160,20 +160,26 @@ class _SampleStore:
         self.path = path
         self.records: dict[tuple[str, str, int], dict[str, Any]] = {}
         self.unreadable = 0
-        if path.exists():
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    key = (str(record["benchmark"]), str(record["id"]), int(record["sample"]))
-                except (ValueError, KeyError, TypeError):
-                    self.unreadable += 1
-                    continue
-                self.records[key] = record
-        if self.unreadable:
-            log.warning("%s: skipped %d unreadable line(s) (an interrupted write?); those samples are redone",
+        text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                key = (str(record["benchmark"]), str(record["id"]), int(record["sample"]))
+            except (ValueError, KeyError, TypeError):
+                self.unreadable += 1
+                continue
+            self.records[key] = record
+        if self.unreadable or (text and not text.endswith("\n")):
+            # a torn last line (an interrupted write) would swallow the next appended record: rewrite the
+            # file with the readable records first
+            log.warning("%s: dropped %d unreadable line(s) (an interrupted write?); those samples are redone",
                         path, self.unreadable)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n"
+                                   for r in self.records.values()), encoding="utf-8")
+            os.replace(tmp, path)
         self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115  (closed in close())
 
     def done(self, key: tuple[str, str, int]) -> bool:
@@ -198,8 +204,9 @@ def _check_resume(output: _Output, settings: dict[str, Any], resume: bool) -> No
         for name in (SAMPLES_FILE, RUN_FILE):
             (output.local / name).unlink(missing_ok=True)
         return
-    if not path.exists():
-        return
+    samples = output.local / SAMPLES_FILE
+    if not path.exists() or not samples.exists() or not samples.read_text(encoding="utf-8").strip():
+        return                            # no samples yet (e.g. the last run stopped before any): nothing to mix
     try:
         before = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as err:
@@ -248,6 +255,14 @@ class _Graders:
                                   concurrency=config.judge_concurrency)
         self.imo = ImoGrader(self.math, config.grade_timeout_s, self.judge, config.judge_policy)
         self.integer = IntegerGrader()
+
+    def warm_up(self, workers: int) -> None:
+        """Start the math-verify workers now (spawning one and importing sympy takes seconds), so the
+        first samples' timings and timeouts do not pay for it."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(lambda _: self.math.grade("0", "1"), range(workers)))
 
     def for_benchmark(self, name: str):
         return self.integer if name == "beyond_aime" else self.imo
@@ -359,12 +374,15 @@ async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, An
 # ------------------------------------------------------------------------------------------ the run
 
 def _make_engine(config: EvalConfig) -> Any:
+    from sao_core.models import ModelLoadError
     from sao_core.rollout.engines import EngineError, make_engine
 
     options = dict(config.engine_options)
     options.setdefault("seed", config.seed)
     try:
         return make_engine(config.engine, config.model, config.cache_dir, **options)
+    except ModelLoadError as err:
+        raise EvalError(f"cannot load the model: {err}") from err
     except EngineError as err:
         raise EvalError(f"cannot start the {config.engine} engine for model {config.model!r}: {err}") from err
     except TypeError as err:
@@ -376,6 +394,8 @@ async def _generate(config: EvalConfig, loaded: list[LoadedBenchmark], todo: lis
                     done_before: int, given_engine: Any = None) -> int:
     engine = given_engine if given_engine is not None else _make_engine(config)
     graders = _Graders(config)
+    if any(b.spec.grader == "math_rule" for b in loaded):
+        await asyncio.to_thread(graders.warm_up, config.grader_workers)
     slots = asyncio.Semaphore(config.concurrency)
     swe_slots = asyncio.Semaphore(config.swe_concurrency)
     finished = 0
@@ -406,6 +426,15 @@ async def _generate(config: EvalConfig, loaded: list[LoadedBenchmark], todo: lis
             await engine.close()
         await asyncio.to_thread(graders.close)
     return finished
+
+
+def _check_swe_settings(config: EvalConfig) -> None:
+    options = swe_env_options(config)
+    kind = options.get("sandbox_kind", "local")
+    if kind == "local" and options.get("sandbox_factory") is None and options.get("repo_source") in (None, "image"):
+        raise EvalError("swe_verified with the local sandbox needs the repositories on this machine: set "
+                        "swe_repo_source to a directory of git mirrors (<owner>__<name>), or use sandbox=kubernetes "
+                        "(each instance runs in its SWE-bench image)")
 
 
 def load_summary(uri: str) -> dict[str, Any]:
@@ -450,6 +479,8 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
     except (TypeError, ValueError) as err:
         raise EvalError(f"bad evaluation settings: {err}") from err
     specs = [get_benchmark(name) for name in config.benchmark_list]
+    if any(spec.env == "swe" for spec in specs):
+        _check_swe_settings(config)
     output = _Output(config.output)
     try:
         previous = load_summary(config.previous_summary) if config.previous_summary else None
@@ -485,6 +516,8 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
             store.close()
         samples = {b.spec.name: _in_scope(b, store.of(b.spec.name), config.k) for b in loaded}
         summary = summarize(config, loaded, samples, previous)
+        if engine is not None:
+            summary["engine"] = f"{type(engine).__name__} (given)"
         summary.update(started_at=started_at, finished_at=_now(), seconds=round(time.monotonic() - started, 3),
                        samples_generated=generated, samples_reused=reused,
                        files={key: output.uri_of(name) for key, name in (
