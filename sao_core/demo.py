@@ -37,6 +37,18 @@ def tool_call_accuracy(model, tokenizer, problems: list[tuple[int, str, int]], m
     return hits / max(1, len(problems))
 
 
+def held_out_problems(train_rows: int, count: int, train_seed: int = 1) -> list[tuple[int, str, int]]:
+    """`count` tool_arith problems from another seed, none of them among the first `train_rows` SFT rows."""
+    seen = {tuple(r["messages"][0]["content"].split()[1:]) for r in tool_arith_sft_rows(train_rows, seed=train_seed)}
+    rng = random.Random(12345)
+    held_out: list[tuple[int, str, int]] = []
+    while len(held_out) < count:
+        a, op, b = tool_arith_problem(rng)
+        if (str(a), op, str(b)) not in seen:
+            held_out.append((a, op, b))
+    return held_out
+
+
 def run_demo(output: str | Path, cache_dir: str | Path, steps: int = 300, train_rows: int = 2000,
              eval_problems: int = 50, progress: Callable[[int, dict], None] | None = None,
              say: Callable[[str], None] = print) -> dict:
@@ -62,14 +74,7 @@ def run_demo(output: str | Path, cache_dir: str | Path, steps: int = 300, train_
                                 output=str(out / "prepared" / "imo_answerbench")))
     say(f"[2/5] prepared data: tool_arith sft {sft_data.rows_written} rows, IMO-AnswerBench {imo.rows_written} rows")
 
-    # Held-out problems come from another seed; the few that also occur in training are removed.
-    seen = {tuple(r["messages"][0]["content"].split()[1:]) for r in tool_arith_sft_rows(train_rows, seed=1)}
-    rng = random.Random(12345)
-    held_out = []
-    while len(held_out) < eval_problems:
-        a, op, b = tool_arith_problem(rng)
-        if (str(a), op, str(b)) not in seen:
-            held_out.append((a, op, b))
+    held_out = held_out_problems(train_rows, eval_problems)
     base_model, tokenizer = load_model_and_tokenizer(EMBEDDED_TINY, cache_dir)
     before = tool_call_accuracy(base_model, tokenizer, held_out)
 

@@ -1,0 +1,49 @@
+"""check_post_training_arguments: the first step of post_training.
+
+Validates the run's arguments exactly as the chosen method's training step will (the same config
+classes and messages as the CLI), so an unknown method, a misspelt option or a bad value fails in
+seconds on a small CPU pod instead of after data preparation on a GPU node. Returns the data kind
+the method trains on (sft, cpt, dpo or rl), which the data preparation step uses.
+"""
+
+from typing import NamedTuple, Optional
+
+from kfp import dsl
+
+from sao_core.kfp.images import image
+
+
+@dsl.component(base_image=image("cpu"), install_kfp_package=False)
+def check_post_training_arguments(
+    method: str,
+    output_root: str,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    max_tokens: int,
+    engine: str,
+    warm_start_source: str,
+    warm_start_steps: int,
+    method_options: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
+) -> NamedTuple("CheckOutputs", data_kind=str):
+    """Validate post_training's arguments for the chosen method; return its data kind.
+
+    Args:
+        method: sft, cpt, dpo, gkd, grpo or sao.
+        output_root: Where runs are written (must be set).
+        steps: Training steps.
+        batch_size: Examples (or trajectories) per step.
+        learning_rate: Learning rate (policy learning rate for grpo and sao).
+        max_tokens: Token limit of sft/cpt/dpo/gkd examples.
+        engine: Rollout engine of grpo and sao: vllm or hf.
+        warm_start_source: SFT data of the warm start before grpo/sao ('' = none).
+        warm_start_steps: SFT steps of the warm start (0 = none).
+        method_options: Other config fields of the chosen method.
+    """
+    from sao_core.kfp import params
+
+    kind = params.check_post_training(method, steps=steps, batch_size=batch_size, learning_rate=learning_rate,
+                                      max_tokens=max_tokens, engine=engine, method_options=method_options,
+                                      warm_start_source=warm_start_source, warm_start_steps=warm_start_steps,
+                                      output_root=output_root)
+    return (kind,)  # the NamedTuple outputs, in order
