@@ -350,6 +350,12 @@ def test_vllm_engine(tmp_path, sao_cache):
 
 # ------------------------------------------------------------------------------------------ bad inputs
 
+class _NeverCalled:
+    tokenizer = None
+
+    async def generate(self, prompt_ids, params):
+        raise AssertionError("the engine must not be asked")
+
 def test_bad_inputs_stop_with_clear_messages(tmp_path, sao_cache):
     base = dict(model="embedded:tiny", output=str(tmp_path / "out"), benchmarks=["imo_answerbench"], k=1, limit=1,
                 cache_dir=str(sao_cache))
@@ -365,6 +371,10 @@ def test_bad_inputs_stop_with_clear_messages(tmp_path, sao_cache):
     for changes, message in cases:
         with pytest.raises(EvalError, match=message):
             evaluate(EvalConfig(**{**base, **changes}))
+    # a sample that cannot even start (environment options that do not fit) fails; when all do, the run stops
+    with pytest.raises(EvalError, match=r"all 1 samples failed .*first: imo_answerbench imo-bench-algebra-001: "
+                                        r"TypeError: .*unexpected keyword argument 'max_turnz'"):
+        evaluate(EvalConfig(**{**base, "env_options": {"math": {"max_turnz": 3}}}), engine=_NeverCalled())
     (tmp_path / "afile").write_text("x")
     with pytest.raises(EvalError, match="output .*afile exists and is not a folder"):
         evaluate(EvalConfig(**{**base, "output": str(tmp_path / "afile")}))

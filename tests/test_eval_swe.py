@@ -11,9 +11,9 @@ import pytest
 from eval_fixtures import ScriptedEngine, needs_bwrap, swe_repos, swe_sandbox_options  # noqa: F401  (fixtures)
 
 from sao_core.eval.benchmarks import get_benchmark, load_benchmark
-from sao_core.eval.config import EvalConfig
+from sao_core.eval.config import EvalConfig, EvalError
 from sao_core.eval.graders import grade_swe_patch
-from sao_core.eval.run import evaluate, sample_seed
+from sao_core.eval.run import evaluate, sample_seed, swe_env_options
 
 
 @needs_bwrap
@@ -102,3 +102,34 @@ def test_runner_plays_and_grades_agent_episodes(tmp_path, swe_repos, swe_sandbox
     assert gave_up["grader"] is None and gave_up["finish_reason"] == "length" and gave_up["turns"] == 3
     assert swe["counts"]["correct"] == 2 and swe["counts"]["empty"] == 1 and swe["counts"]["length"] == 1
     assert swe["graders"] == {"swe_tests": 5}
+    report = (tmp_path / "run" / "report.html").read_text()
+    assert "Resolved rate over all 3 instances (avg@2): <b>33.3%</b>" in report
+    assert "SWE-Bench Verified: avg@2 per repo" in report and "patch_does_not_apply" not in report
+
+
+def test_kubernetes_sandbox_without_a_cluster_fails_every_sample_clearly(tmp_path, swe_repos, tiny_model_dir,  # noqa: F811
+                                                                         monkeypatch):
+    from sao_core.models import load_tokenizer
+
+    for name in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))            # no ~/.kube/config
+    _, _, rows = swe_repos
+    config = EvalConfig(model="scripted-agent", output=str(tmp_path / "run"), benchmarks=["swe_verified"], k=1,
+                        swe_verified_source=str(rows), sandbox="kubernetes",
+                        env_options={"swe": {"sandbox_options": {"namespace": "eval"}}}, max_new_tokens=64,
+                        max_total_tokens=1024, cache_dir=str(tmp_path))
+    assert swe_env_options(config) == {"sandbox_kind": "kubernetes", "max_turns": 40, "command_timeout_s": 60.0,
+                                       "test_timeout_s": 1800.0, "repo_source": None,
+                                       "sandbox_options": {"namespace": "eval"}}
+    engine = ScriptedEngine(load_tokenizer(tiny_model_dir, tmp_path), {})
+    with pytest.raises(EvalError, match=r"all 3 samples failed \(outputs written to .*\); first: swe_verified "
+                                        r"acme__\S+: SandboxError: no Kubernetes configuration"):
+        evaluate(config, engine=engine)
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 and {(s["status"], s["finish_reason"], s["grader"]) for s in samples} == {
+        ("error", "env_error", None)}
+    assert engine.calls == []                      # the episodes stopped before the model was asked anything
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["benchmarks"]["swe_verified"]["errors_total"] == 3
+    assert summary["metrics"]["swe_verified/error_rate"] == 1.0

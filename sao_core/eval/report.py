@@ -212,6 +212,15 @@ def _comparison(summary: Mapping[str, Any], previous: Mapping[str, Any] | None) 
     return "\n".join(html)
 
 
+def _intro(name: str, b: Mapping[str, Any]) -> str:
+    k = int(b["k"])
+    text = (f"<p>{b['problems']} problems × {k} samples; graded by <code>{escape(str(b.get('grader')))}</code>.")
+    if name == "swe_verified":
+        rate = (b.get("scores") or {}).get(f"avg@{k}")
+        text += f" Resolved rate over all {b['problems']} instances (avg@{k}): <b>{_pct(rate)}</b>."
+    return text + "</p>"
+
+
 def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any]],
                   previous: Mapping[str, Any] | None = None) -> str:
     """The report as an HTML string (see :func:`write_report`)."""
@@ -241,7 +250,7 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
     for name, b in benchmarks.items():
         mine = by_bench.get(name, [])
         html += [f'<h2 id="{escape(name)}">{escape(b.get("title", name))}</h2>',
-                 f"<p>{b['problems']} problems × {b['k']} samples; graded by <code>{escape(str(b.get('grader')))}</code>.</p>",
+                 _intro(name, b),
                  _groups_section(name, b), _length_histogram(b.get("title", name), mine),
                  "<h3>Who decided</h3>", _graders_table(b, mine),
                  _listing("Answers no grader could settle (counted as wrong)", b.get("unsettled", []),

@@ -308,7 +308,8 @@ async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, An
     recorder = None
     if spec.env == "math":
         recorder = _EpisodeGrader(lambda answer: grader.grade(answer, record["answer"], record))
-        env = make_env("math", grader=recorder, grade_timeout_s=config.grade_timeout_s)
+        env = make_env("math", **{**(config.env_options.get("math") or {}), "grader": recorder,
+                                  "grade_timeout_s": config.grade_timeout_s})
     else:
         env = make_env("swe", **swe_env_options(config))
     params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
@@ -371,6 +372,18 @@ async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, An
     }
 
 
+def _failed_sample(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, Any], index: int,
+                   detail: str) -> dict[str, Any]:
+    """The record of a sample that could not be played at all (status ``error``: redone on resume)."""
+    problem_id = str(record["id"])
+    return {"benchmark": bench.spec.name, "id": problem_id, "sample": index, "status": "error", "correct": False,
+            "grade": "error", "grader": None, "settled": True, "answer": None, "detail": detail[:2000],
+            "finish_reason": "env_error", "timed_out": False, "tokens": 0, "prompt_tokens": 0, "turns": 0,
+            "seconds": 0.0, "generation_seconds": 0.0, "tool_seconds": 0.0, "grade_seconds": 0.0,
+            "seed": sample_seed(config.seed, bench.spec.name, problem_id, index),
+            "groups": group_values(bench.spec, record), "response": None}
+
+
 # ------------------------------------------------------------------------------------------ the run
 
 def _make_engine(config: EvalConfig) -> Any:
@@ -403,10 +416,15 @@ async def _generate(config: EvalConfig, loaded: list[LoadedBenchmark], todo: lis
     async def one(bench_index: int, record: dict, index: int) -> dict[str, Any]:
         bench = loaded[bench_index]
         async with slots:
-            if bench.spec.env == "swe":
-                async with swe_slots:
-                    return await _play(config, bench, record, index, engine, engine.tokenizer, graders)
-            return await _play(config, bench, record, index, engine, engine.tokenizer, graders)
+            try:
+                if bench.spec.env == "swe":
+                    async with swe_slots:
+                        return await _play(config, bench, record, index, engine, engine.tokenizer, graders)
+                return await _play(config, bench, record, index, engine, engine.tokenizer, graders)
+            except Exception as err:   # e.g. environment options that do not fit: this sample failed
+                log.warning("%s %s sample %d failed: %s: %s", bench.spec.name, record["id"], index,
+                            type(err).__name__, err)
+                return _failed_sample(config, bench, record, index, f"{type(err).__name__}: {err}")
 
     pending = [asyncio.ensure_future(one(*item)) for item in todo]
     try:
