@@ -149,6 +149,7 @@ def test_flat_metrics_and_comparison():
     flat = flat_metrics({"swe_verified": swe})
     assert flat["swe_verified/avg@1"] == flat["swe_verified/resolved_rate"] == flat["swe_verified/pass@1"] == 0.5
     assert flat["swe_verified/empty_rate"] == 0.5 and flat["swe_verified/error_rate"] == 0.0
+    assert flat["swe_verified/length_rate"] == 0.0
     assert flat["swe_verified/repo/django_django/avg@1"] == 1.0
     assert flat["swe_verified/repo/astropy_astropy/pass@1"] == 0.0
     assert flat["swe_verified/mean_tokens"] == 6.0

@@ -200,7 +200,7 @@ def flat_metrics(benchmarks: Mapping[str, Mapping[str, Any]], group_levels: Mapp
     """Name -> float for a KFP ``Metrics`` artifact: ``<benchmark>/<score>`` for every score,
     ``<benchmark>/<group>/<value>/<score>`` for the first group level of each benchmark (IMO categories,
     SWE repositories; `group_levels` picks another), rates of empty / unparseable / unsettled /
-    timed-out / errored samples and the mean tokens; SWE also gets ``swe_verified/resolved_rate``."""
+    timed-out / cut-at-the-token-limit / errored samples and the mean tokens; SWE also gets ``swe_verified/resolved_rate``."""
     flat: dict[str, float] = {}
     for name, metrics in benchmarks.items():
         k = int(metrics["k"])
@@ -209,7 +209,7 @@ def flat_metrics(benchmarks: Mapping[str, Mapping[str, Any]], group_levels: Mapp
         if name == "swe_verified" and f"avg@{k}" in metrics["scores"]:
             flat[metric_name(name, "resolved_rate")] = float(metrics["scores"][f"avg@{k}"])
         total = max(1, int(metrics["problems"]) * k)
-        for bucket in ("empty", "unparseable", "unsettled", "timeout", "error"):
+        for bucket in ("empty", "unparseable", "unsettled", "timeout", "length", "error"):
             flat[metric_name(name, f"{bucket}_rate")] = metrics["counts"].get(bucket, 0) / total
         flat[metric_name(name, "mean_tokens")] = float(metrics["tokens"]["mean"])
         levels = list(metrics.get("groups", {}))
