@@ -190,6 +190,77 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- sao cluster (multi-node TrainJob)
+def _cluster_help(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Fill --help texts of fields `cls` inherits (add_config_arguments reads only its own source)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_field_docs(klass))
+    for action in parser._actions:
+        if action.dest in docs and (action.help or "").startswith("[default"):
+            action.help = f"{docs[action.dest]} {action.help}"
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    import yaml
+
+    from sao_core.cluster import entry, golden, launcher, manifests
+    from sao_core.cluster.api import ClusterError, KubeAPI
+    from sao_core.kfp import images
+
+    action = args.cluster_command
+    try:
+        if action == "render-runtime":
+            spec = config_from_args(manifests.RuntimeSpec, args)
+            spec.image = spec.image or images.image("train")
+            spec.rollout_image = spec.rollout_image or images.image("rollout")
+            text = golden.to_yaml(manifests.runtime_manifest(spec, name=args.name, namespace=args.namespace),
+                                  f"sao-rl runtime {args.name}")
+            if args.output:
+                Path(args.output).write_text(text)
+            else:
+                print(text, end="")
+        elif action == "render":
+            if args.check:
+                diffs = golden.check(args.deploy_dir)
+                for diff in diffs:
+                    print(diff, file=sys.stderr)
+                print(f"{len(diffs)} generated file(s) out of date under {args.deploy_dir}" if diffs
+                      else f"generated files under {args.deploy_dir} are up to date")
+                return 1 if diffs else 0
+            for path in golden.write(args.deploy_dir):
+                print(path)
+        elif action in ("launch", "render-trainjob"):
+            config = config_from_args(launcher.LaunchConfig, args)
+            config.image = config.image or images.image("train")
+            if not config.cluster_runtime:
+                config.rollout_image = config.rollout_image or images.image("rollout")
+            if action == "render-trainjob":
+                runtime, trainjob = launcher.render_launch(config, config.namespace or "default")
+                docs = [d for d in (runtime, trainjob) if d is not None]
+                print(yaml.safe_dump_all(docs, sort_keys=False, width=110), end="")
+                return 0
+            api = KubeAPI.connect(api_server=args.api_server, kubeconfig=args.kubeconfig, context=args.context)
+            result = launcher.launch(config, api=api)
+            print(json.dumps(dataclasses.asdict(result), indent=2, default=str))
+        elif action == "delete":
+            api = KubeAPI.connect(api_server=args.api_server, kubeconfig=args.kubeconfig, context=args.context)
+            print(json.dumps(launcher.delete_trainjob(args.name, args.namespace, api=api,
+                                                      keep_completed=args.keep_completed, wait_s=args.wait_s)))
+        elif action == "learner":
+            return entry.run_learner(args.train_args, os.environ, args.cache_dir)
+        elif action == "rollout":
+            entry.serve_rollout(os.environ, args.cache_dir)
+    except launcher.LaunchCancelled as err:
+        print(f"sao cluster {action}: {err}", file=sys.stderr)
+        return 130
+    except (ClusterError, launcher.LaunchError, entry.EntryError, ConfigError, ValueError) as err:
+        print(f"sao cluster {action}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from sao_core.demo import run_demo
 
@@ -271,6 +342,45 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                         "(samples, summary, metrics, HTML report)")
     add_config_arguments(p, EvalConfig, skip=("cache_dir",))
     p.set_defaults(func=cmd_evaluate)
+
+    from sao_core.cluster.launcher import LaunchConfig
+    from sao_core.cluster.manifests import RuntimeSpec
+
+    cluster = sub.add_parser("cluster", help="multi-node SAO as one Kubeflow Trainer TrainJob: manifests, launch, "
+                                             "delete, and the programs its pods run")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    p = cluster_sub.add_parser("render-runtime", help="print a sao-rl ClusterTrainingRuntime (or, with --namespace, "
+                                                      "a TrainingRuntime) of the given shape as YAML")
+    p.add_argument("--name", default="sao-rl", help="runtime name [default: sao-rl]")
+    p.add_argument("--namespace", default=None, help="render a namespaced TrainingRuntime in this namespace")
+    p.add_argument("--output", metavar="FILE", help="write to FILE instead of stdout")
+    add_config_arguments(p, RuntimeSpec)
+    p = cluster_sub.add_parser("render", help="regenerate the generated manifests under deploy/ (golden files)")
+    p.add_argument("--deploy-dir", default="deploy", help="[default: deploy]")
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 and print the diff when out of date")
+    for name, text in (("launch", "create a TrainJob for an RL run, follow it to the end, print the final model"),
+                       ("render-trainjob", "print the TrainJob (and per-run runtime) `launch` would create, as YAML")):
+        p = cluster_sub.add_parser(name, help=text)
+        add_config_arguments(p, LaunchConfig)
+        _cluster_help(p, LaunchConfig)
+        if name == "launch":
+            p.add_argument("--api-server", default="", help="API server URL (default: in-cluster, else kubeconfig)")
+            p.add_argument("--kubeconfig", default="", help="kubeconfig file [default: $KUBECONFIG or ~/.kube/config]")
+            p.add_argument("--context", default="", help="kubeconfig context")
+    p = cluster_sub.add_parser("delete", help="delete a TrainJob and its per-run runtime (a missing one is fine)")
+    p.add_argument("name", help="TrainJob name")
+    p.add_argument("--namespace", default="", help="[default: in-cluster namespace or the kubeconfig context's]")
+    p.add_argument("--keep-completed", action="store_true", help="keep it when it completed successfully")
+    p.add_argument("--wait-s", type=float, default=0.0, help="wait up to this many seconds until it is gone")
+    p.add_argument("--api-server", default="")
+    p.add_argument("--kubeconfig", default="")
+    p.add_argument("--context", default="")
+    p = cluster_sub.add_parser("learner", help="in a TrainJob's node pod: wait for the rollout replicas, run torchrun "
+                                               "train-rl against them, shut them down")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by sao train-rl arguments")
+    p = cluster_sub.add_parser("rollout", help="in a TrainJob's rollout pod: serve rollouts (settings from SAO_* env)")
+    for p in cluster_sub.choices.values():
+        p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("demo", help="the main job on the embedded default: data preparation and a short SFT run")
     p.add_argument("--output", default="local_outputs/demo", help="output directory [default: local_outputs/demo]")

@@ -1,0 +1,160 @@
+"""The programs of a sao-rl TrainJob's pods, with rollout replicas as HTTP servers on 127.0.0.1.
+
+``sao cluster learner`` waits for the replicas' /healthz, builds the torchrun command with their URLs
+as --services, and on node rank 0 shuts them down afterwards; ``sao cluster rollout`` builds the
+rollout service's settings from the environment the runtime and the TrainJob set.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from sao_core.cluster import entry, golden, launcher, manifests
+from sao_core.cluster.names import ClusterConfigError
+
+
+class Replica:
+    """A stand-in rollout replica: /healthz (once `healthy`), POST /v1/shutdown (recorded)."""
+
+    def __init__(self, healthy: bool = True):
+        self.healthy = healthy
+        self.shutdowns: list[dict] = []
+        replica = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                ok = self.path == "/healthz" and replica.healthy
+                self._reply(200 if ok else 503, {"ok": ok})
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                replica.shutdowns.append(json.loads(self.rfile.read(length) or b"{}"))
+                self._reply(200, {"shutting_down": True})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def replicas():
+    made = [Replica(), Replica(healthy=False)]
+    yield made
+    for r in made:
+        r.stop()
+
+
+def test_learner_waits_for_every_replica_runs_torchrun_and_shuts_them_down(replicas):
+    env = {"SAO_ROLLOUT_URLS": ",".join(r.url for r in replicas), "SAO_SERVICE_WAIT_S": "30", "PET_NODE_RANK": "0"}
+    ran: list[list[str]] = []
+    said: list[str] = []
+    threading.Timer(0.3, lambda: setattr(replicas[1], "healthy", True)).start()  # the second one loads slowly
+    started = time.monotonic()
+    code = entry.run_learner(["--", "--method", "sao", "--steps", "3"], env, "/cache",
+                             run=lambda argv: ran.append(argv) or 0, say=said.append, poll_s=0.05)
+    assert code == 0 and time.monotonic() - started >= 0.3
+    argv = ran[0]
+    assert argv[1:5] == ["-m", "torch.distributed.run", "-m", "sao_core.cli"]
+    assert argv[argv.index("train-rl") + 1:] == ["--method", "sao", "--steps", "3", "--services",
+                                                  ",".join(r.url for r in replicas)]
+    assert "--cache-dir" in argv and argv[argv.index("--cache-dir") + 1] == "/cache"
+    assert [len(r.shutdowns) for r in replicas] == [1, 1] and replicas[0].shutdowns[0] == {"grace_s": 30.0}
+    assert any("waiting for rollout replicas: 1/2 healthy" in line for line in said)
+    assert said[-1] == "shut down 2/2 rollout replica(s)"
+
+
+def test_other_nodes_do_not_shut_the_replicas_down_and_the_exit_code_passes_through(replicas):
+    replicas[1].healthy = True
+    env = {"SAO_ROLLOUT_URLS": ",".join(r.url for r in replicas), "PET_NODE_RANK": "1"}
+    assert entry.run_learner(["--method", "sao"], env, "/c", run=lambda argv: 3, say=lambda s: None) == 3
+    assert [len(r.shutdowns) for r in replicas] == [0, 0]
+
+
+def test_learner_goes_on_with_the_healthy_replicas_and_fails_with_none(replicas):
+    env = {"SAO_ROLLOUT_URLS": ",".join(r.url for r in replicas), "SAO_SERVICE_WAIT_S": "0.3"}
+    said: list[str] = []
+    ran: list[list[str]] = []
+    assert entry.run_learner(["--method", "sao"], env, "/c", run=lambda a: ran.append(a) or 1, say=said.append,
+                             poll_s=0.05) == 1
+    assert any("going on with 1/2 healthy replica(s)" in line for line in said)
+    assert ran[0][-1] == ",".join(r.url for r in replicas)  # the slow one joins when it comes up
+    assert [len(r.shutdowns) for r in replicas] == [1, 1]  # rank 0 ends the replicas even after a failure
+    replicas[0].healthy = False
+    with pytest.raises(entry.EntryError, match="no rollout replica answered /healthz within 0.3 s"):
+        entry.run_learner(["--method", "sao"], env, "/c", run=lambda a: 0, say=lambda s: None, poll_s=0.05)
+
+
+def test_learner_arguments_are_checked():
+    env = {"SAO_ROLLOUT_URLS": "http://127.0.0.1:9"}
+    with pytest.raises(ClusterConfigError, match="needs the sao train-rl arguments"):
+        entry.run_learner(["--"], env, "/c", run=lambda a: 0)
+    with pytest.raises(ClusterConfigError, match="may not contain --services"):
+        entry.run_learner(["--method", "sao", "--services", "http://x"], env, "/c", run=lambda a: 0)
+    with pytest.raises(ClusterConfigError, match="SAO_TRAINJOB_NAME is not set"):
+        entry.run_learner(["--method", "sao"], {}, "/c", run=lambda a: 0)
+
+
+def test_the_real_subprocess_runner_forwards_the_exit_code():
+    import sys
+
+    assert entry._run_forwarding([sys.executable, "-c", "raise SystemExit(7)"]) == 7
+
+
+def test_rollout_settings_come_from_the_runtime_and_the_trainjob():
+    config = golden.example_launch_config()
+    runtime, job = launcher.render_launch(config, "team-a")
+    container = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    env.update({e["name"]: e["value"] for e in patch["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
+                if "value" in e})  # what the pod sees after Trainer merges the TrainJob's patch
+    serve = entry.rollout_serve_config(env, "/var/cache/sao")
+    assert (serve.model, serve.engine, serve.host, serve.port) == (config.model, "vllm", "0.0.0.0", 8000)
+    assert serve.engine_options == {"tensor_parallel_size": 2, "data_parallel_size": 1, "gpu_memory_utilization": 0.9,
+                                    "max_num_seqs": 256, "enable_prefix_caching": True, "max_model_len": 32768,
+                                    "dtype": "bfloat16"}
+    env[manifests.ENV_RUN_OPTIONS] = json.dumps({"tensor_parallel_size": 8})
+    with pytest.raises(ClusterConfigError, match="may not set tensor_parallel_size"):
+        entry.rollout_serve_config(env, "/c")
+    env[manifests.ENV_RUN_OPTIONS] = "{not json"
+    with pytest.raises(ClusterConfigError, match="SAO_ROLLOUT_RUN_OPTIONS is not valid JSON"):
+        entry.rollout_serve_config(env, "/c")
+
+
+def test_a_rollout_replica_serves_and_answers_health_with_the_hf_engine(tiny_model_dir, tmp_path):
+    """`sao cluster rollout`'s settings start a real rollout service (HF engine, embedded model) on loopback."""
+    from sao_core.rollout.server import RolloutServer
+
+    env = {"SAO_MODEL": str(tiny_model_dir), "SAO_ROLLOUT_ENGINE": "hf", "SAO_ROLLOUT_PORT": "0",
+           "SAO_ROLLOUT_ENGINE_OPTIONS": "{}", manifests.ENV_RUN_OPTIONS: json.dumps({"max_batch": 4})}
+    config = entry.rollout_serve_config(env, str(tmp_path))
+    config.host = "127.0.0.1"
+    server = RolloutServer(config).start(timeout_s=120)
+    try:
+        assert entry.wait_healthy([server.url], 5, say=lambda s: None) == [server.url]
+        assert entry.shutdown_replicas([server.url], grace_s=0, say=lambda s: None) == 1
+        server._thread.join(30)
+        assert not server._thread.is_alive()
+    finally:
+        server.stop()
