@@ -262,6 +262,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.pipeline:
+        return _demo_pipeline(args)
     from sao_core.demo import run_demo
 
     with _progress_bar(args.steps, "demo sft", args.quiet) as bar:
@@ -272,6 +274,168 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"\nDemo outputs are in {Path(args.output).resolve()} (summary: {summary['summary_file']})")
     return 0
 
+
+# ----------------------------------------------------------------------------- sao kfp ...
+def _cluster_settings(args: argparse.Namespace):
+    from sao_core.kfp.k8s import ClusterSettings
+
+    images = {kind: value for kind, value in (("cpu", args.image_cpu), ("train", args.image_train),
+                                              ("rollout", args.image_rollout)) if value}
+    values = {"queue_name": args.queue_name, "images": images}
+    for name in ("shm_size", "training_timeout_s", "evaluation_timeout_s", "data_retries", "evaluation_retries"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return ClusterSettings(**values)
+
+
+def cmd_kfp_compile(args: argparse.Namespace) -> int:
+    from sao_core.kfp.commands import compile_pipelines
+
+    names = ["post_training", "sao_rl", "evaluation"] if args.pipeline == "all" else [args.pipeline]
+    for path in compile_pipelines(names, args.output_dir, _cluster_settings(args)):
+        print(path)
+    return 0
+
+
+def cmd_kfp_upload(args: argparse.Namespace) -> int:
+    from sao_core.kfp import commands
+
+    result = commands.upload(args.host, args.name, pipeline=args.pipeline, package=args.package,
+                             version_name=args.version, description=args.description, namespace=args.namespace,
+                             token=commands.token_from_env(args.token_env), settings=_cluster_settings(args))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_kfp_run(args: argparse.Namespace) -> int:
+    from sao_core.kfp import commands
+
+    result = commands.run(args.host, args.experiment, args.run_name, args.param, pipeline=args.pipeline,
+                          package=args.package, pipeline_id=args.pipeline_id, version_id=args.version_id,
+                          namespace=args.namespace, token=commands.token_from_env(args.token_env),
+                          enable_caching=args.cache, settings=_cluster_settings(args))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_kfp_schedule(args: argparse.Namespace) -> int:
+    from sao_core.kfp import commands
+
+    result = commands.schedule(args.host, args.experiment, args.name, args.cron, args.param, pipeline=args.pipeline,
+                               package=args.package, pipeline_id=args.pipeline_id, version_id=args.version_id,
+                               max_concurrency=args.max_concurrency, catchup=args.catchup,
+                               start_time=args.start_time, end_time=args.end_time, enabled=not args.disabled,
+                               namespace=args.namespace, token=commands.token_from_env(args.token_env),
+                               settings=_cluster_settings(args))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_kfp_schedules(args: argparse.Namespace) -> int:
+    from sao_core.kfp import commands
+
+    if args.action == "list":
+        rows = commands.list_schedules(args.host, args.experiment, namespace=args.namespace,
+                                       token=commands.token_from_env(args.token_env))
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    if not args.id:
+        raise ConfigError(f"kfp schedules {args.action} needs the recurring run id")
+    commands.set_schedule_enabled(args.host, args.id, args.action == "enable", namespace=args.namespace,
+                                  token=commands.token_from_env(args.token_env))
+    print(f"recurring run {args.id} {args.action}d")
+    return 0
+
+
+def _add_kfp_parsers(sub) -> None:
+    kfp = sub.add_parser("kfp", help="Kubeflow Pipelines: compile, upload, run, schedule")
+    kfp_sub = kfp.add_subparsers(dest="kfp_command", required=True, metavar="ACTION")
+
+    def cluster(p) -> None:
+        g = p.add_argument_group("compile-time cluster settings")
+        g.add_argument("--queue-name", default="", help="Kueue LocalQueue: label kueue.x-k8s.io/queue-name on every pod")
+        g.add_argument("--image-cpu", help="image of CPU steps [default: from SAO_IMAGE_* / sao_core.kfp.images]")
+        g.add_argument("--image-train", help="image of SFT/CPT/DPO/GKD steps")
+        g.add_argument("--image-rollout", help="image of RL, rollout and evaluation steps (vLLM)")
+        g.add_argument("--shm-size", help="size of /dev/shm in GPU pods [default: 16Gi]")
+        g.add_argument("--training-timeout-s", type=int, help="active deadline of training pods")
+        g.add_argument("--evaluation-timeout-s", type=int, help="active deadline of evaluation pods")
+        g.add_argument("--data-retries", type=int, help="retries of data preparation [default: 3]")
+        g.add_argument("--evaluation-retries", type=int, help="retries of evaluation [default: 2]")
+
+    def server(p) -> None:
+        p.add_argument("--host", required=True, help="KFP API URL, e.g. http://localhost:8080")
+        p.add_argument("--namespace", help="Kubernetes namespace (multi-user KFP)")
+        p.add_argument("--token-env", default="SAO_KFP_TOKEN", help="environment variable holding a bearer token "
+                                                                   "[default: SAO_KFP_TOKEN]")
+
+    def source(p) -> None:
+        p.add_argument("--pipeline", choices=["post_training", "sao_rl", "evaluation"], help="compile this pipeline")
+        p.add_argument("--package", help="a compiled pipeline YAML")
+        p.add_argument("--pipeline-id", help="an uploaded pipeline (with --version-id)")
+        p.add_argument("--version-id", help="an uploaded pipeline version")
+        p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                       help="pipeline argument (JSON for numbers, lists and mappings); repeat for more")
+
+    p = kfp_sub.add_parser("compile", help="compile pipelines to KFP YAML (method dropdown included)")
+    p.add_argument("--pipeline", default="all", choices=["all", "post_training", "sao_rl", "evaluation"])
+    p.add_argument("--output-dir", default="build/pipelines", help="[default: build/pipelines]")
+    cluster(p)
+    p.set_defaults(func=cmd_kfp_compile)
+
+    p = kfp_sub.add_parser("upload", help="upload a pipeline, or a new version of an existing one")
+    server(p)
+    p.add_argument("--name", required=True, help="pipeline name in KFP")
+    p.add_argument("--pipeline", choices=["post_training", "sao_rl", "evaluation"], help="compile this pipeline")
+    p.add_argument("--package", help="a compiled pipeline YAML")
+    p.add_argument("--version", help="version name [default: NAME-UTC timestamp]")
+    p.add_argument("--description")
+    cluster(p)
+    p.set_defaults(func=cmd_kfp_upload)
+
+    p = kfp_sub.add_parser("run", help="start a run in an experiment")
+    server(p)
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--run-name", required=True)
+    source(p)
+    p.add_argument("--cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="KFP caching for this run [default: as compiled]")
+    cluster(p)
+    p.set_defaults(func=cmd_kfp_run)
+
+    p = kfp_sub.add_parser("schedule", help="create a recurring run (six-field cron, seconds first)")
+    server(p)
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--name", required=True, help="recurring run name")
+    p.add_argument("--cron", required=True, help="six fields: seconds minutes hours day-of-month month day-of-week, "
+                                                 "e.g. '0 0 2 * * *' = 02:00 daily")
+    source(p)
+    p.add_argument("--max-concurrency", type=int, default=1, help="runs at once, 1-10 [default: 1]")
+    p.add_argument("--catchup", action="store_true", help="start every missed run after a pause [default: only "
+                                                           "the latest]")
+    p.add_argument("--start-time", help="ISO 8601 with time zone")
+    p.add_argument("--end-time", help="ISO 8601 with time zone")
+    p.add_argument("--disabled", action="store_true", help="create it disabled")
+    cluster(p)
+    p.set_defaults(func=cmd_kfp_schedule)
+
+    p = kfp_sub.add_parser("schedules", help="list, enable or disable recurring runs")
+    server(p)
+    p.add_argument("action", choices=["list", "enable", "disable"])
+    p.add_argument("id", nargs="?", help="recurring run id (enable / disable)")
+    p.add_argument("--experiment", help="list only this experiment's")
+    p.set_defaults(func=cmd_kfp_schedules)
+
+
+def _demo_pipeline(args: argparse.Namespace) -> int:
+    from sao_core.kfp.local import run_sao_rl_demo
+
+    summary = run_sao_rl_demo(args.output, args.cache_dir, warm_start_steps=args.steps, threads=args.threads,
+                              say=lambda text: print(text, file=sys.stderr, flush=True))
+    print(json.dumps(summary, indent=2))
+    print(f"\nHTML report: {summary['report']}\nEvaluation metrics: {summary['evaluation_summary']}\n"
+          f"SAO metrics: {summary['sao_metrics']}\nAll outputs: {summary['output']} (summary: {summary['summary_file']})")
+    return 0
 
 # ----------------------------------------------------------------------------- parser and main
 def _method_in(argv: list[str]) -> str | None:
@@ -385,7 +549,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job on the embedded default: data preparation and a short SFT run")
     p.add_argument("--output", default="local_outputs/demo", help="output directory [default: local_outputs/demo]")
     p.add_argument("--steps", type=int, default=300, help="SFT steps [default: 300]")
+    p.add_argument("--pipeline", action="store_true", help="run the sao_rl Kubeflow pipeline locally instead: "
+                                                           "SFT warm start, SAO, evaluation, HTML report")
     p.set_defaults(func=cmd_demo)
+    _add_kfp_parsers(sub)
     return parser
 
 
@@ -407,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     from sao_core.data.prepare import DataError
+    from sao_core.kfp.client import KFPError
+    from sao_core.kfp.local import LocalRunError
     from sao_core.learner.loop import LearnerError
     from sao_core.models import ModelLoadError
     from sao_core.storage import StorageError
@@ -414,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, ModelLoadError, StorageError, TrainingError, LearnerError, ValueError,
+    except (ConfigError, DataError, ModelLoadError, StorageError, TrainingError, LearnerError, KFPError,
+            LocalRunError, ValueError,
             FileNotFoundError, ConnectionError) as err:
         print(f"sao {args.command}: error: {err}", file=sys.stderr)
         return 2

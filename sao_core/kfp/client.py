@@ -266,17 +266,9 @@ def schedule(client, experiment: str, name: str, cron: str, arguments: dict[str,
     No catch-up by default (a paused or late scheduler starts only the latest missed run) and at most
     `max_concurrency` runs at once (1-10). Returns ``{"recurring_run_id", "experiment_id", "cron"}``.
     """
-    try:
-        cron = validate_cron(cron)
-    except CronError as err:
-        raise KFPError(str(err)) from None
-    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) \
-            or not 1 <= max_concurrency <= MAX_CONCURRENCY:
-        raise KFPError(f"max_concurrency must be an integer from 1 to {MAX_CONCURRENCY}, got {max_concurrency!r}")
+    cron = check_schedule(cron, max_concurrency, start_time, end_time)
     if not name or not name.strip():
         raise KFPError("a recurring run name is required")
-    if start_time and end_time and end_time <= start_time:
-        raise KFPError(f"end_time {end_time.isoformat()} is not after start_time {start_time.isoformat()}")
     source, parameters = _source(client, package_path, pipeline_id, version_id)
     arguments = check_arguments(parameters, dict(arguments or {}))
     experiment_id = _experiment_id(client, experiment, namespace)
@@ -286,6 +278,23 @@ def schedule(client, experiment: str, name: str, cron: str, arguments: dict[str,
                     start_time=_rfc3339(start_time), end_time=_rfc3339(end_time),
                     enable_caching=enable_caching, service_account=service_account, **source)
     return {"recurring_run_id": created.recurring_run_id, "experiment_id": experiment_id, "cron": cron}
+
+
+def check_schedule(cron: str, max_concurrency: int = 1, start_time: _dt.datetime | None = None,
+                   end_time: _dt.datetime | None = None) -> str:
+    """Check a recurring run's schedule settings locally; return the normalised cron or raise KFPError."""
+    try:
+        cron = validate_cron(cron)
+    except CronError as err:
+        raise KFPError(str(err)) from None
+    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) \
+            or not 1 <= max_concurrency <= MAX_CONCURRENCY:
+        raise KFPError(f"max_concurrency must be an integer from 1 to {MAX_CONCURRENCY}, got {max_concurrency!r}")
+    _rfc3339(start_time)
+    _rfc3339(end_time)
+    if start_time and end_time and end_time <= start_time:
+        raise KFPError(f"end_time {end_time.isoformat()} is not after start_time {start_time.isoformat()}")
+    return cron
 
 
 def _rfc3339(moment: _dt.datetime | None) -> str | None:

@@ -82,13 +82,8 @@ def schedule(host: str, experiment: str, name: str, cron: str, param_strings: li
              namespace: str | None = None, token: str | None = None,
              settings: ClusterSettings | None = None) -> dict[str, Any]:
     """Create a recurring run; cron, concurrency, times and arguments are checked before connecting."""
-    from sao_core.kfp.cron import CronError, validate_cron
-
-    try:
-        validate_cron(cron)
-    except CronError as err:
-        raise kfp_client.KFPError(str(err)) from None
     start, end = _when(start_time, "start time"), _when(end_time, "end time")
+    kfp_client.check_schedule(cron, max_concurrency, start, end)
     with tempfile.TemporaryDirectory(prefix="sao-kfp-") as scratch:
         path = _package_for(pipeline, package, settings, Path(scratch))
         arguments = _arguments(path, param_strings)

@@ -1,0 +1,169 @@
+"""The pipelines run end to end on this machine with KFP's local runner (`kfp.local.SubprocessRunner`,
+every step a subprocess running the component's compiled command): post_training's sft and sao
+branches (the sao one with a warm start and the evaluation), the evaluation pipeline's ParallelFor over
+two benchmarks with one report, an unknown method stopped by the argument check before any data is
+prepared, the standalone rollout service, and `sao_rl` end to end as `make demo` runs it (slow)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sao_core import storage
+from sao_core.data.synthetic import tool_arith_sft_rows
+from sao_core.envs.tool_arith import tool_arith_tasks
+from sao_core.kfp.local import LocalRunError, run_pipeline
+
+TINY_SAO = {"critic_warmup_steps": 1, "max_new_tokens_per_turn": 24, "max_total_tokens": 128}
+TINY_EVAL = dict(eval_k=1, eval_limit=2, eval_max_new_tokens=16, eval_max_total_tokens=256, eval_sandbox="local",
+                 eval_options={"grader_workers": 1})
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("inputs")
+    sft = root / "sft.jsonl"
+    sft.write_text("".join(json.dumps(r) + "\n" for r in tool_arith_sft_rows(80, seed=1)))
+    rl = root / "rl.jsonl"
+    rl.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer}) + "\n"
+                          for t in tool_arith_tasks(100, seed=3, p_more=1.0)))
+    beyond = root / "beyond_aime.jsonl"
+    beyond.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                              for i in range(1, 4)))
+    return {"sft": str(sft), "rl": str(rl), "beyond_aime": str(beyond)}
+
+
+def _run(pipeline, arguments, tmp_path, sao_cache):
+    return run_pipeline(pipeline, arguments, tmp_path / "root", cache_dir=sao_cache, threads=1)
+
+
+def _only_run(root: Path) -> Path:
+    (run,) = [p for p in root.iterdir() if p.is_dir()]
+    return run
+
+
+def test_post_training_sft_branch(tmp_path, inputs, sao_cache):
+    from pipelines.post_training import post_training
+
+    model_uri = _run(post_training, dict(train_source=inputs["sft"], output_root=str(tmp_path / "runs"), method="sft",
+                                         steps=3, batch_size=4, learning_rate=1e-3, max_tokens=128,
+                                         run_evaluation=False), tmp_path, sao_cache)
+    run = _only_run(tmp_path / "runs")
+    assert model_uri == str(run / "sft" / "model")
+    assert storage.is_complete_checkpoint(model_uri)
+    assert sorted(p.name for p in run.iterdir()) == ["sft"]  # only the chosen branch ran, no evaluation
+    assert json.loads((run / "sft" / "summary.json").read_text())["steps"] == 3
+
+
+@pytest.mark.slow
+def test_post_training_sao_branch_with_warm_start_and_evaluation(tmp_path, inputs, sao_cache):
+    from pipelines.post_training import post_training
+
+    model_uri = _run(post_training, dict(
+        train_source=inputs["rl"], output_root=str(tmp_path / "runs"), method="sao", steps=2, batch_size=4,
+        learning_rate=1e-4, max_tokens=128, engine="hf", method_options=TINY_SAO, warm_start_source=inputs["sft"],
+        warm_start_steps=3, warm_start_lr=1e-3, eval_benchmarks=["imo_answerbench"],
+        **{k: v for k, v in TINY_EVAL.items() if k not in ("eval_sandbox",)}, eval_sandbox="local"),
+        tmp_path, sao_cache)
+    run = _only_run(tmp_path / "runs")
+    assert model_uri == str(run / "sao" / "model")
+    assert sorted(p.name for p in run.iterdir()) == ["eval-imo_answerbench", "report", "sao", "sft"]
+    sao = json.loads((run / "sao" / "summary.json").read_text())
+    assert sao["method"] == "sao" and sao["steps"] == 2 and sao["critic"]
+    # SAO started from the warm-start model, not from the base model.
+    learner = json.loads(storage.read_text(storage.join(sao["checkpoint"], "learner_state.json")))
+    assert learner["config"]["model"] == str(run / "sft" / "model")
+    summary = json.loads((run / "report" / "summary.json").read_text())
+    assert summary["model"] == model_uri and list(summary["benchmarks"]) == ["imo_answerbench"]
+    assert (run / "report" / "report.html").read_text().count("IMO-AnswerBench") >= 1
+
+
+def test_evaluation_pipeline_runs_benchmarks_in_parallel_steps(tmp_path, inputs, sao_cache):
+    from pipelines.evaluation import evaluation
+
+    report_uri = _run(evaluation, dict(
+        model="embedded:tiny", output_root=str(tmp_path / "runs"), benchmarks=["imo_answerbench", "beyond_aime"], k=2,
+        limit=2, engine="hf", max_new_tokens=16, max_total_tokens=256, sandbox="local",
+        eval_options={"beyond_aime_source": inputs["beyond_aime"], "grader_workers": 1}), tmp_path, sao_cache)
+    run = _only_run(tmp_path / "runs")
+    assert report_uri == str(run / "report" / "report.html")
+    assert sorted(p.name for p in run.iterdir()) == ["eval-beyond_aime", "eval-imo_answerbench", "report"]
+    merged = json.loads((run / "report" / "summary.json").read_text())
+    assert sorted(merged["benchmarks"]) == ["beyond_aime", "imo_answerbench"]
+    assert merged["samples_generated"] == 2 * 2 + 2 * 2
+    assert "beyond_aime/avg@2" in merged["metrics"] and "imo_answerbench/pass@2" in merged["metrics"]
+    html = Path(report_uri).read_text()
+    assert "BeyondAIME" in html and "IMO-AnswerBench" in html
+
+
+def test_unknown_method_stops_at_the_check_before_any_data(tmp_path, inputs, sao_cache):
+    from pipelines.post_training import post_training
+
+    with pytest.raises(LocalRunError, match="check-post-training-arguments"):
+        _run(post_training, dict(train_source=inputs["sft"], output_root=str(tmp_path / "runs"), method="ppo"),
+             tmp_path, sao_cache)
+    assert not (tmp_path / "runs").exists()
+    assert not list((tmp_path / "root").rglob("prepare-data*")), "no data step may start after a failed check"
+
+
+def test_standalone_rollout_service_serves_until_shutdown(tmp_path, sao_cache):
+    from kfp import local
+
+    from components.rollout_service import rollout_service
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
+    outcome: dict = {}
+
+    def serve():
+        import os
+
+        os.environ["SAO_CACHE_DIR"] = str(sao_cache)
+        try:
+            outcome["task"] = rollout_service(model="embedded:tiny", engine="hf", host="127.0.0.1", port=port)
+        except Exception as err:  # reported below
+            outcome["error"] = err
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        pytest.fail(f"the rollout service did not come up: {outcome}")
+    generated = httpx.post(f"{url}/v1/generate", json={"prompts": [[{"role": "user", "content": "Compute 2 + 3"}]],
+                                                       "n": 1, "max_new_tokens": 4, "seed": 0}, timeout=60)
+    assert generated.status_code == 200, generated.text
+    assert httpx.post(f"{url}/v1/shutdown", json={"grace_s": 1}, timeout=10).status_code == 200
+    thread.join(timeout=60)
+    assert not thread.is_alive() and "error" not in outcome, outcome
+
+
+@pytest.mark.slow
+def test_sao_rl_end_to_end_like_make_demo(tmp_path, sao_cache):
+    from sao_core.kfp.local import run_sao_rl_demo
+
+    said: list[str] = []
+    result = run_sao_rl_demo(tmp_path / "demo", sao_cache, warm_start_steps=60, warm_start_rows=300, sao_steps=6,
+                             batch_size=8, eval_limit=2, eval_k=1, held_out=10, threads=1, say=said.append)
+    assert [line[:5] for line in said] == ["[1/3]", "[2/3]", "[3/3]"]
+    assert result["sft_model_verified"] and result["sao_model_verified"]
+    assert result["sao"]["steps"] == 6 and result["sao"]["trained_trajectories"] == 48
+    assert Path(result["report"]).is_file() and "IMO-AnswerBench" in Path(result["report"]).read_text()
+    assert "imo_answerbench/avg@1" in result["evaluation_metrics"]
+    assert result["held_out_tool_call_accuracy"]["problems"] == 10
+    assert json.loads(Path(result["summary_file"]).read_text())["report"] == result["report"]
+    assert sum(c["steps"].count("-") for c in result["sao_reward_by_steps"]) >= 2
