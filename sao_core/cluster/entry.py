@@ -48,8 +48,21 @@ def _json_env(environ: Mapping[str, str], key: str) -> dict[str, Any]:
     return value
 
 
+#: engine option (vLLM EngineArgs name) -> ServeConfig field of the rollout service's vLLM scaling settings
+SERVE_FIELDS = {"tensor_parallel_size": "tensor_parallel_size", "data_parallel_size": "data_parallel_size",
+                "gpu_memory_utilization": "gpu_memory_utilization", "max_num_seqs": "max_num_seqs",
+                "max_model_len": "max_model_len", "enable_prefix_caching": "prefix_caching"}
+
+
 def rollout_serve_config(environ: Mapping[str, str], cache_dir: str):
-    """The ServeConfig of a rollout replica from its environment (see the module docstring)."""
+    """The ServeConfig of a rollout replica from its environment (see the module docstring).
+
+    The vLLM scaling options become ServeConfig's own fields (tensor / data parallel size, memory share,
+    max sequences, context length, prefix caching); anything else stays in ``engine_options``.
+    """
+    import dataclasses
+
+    from sao_core.config import ConfigError, build_config
     from sao_core.rollout.server import ServeConfig
 
     shape = _json_env(environ, names.ENV_ENGINE_OPTIONS)
@@ -58,18 +71,17 @@ def rollout_serve_config(environ: Mapping[str, str], cache_dir: str):
     if owned:
         raise ClusterConfigError(f"{manifests.ENV_RUN_OPTIONS} may not set {', '.join(owned)}: the runtime's shape owns "
                                  "them (its GPUs per replica are sized for them)")
+    options = {**shape, **run}
+    known = {f.name for f in dataclasses.fields(ServeConfig)}
+    values: dict[str, Any] = {field: options.pop(key) for key, field in SERVE_FIELDS.items()
+                              if key in options and field in known}
+    values.update(model=environ.get(names.ENV_MODEL, "").strip() or "embedded:tiny",
+                  engine=environ.get(names.ENV_ENGINE, "vllm").strip() or "vllm", host="0.0.0.0",
+                  port=environ.get(names.ENV_PORT, "8000") or "8000", engine_options=options, cache_dir=cache_dir)
     try:
-        port = int(environ.get(names.ENV_PORT, "8000") or 8000)
-    except ValueError:
-        raise ClusterConfigError(f"{names.ENV_PORT}={environ.get(names.ENV_PORT)!r} is not a port number") from None
-    config = ServeConfig(model=environ.get(names.ENV_MODEL, "").strip() or "embedded:tiny",
-                         engine=environ.get(names.ENV_ENGINE, "vllm").strip() or "vllm", host="0.0.0.0", port=port,
-                         engine_options={**shape, **run}, cache_dir=cache_dir)
-    try:
-        config.validate()
-    except ValueError as err:
+        return build_config(ServeConfig, values, source="rollout replica environment")
+    except ConfigError as err:
         raise ClusterConfigError(str(err)) from None
-    return config
 
 
 def serve_rollout(environ: Mapping[str, str], cache_dir: str, say: Callable[[str], None] = print) -> None:
