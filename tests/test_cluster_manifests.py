@@ -202,9 +202,13 @@ def test_render_cli(tmp_path, capsys):
     assert main(["cluster", "render-runtime", "--rollout-gpus", "3"]) == 2
     assert "rollout_gpus (3) must equal" in capsys.readouterr().err
     assert main(["cluster", "render-trainjob", "--data", "s3://d/rl", "--output", "s3://o/x", "--run-id", "r9",
-                 "--queue-name", "q", "--image", "r/l:1", "--rollout-image", "r/v:1"]) == 0
+                 "--queue-name", "q", "--image", "r/l:1", "--rollout-image", "r/v:1", "--rl-options", '{"steps": 7}',
+                 "--tolerations", '[{"key": "nvidia.com/gpu", "operator": "Exists"}]']) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [d["kind"] for d in docs] == ["TrainingRuntime", "TrainJob"] and all(schema.validate(d) == [] for d in docs)
+    assert docs[1]["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][1][
+        "template"]["spec"]["template"]["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    assert "7" in docs[1]["spec"]["trainer"]["args"]
     assert main(["cluster", "launch", "--data", "s3://d/rl", "--output", "s3://o/x", "--run-id", "r9",
                  "--api-server", "http://127.0.0.1:9", "--image", "r/l:1", "--rollout-image", "r/v:1"]) == 2
     assert "cannot reach the Kubernetes API server at http://127.0.0.1:9" in capsys.readouterr().err

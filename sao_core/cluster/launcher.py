@@ -110,8 +110,19 @@ class LaunchConfig(RuntimeSpec):
     keep_trainjob: bool = False              # keep a completed or failed TrainJob (the ExitHandler step still deletes it)
     wait: bool = True                        # False: create the TrainJob and return at once
 
-    def validate(self, require_rollout_image: bool = True) -> None:  # noqa: ARG002 (signature of RuntimeSpec's)
-        """Raise ClusterConfigError naming the first bad setting (without touching the cluster)."""
+    def __post_init__(self) -> None:
+        if isinstance(self.tolerations, str):  # a JSON list given on the command line
+            try:
+                self.tolerations = json.loads(self.tolerations) if self.tolerations.strip() else []
+            except ValueError as err:
+                raise ClusterConfigError(f"tolerations is not a JSON list: {err}") from None
+
+    def validate(self, require_rollout_image: bool = True) -> None:
+        """Raise ClusterConfigError naming the first bad setting (without touching the cluster).
+
+        The rollout image is required only for a per-run runtime (`require_rollout_image` is decided
+        from ``cluster_runtime``; the parameter exists for RuntimeSpec's signature).
+        """
         super().validate(require_rollout_image=not self.cluster_runtime)
         from sao_core.learner.config import RL_METHODS
 
