@@ -8,7 +8,7 @@ and the single-pod ``sao_train`` with ``dsl.If(placement == "trainjob")`` and ch
 
 import pytest
 import yaml
-from kfp import compiler, dsl
+from kfp import compiler, dsl, kubernetes
 from kfp.dsl import Dataset, Input
 
 from sao_core.kfp import k8s
@@ -40,7 +40,8 @@ def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao"):
                 tensor_parallel_size=tensor_parallel_size, accelerator_type=accelerator_type,
                 node_selector=node_selector, tolerations=tolerations, s3_secret_name=s3_secret_name,
                 timeout_s=float(settings.training_timeout_s)).set_display_name(f"{stage} trainjob")
-            k8s.apply(launch, "cpu", params, settings, image_kind="cpu")
+            k8s.apply(launch, "cpu", params, settings, image_kind="cpu")  # a CPU pod: no GPU, no GPU node
+            kubernetes.set_timeout(launch, settings.training_timeout_s)  # it lives as long as the training
             launch.set_caching_options(False)
         return cleanup.outputs["model_uri"]
 
@@ -75,13 +76,16 @@ def test_placement_trainjob_compiles_with_the_launcher_the_exit_handler_and_the_
     docs = list(yaml.safe_load_all(path.read_text()))
     ir = docs[0]
     executors = ir["deploymentSpec"]["executors"]
-    assert any("launch_trainjob" in " ".join(e["container"].get("command", [])) for e in executors.values())
+    assert any("def launch_trainjob(" in " ".join(e["container"].get("command", [])) for e in executors.values())
     stage_dag = ir["components"]["comp-sao-trainjob-stage"]["dag"]["tasks"]
     assert stage_dag["delete-trainjob"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
     assert "exit-handler-1" in stage_dag["delete-trainjob"]["dependentTasks"]
     platform = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     labels = [e.get("podMetadata", {}).get("labels", {}) for e in platform.values()]
     assert any(lbl.get(k8s.KUEUE_QUEUE_LABEL) == "team-a-gpu" for lbl in labels)
+    launcher_exec = next(k for k, e in executors.items() if "def launch_trainjob(" in " ".join(e["container"]["command"]))
+    assert platform[launcher_exec]["activeDeadlineSeconds"] == str(settings.training_timeout_s)
+    assert "accelerator" not in executors[launcher_exec]["container"].get("resources", {})
     launch_inputs = ir["components"]["comp-launch-trainjob"]["inputDefinitions"]["parameters"]
     assert {"queue_name", "rollout_replicas", "tensor_parallel_size", "num_nodes"} <= set(launch_inputs)
 
