@@ -85,6 +85,7 @@ class HFEngine:
         self._wake = threading.Event()
         self._tokens_generated = 0
         self._busy_seconds = 0.0
+        self._steps = 0
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
@@ -135,7 +136,8 @@ class HFEngine:
         elapsed = max(time.monotonic() - self._started, 1e-9)
         return {"engine": "hf", "model": self.model_ref, "version": self.version, "active": len(self._active),
                 "paused": self._paused.is_set(), "tokens_generated": self._tokens_generated,
-                "busy_share": self._busy_seconds / elapsed}
+                "busy_share": self._busy_seconds / elapsed, "busy_seconds": self._busy_seconds,
+                "uptime_seconds": elapsed, "steps": self._steps}
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -164,6 +166,7 @@ class HFEngine:
                 for request in batch:
                     self._finish(request, error=EngineError(f"generation failed: {err}"))
             self._busy_seconds += time.monotonic() - began
+            self._steps += 1
         for request in self._active:
             self._finish(request, error=EngineError("engine closed"))
 

@@ -368,4 +368,5 @@ class VLLMEngine:
         busy = self._busy_seconds + (now - self._busy_since if self._busy_since is not None else 0.0)
         return {"engine": "vllm", "model": self.model_ref, "version": self.version, "active": len(self._active),
                 "paused": self._paused, "closed": self._closed, "tokens_generated": self._tokens_generated,
-                "weight_loads": self._weight_loads, "busy_share": busy / elapsed}
+                "weight_loads": self._weight_loads, "busy_share": busy / elapsed,
+                "busy_seconds": busy, "uptime_seconds": elapsed}
