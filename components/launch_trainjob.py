@@ -33,6 +33,12 @@ def launch_trainjob(
     steps: int = 100,
     batch_size: int = 32,
     policy_lr: float = 1e-6,
+    critic_lr: Optional[float] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
+    critic_updates: Optional[int] = None,  # noqa: UP045
+    critic_warmup_steps: Optional[int] = None,  # noqa: UP045
+    max_staleness: Optional[int] = None,  # noqa: UP045
+    eps_low: Optional[float] = None,  # noqa: UP045
+    eps_high: Optional[float] = None,  # noqa: UP045
     options: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
     run_id: str = "",
     stage: str = "sao",
@@ -73,6 +79,12 @@ def launch_trainjob(
         steps: Learner steps.
         batch_size: Trajectories per step (B).
         policy_lr: Policy learning rate (constant).
+        critic_lr: SAO critic learning rate (None = the RLConfig default, 5e-6).
+        critic_updates: SAO critic updates per policy update, K (None = default 2).
+        critic_warmup_steps: SAO critic-only steps before the first policy update (None = default 10).
+        max_staleness: Drop trajectories older than this many policy versions (None = default 4).
+        eps_low: DIS band lower width (None = default 0.3).
+        eps_high: DIS band upper width (None = default 5.0).
         options: Any other RLConfig field, e.g. {"critic_lr": 5e-6, "max_total_tokens": 32768, "checkpoint_every": 50}.
         run_id: Pipeline run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER): names the TrainJob sao-STAGE-RUN_ID; a retried launcher re-attaches to it.
         stage: Pipeline stage name (part of the TrainJob name and of the output path).
@@ -108,10 +120,14 @@ def launch_trainjob(
 
     run = artifacts.run_dir(output_root, run_id, stage)
     rl_options = dict(options or {})
-    repeated = sorted(set(rl_options) & {"steps", "batch_size", "policy_lr"})
+    given = {"steps": steps, "batch_size": batch_size, "policy_lr": policy_lr, "critic_lr": critic_lr,
+             "critic_updates": critic_updates, "critic_warmup_steps": critic_warmup_steps,
+             "max_staleness": max_staleness, "eps_low": eps_low, "eps_high": eps_high}
+    given = {k: v for k, v in given.items() if v is not None}
+    repeated = sorted(set(rl_options) & set(given))
     if repeated:
         raise ConfigError(f"launch_trainjob: options may not repeat {', '.join(repeated)} (they are parameters)")
-    rl_options.update(steps=steps, batch_size=batch_size, policy_lr=policy_lr)
+    rl_options.update(given)
     explicit = {
         "method": method, "data": data.uri if data.uri.startswith("s3://") else data.path, "output": run,
         "model": base_model, "rl_options": rl_options, "run_id": run_id, "stage": stage, "namespace": namespace,
