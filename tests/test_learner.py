@@ -307,3 +307,39 @@ def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao
     finally:
         for server in servers:
             server.stop()
+
+
+def test_fresh_run_with_resume_waits_for_a_service_that_starts_late(rl_data, tmp_path, sao_cache, tiny_model_dir,
+                                                                    caplog):
+    """How a TrainJob starts: `--resume` on an empty output is a fresh run, and the rollout replica comes up
+    after the learner (it waits, then connects)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result: dict = {}
+
+    def run():
+        try:
+            result["summary"] = train_rl(_config(
+                rl_data, tmp_path / "run", tiny_model_dir, sao_cache, steps=3, batch_size=8, resume=True,
+                services=(f"http://127.0.0.1:{port}",), critic_warmup_steps=1, max_new_tokens_per_turn=12,
+                max_total_tokens=80, service_retry_s=60))
+        except BaseException as err:  # reported by the assertion below
+            result["error"] = err
+
+    caplog.set_level(logging.INFO, logger="sao_core.learner.loop")
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(3.0)
+    server = RolloutServer(ServeConfig(model=tiny_model_dir, port=port, cache_dir=str(sao_cache))).start()
+    try:
+        thread.join(120)
+        assert not thread.is_alive()
+        assert "error" not in result, result.get("error")
+        assert result["summary"]["steps"] == 3 and result["summary"]["resumed_from"] is None
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert "waiting for it" in messages and "is back" in messages
+    finally:
+        server.stop()
