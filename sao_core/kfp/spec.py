@@ -139,3 +139,21 @@ def root_parameters(path: str | Path) -> dict[str, dict[str, Any]]:
             "literals": [json_format.MessageToDict(v) for v in p.literals],
         }
     return result
+
+
+def parameters_markdown(path: str | Path) -> str:
+    """A Markdown table of a compiled pipeline's parameters (sorted by name, as the IR stores them): type,
+    default or **required**, description and the dropdown's allowed values."""
+    import json
+
+    kinds = {"STRING": "string", "NUMBER_INTEGER": "int", "NUMBER_DOUBLE": "float", "BOOLEAN": "bool",
+             "LIST": "list", "STRUCT": "dict"}
+    rows = ["| parameter | type | default | description |", "| --- | --- | --- | --- |"]
+    for name, p in sorted(root_parameters(path).items()):
+        value = int(p["default"]) if p["type"] == "NUMBER_INTEGER" and p["has_default"] else p["default"]
+        default = "**required**" if not p["has_default"] else f"`{json.dumps(value)}`"
+        description = " ".join(p["description"].split()).replace("|", "\\|")
+        if p["literals"]:
+            description += " One of: " + ", ".join(f"`{v}`" for v in p["literals"]) + "."
+        rows.append(f"| `{name}` | {kinds.get(p['type'], p['type'])} | {default} | {description} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,82 @@
+"""The documentation of the KFP surface stays true: pipelines/README.md's parameter tables equal the
+compiled pipelines', and its Python and `sao kfp` examples run as written (against the loopback KFP API
+server of test_kfp_client, which checks every request against the official API specification). The same
+examples in the project README are run too once they are there."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from test_kfp_client import FakeKFP
+
+from pipelines.compile import README, readme_with_tables
+from sao_core.cli import main
+from sao_core.kfp.commands import compile_pipelines
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "http://localhost:8080"
+
+
+def _blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.DOTALL)
+
+
+def _documents() -> list[Path]:
+    """pipelines/README.md, and the project README when it carries the KFP examples."""
+    found = [README]
+    project = ROOT / "README.md"
+    if any("client.connect(" in block for block in _blocks(project.read_text(), "python")):
+        found.append(project)
+    return found
+
+
+def test_parameter_tables_are_current(tmp_path):
+    packages = {p.stem: p for p in compile_pipelines(["post_training", "sao_rl", "evaluation"], tmp_path)}
+    text = README.read_text()
+    assert readme_with_tables(text, packages) == text, \
+        "refresh with: .venv/bin/python -m pipelines.compile --golden --docs"
+    assert text.count("| `method` | string | `\"sao\"` |") == 1
+
+
+@pytest.mark.parametrize("document", _documents(), ids=lambda p: p.name)
+def test_python_examples_run_as_written(document, tmp_path, monkeypatch):
+    blocks = [b for b in _blocks(document.read_text(), "python") if "client." in b]
+    assert len(blocks) >= 2
+    server = FakeKFP()
+    monkeypatch.chdir(tmp_path)
+    try:
+        for block in blocks:
+            exec(compile(block.replace(HOST, server.url), f"{document.name} example", "exec"), {})
+        assert not server.violations, server.violations
+    finally:
+        server.close()
+    (upload,) = server.of("UploadPipeline")
+    assert upload["query"]["name"] == "sao-post-training"
+    (run,) = server.of("RunService_CreateRun")
+    assert run["body"]["runtime_config"]["parameters"]["method"] == "sao"
+    (schedule,) = server.of("RecurringRunService_CreateRecurringRun")
+    assert schedule["body"]["trigger"]["cron_schedule"]["cron"] == "0 0 2 * * *"
+    assert schedule["body"]["no_catchup"] is True and schedule["body"]["max_concurrency"] == 1
+    assert server.of("RecurringRunService_DisableRecurringRun")
+    assert Path("post_training.yaml").is_file() and Path("evaluation.yaml").is_file()
+
+
+@pytest.mark.parametrize("document", _documents(), ids=lambda p: p.name)
+def test_command_line_examples_run_as_written(document, tmp_path, monkeypatch, capsys):
+    lines = [line for block in _blocks(document.read_text(), "bash") for line in block.splitlines()
+             if line.startswith("sao kfp ")]
+    assert {shlex.split(line)[2] for line in lines} >= {"compile", "upload", "run", "schedule", "schedules"}
+    server = FakeKFP()
+    monkeypatch.chdir(tmp_path)
+    try:
+        for line in lines:
+            code = main(shlex.split(line.replace(HOST, server.url))[1:])
+            assert code == 0, (line, capsys.readouterr().err)
+        assert not server.violations, server.violations
+    finally:
+        server.close()
+    assert (tmp_path / "build" / "pipelines" / "post_training.yaml").is_file()
+    assert server.of("RunService_CreateRun") and server.of("RecurringRunService_CreateRecurringRun")
