@@ -259,3 +259,25 @@ def test_merge_summaries(tmp_path):
         merge_summaries([a, a])
     with pytest.raises(ConfigError, match="no evaluation summaries"):
         merge_summaries([])
+
+
+def test_model_artifact_points_at_an_s3_checkpoint(tmp_path, sft_source, sao_cache, monkeypatch, moto_s3):
+    """In a cluster output_root is an s3:// prefix: the weights stay there and the artifact is a pointer."""
+    from components.prepare_data import prepare_data
+    from components.sft import sft_train
+
+    monkeypatch.setenv("SAO_CACHE_DIR", str(sao_cache))
+    dataset = Dataset(uri=str(tmp_path / "dataset"))
+    prepare_data.python_func(source=str(sft_source), kind="sft", dataset=dataset, stats=Metrics(uri=str(tmp_path / "s")))
+    model = Model(uri=str(tmp_path / "model"))
+    model_uri, _ = sft_train.python_func(
+        data=dataset, output_root=moto_s3.uri("runs"), model=model, metrics=Metrics(uri=str(tmp_path / "m")),
+        summary=Markdown(uri=str(tmp_path / "md")), steps=2, batch_size=4, lr=1e-3, max_tokens=128,
+        options={"warmup_steps": 0}, run_id="kfp-run-7")
+    assert model_uri == moto_s3.uri("runs/kfp-run-7/sft/model")
+    assert storage.is_complete_checkpoint(model_uri)
+    assert model.metadata["checkpoint_uri"] == model_uri
+    assert model.metadata["sha256"] == storage.checkpoint_digest(model_uri)
+    assert Path(model.path).stat().st_size < 2000  # a pointer, not weights
+    assert "| steps | mean loss |" in Path(tmp_path / "md").read_text()  # metrics.jsonl read back from S3
+    assert artifacts.read_model_pointer(model.path)["checkpoint_uri"] == model_uri

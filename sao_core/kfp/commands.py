@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
+import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from sao_core.kfp import client as kfp_client
+from sao_core.kfp import images
 from sao_core.kfp.k8s import ClusterSettings
+
+#: Compiled packages of this process, by (pipeline, settings, images): compiling is deterministic.
+_COMPILED: dict[tuple[str, str, str], str] = {}
 
 
 def compile_pipelines(names: list[str], output_dir: str | Path, settings: ClusterSettings | None = None) -> list[Path]:
@@ -28,8 +34,16 @@ def compile_pipelines(names: list[str], output_dir: str | Path, settings: Cluste
         raise kfp_client.KFPError(f"unknown pipeline {unknown[0]!r}; choose from {', '.join(pipelines.PIPELINES)}")
     paths = []
     for name in names:
-        built = pipelines.build(name, settings)
-        paths.append(compile_pipeline(built.func, Path(output_dir) / f"{name}.yaml", built.literals))
+        path = Path(output_dir) / f"{name}.yaml"
+        key = (name, json.dumps(dataclasses.asdict(settings), sort_keys=True), json.dumps(images.all_images()))
+        if key in _COMPILED:  # same pipeline, settings and images in this process: the same package
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(_COMPILED[key])
+        else:
+            built = pipelines.build(name, settings)
+            compile_pipeline(built.func, path, built.literals)
+            _COMPILED[key] = path.read_text()
+        paths.append(path)
     return paths
 
 
