@@ -1,7 +1,8 @@
 """check_post_training_arguments: the first step of post_training.
 
 Validates the run's arguments exactly as the chosen method's training step will (the same config
-classes and messages as the CLI), so an unknown method, a misspelt option or a bad value fails in
+classes and messages as the CLI), so an unknown method or placement, a misspelt option, a bad value
+or (``placement=trainjob``) a local output_root or a TrainJob shape the launcher would refuse fails in
 seconds on a small CPU pod instead of after data preparation on a GPU node. Returns the data kind
 the method trains on (sft, cpt, dpo or rl), which the data preparation step uses.
 """
@@ -25,6 +26,13 @@ def check_post_training_arguments(
     warm_start_source: str,
     warm_start_steps: int,
     method_options: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
+    placement: str = "single_pod",
+    num_nodes: int = 1,
+    gpus_per_node: int = 8,
+    rollout_replicas: int = 2,
+    rollout_gpus: int = 1,
+    tensor_parallel_size: int = 1,
+    s3_secret_name: str = "sao-s3",
 ) -> NamedTuple("CheckOutputs", data_kind=str):
     """Validate post_training's arguments for the chosen method; return its data kind.
 
@@ -39,11 +47,21 @@ def check_post_training_arguments(
         warm_start_source: SFT data of the warm start before grpo/sao ('' = none).
         warm_start_steps: SFT steps of the warm start (0 = none).
         method_options: Other config fields of the chosen method.
+        placement: Where grpo and sao train: single_pod or trainjob (then output_root must be s3:// and the shape below must be one the launcher accepts).
+        num_nodes: trainjob: learner nodes.
+        gpus_per_node: trainjob: GPUs per learner node.
+        rollout_replicas: trainjob: rollout service replicas.
+        rollout_gpus: trainjob: GPUs per rollout replica.
+        tensor_parallel_size: trainjob: vLLM tensor-parallel size inside a replica.
+        s3_secret_name: trainjob: Secret with the S3 credentials of the TrainJob's pods (required there).
     """
     from sao_core.kfp import params
 
     kind = params.check_post_training(method, steps=steps, batch_size=batch_size, learning_rate=learning_rate,
                                       max_tokens=max_tokens, engine=engine, method_options=method_options,
                                       warm_start_source=warm_start_source, warm_start_steps=warm_start_steps,
-                                      output_root=output_root)
+                                      output_root=output_root, placement=placement, num_nodes=num_nodes,
+                                      gpus_per_node=gpus_per_node, rollout_replicas=rollout_replicas,
+                                      rollout_gpus=rollout_gpus, tensor_parallel_size=tensor_parallel_size,
+                                      s3_secret_name=s3_secret_name)
     return (kind,)  # the NamedTuple outputs, in order

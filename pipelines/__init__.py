@@ -13,6 +13,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from pipelines import _kfp_merge
+
+_kfp_merge.install()  # kfp 2.17's sub-pipeline merge is order-dependent and loses Kubernetes configs
+
 #: Pipeline name -> module under pipelines/.
 PIPELINES = {"post_training": "pipelines.post_training", "sao_rl": "pipelines.sao_rl",
              "evaluation": "pipelines.evaluation"}

@@ -1,12 +1,21 @@
-"""Sub-pipelines shared by the pipelines: RL training with an optional SFT warm start.
+"""Sub-pipelines shared by the pipelines: RL training with an optional SFT warm start, in one pod or as a
+Kubeflow Trainer TrainJob, and the evaluation stage.
 
-KFP's ``dsl.OneOf`` cannot be nested and the local runner only resolves it for parameters, so a stage
-that may or may not run a warm start is its own small pipeline whose output is the trained model's
-URI (a string): ``If(warm_start_steps > 0)``: prepare the SFT data, fine-tune, then RL from the
-fine-tuned model; ``Else``: RL from ``base_model``.
+KFP's ``dsl.OneOf`` cannot be nested and the local runner only resolves it for parameters, so every
+choice is its own small pipeline whose output is the trained model's URI (a string):
+
+- ``single_pod`` RL stage: ``If(warm_start_steps > 0)``: prepare the SFT data, fine-tune, then RL from
+  the fine-tuned model; ``Else``: RL from ``base_model`` (the rollout service and the learner share one
+  pod);
+- ``trainjob`` RL stage: the same warm start, but the RL step is :func:`build_trainjob_stage`: a CPU pod
+  launches one TrainJob (rollout replicas + torchrun learner, one Kueue workload) and follows it, inside
+  a ``dsl.ExitHandler`` whose exit step deletes the TrainJob whatever happens;
+- the RL stage the pipelines call: ``If(placement == "trainjob")`` runs the TrainJob stage, ``Else`` the
+  single-pod stage. Local runs (``placement=single_pod``) never enter the TrainJob branch, so they need
+  no cluster.
 """
 
-from kfp import dsl
+from kfp import dsl, kubernetes
 from kfp.dsl import Dataset, Input
 
 from components.grpo import grpo_train
@@ -16,13 +25,157 @@ from components.sft import sft_train
 from sao_core.kfp import k8s
 
 RUN_ID = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+#: SAO settings that sao_rl passes as parameters of their own (post_training passes them in method_options).
+SAO_PARAMETERS = ("critic_lr", "critic_updates", "critic_warmup_steps", "max_staleness", "eps_low", "eps_high")
+
+
+def warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, warm_start_lr, max_tokens,
+                   params: k8s.ClusterParams, settings: k8s.ClusterSettings, batch_size=None):
+    """The warm-start tasks (prepare the SFT data, fine-tune `base_model`); returns the SFT task.
+
+    Call it inside a pipeline function (usually in ``dsl.If(warm_start_steps > 0)``); the SFT step runs
+    in one training pod with ``params``' GPUs whatever the RL placement. `batch_size` None: sft_train's
+    default.
+    """
+    warm_data = prepare_data(source=warm_start_source, kind="sft").set_display_name("prepare warm-start data")
+    k8s.apply(warm_data, "data", params, settings, image_kind="cpu")
+    extra = {} if batch_size is None else {"batch_size": batch_size}
+    warm = sft_train(data=warm_data.outputs["dataset"], output_root=output_root, base_model=base_model,
+                     steps=warm_start_steps, lr=warm_start_lr, max_tokens=max_tokens, run_id=RUN_ID,
+                     **extra).set_display_name("warm-start SFT")
+    return k8s.apply(warm, "training", params, settings, image_kind="train")
+
+
+def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_parameters: bool = False):
+    """RL as one TrainJob (``placement=trainjob``), as a graph component returning the trained model's URI.
+
+    ``delete_trainjob`` is the exit task and ``launch_trainjob`` runs inside ``dsl.ExitHandler(cleanup)``:
+    the TrainJob is deleted when the run succeeds, fails or is cancelled. KFP lets no task outside an
+    ExitHandler read an output of a task inside it, so the exit task hands the model on
+    (``OUTPUT_ROOT/RUN_ID/STAGE/model``; it fails when that checkpoint is incomplete). The launcher runs
+    on a small CPU pod (no GPU, no GPU node) with the training deadline (the cpu role's 1 h would kill
+    it); neither step is cached. The TrainJob's pods get the Kueue queue, the images and the shape.
+
+    `stage` must be the run-directory name the single-pod component uses ("sao" for SAO, the method
+    name for the GRPO family) so both placements write OUTPUT_ROOT/RUN_ID/STAGE. `sao_parameters`
+    adds sao_rl's explicit SAO settings (:data:`SAO_PARAMETERS`) as inputs, passed to the launcher as
+    sao_train gets them.
+    """
+    from components.delete_trainjob import delete_trainjob
+    from components.launch_trainjob import launch_trainjob
+
+    if sao_parameters and stage != "sao":
+        raise ValueError(f"sao_parameters applies to the sao stage only, got stage {stage!r}")
+
+    def guarded_launch(data, output_root, base_model, method, steps, batch_size, learning_rate, engine,
+                       method_options, num_nodes, gpus_per_node, rollout_replicas, rollout_gpus,
+                       tensor_parallel_size, accelerator_type, node_selector, tolerations, s3_secret_name, **sao):
+        params = k8s.ClusterParams(s3_secret_name=s3_secret_name)
+        cleanup = delete_trainjob(run_id=RUN_ID, stage=stage, output_root=output_root).set_display_name(
+            "delete trainjob")
+        k8s.apply(cleanup, "cpu", params, settings, image_kind="cpu")
+        cleanup.set_caching_options(False)  # it deletes a cluster object and checks the model: always run it
+        with dsl.ExitHandler(cleanup, name="trainjob"):
+            launch = launch_trainjob(
+                data=data, output_root=output_root, method=method, base_model=base_model, steps=steps,
+                batch_size=batch_size, policy_lr=learning_rate, engine=engine, options=method_options, run_id=RUN_ID,
+                stage=stage, queue_name=settings.queue_name, learner_image=settings.image("train"),
+                rollout_image=settings.image("rollout"), num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
+                tensor_parallel_size=tensor_parallel_size, accelerator_type=accelerator_type,
+                node_selector=node_selector, tolerations=tolerations, s3_secret_name=s3_secret_name,
+                timeout_s=float(settings.training_timeout_s), **sao).set_display_name(f"{stage} trainjob")
+            k8s.apply(launch, "cpu", params, settings, image_kind="cpu")  # a CPU pod: no GPU, no GPU node
+            kubernetes.set_timeout(launch, settings.training_timeout_s)  # it lives as long as the training
+            launch.set_caching_options(False)
+        return cleanup.outputs["model_uri"]
+
+    if not sao_parameters:
+        @dsl.pipeline(name=f"{stage}-trainjob-stage")
+        def trainjob_stage(data: Input[Dataset], output_root: str, base_model: str, method: str, steps: int,
+                           batch_size: int, learning_rate: float, engine: str, method_options: dict,
+                           num_nodes: int, gpus_per_node: int, rollout_replicas: int, rollout_gpus: int,
+                           tensor_parallel_size: int, accelerator_type: str, node_selector: dict, tolerations: list,
+                           s3_secret_name: str) -> str:
+            """RL as one TrainJob; the exit step deletes it whatever happens and returns the trained model's URI.
+
+            Args:
+                data: Prepared rl dataset.
+                output_root: s3://bucket/prefix; the TrainJob writes OUTPUT_ROOT/RUN_ID/STAGE.
+                base_model: Model to start from (an s3:// checkpoint or a hub id the pods can reach).
+                method: RL method: sao, grpo, grpo_async, grpo_dis or running_mean.
+                steps: RL learner steps.
+                batch_size: Trajectories per step.
+                learning_rate: Policy learning rate.
+                engine: Rollout engine: vllm or hf.
+                method_options: Other RLConfig fields.
+                num_nodes: Learner nodes.
+                gpus_per_node: GPUs per learner node.
+                rollout_replicas: Rollout service replicas.
+                rollout_gpus: GPUs per rollout replica.
+                tensor_parallel_size: vLLM tensor-parallel size inside a replica.
+                accelerator_type: Kubernetes resource name of the GPUs.
+                node_selector: Node labels every pod of the TrainJob requires.
+                tolerations: Tolerations of every pod of the TrainJob.
+                s3_secret_name: Secret with the S3 credentials.
+            """
+            return guarded_launch(data, output_root, base_model, method, steps, batch_size, learning_rate, engine,
+                                  method_options, num_nodes, gpus_per_node, rollout_replicas, rollout_gpus,
+                                  tensor_parallel_size, accelerator_type, node_selector, tolerations, s3_secret_name)
+
+        return trainjob_stage
+
+    @dsl.pipeline(name=f"{stage}-trainjob-stage")
+    def sao_trainjob_stage(data: Input[Dataset], output_root: str, base_model: str, method: str, steps: int,
+                           batch_size: int, learning_rate: float, critic_lr: float, critic_updates: int,
+                           critic_warmup_steps: int, max_staleness: int, eps_low: float, eps_high: float,
+                           engine: str, method_options: dict, num_nodes: int, gpus_per_node: int,
+                           rollout_replicas: int, rollout_gpus: int, tensor_parallel_size: int, accelerator_type: str,
+                           node_selector: dict, tolerations: list, s3_secret_name: str) -> str:
+        """SAO as one TrainJob; the exit step deletes it whatever happens and returns the trained model's URI.
+
+        Args:
+            data: Prepared rl dataset.
+            output_root: s3://bucket/prefix; the TrainJob writes OUTPUT_ROOT/RUN_ID/sao.
+            base_model: Model to start from (an s3:// checkpoint or a hub id the pods can reach).
+            method: RL method (sao).
+            steps: SAO learner steps.
+            batch_size: Trajectories per step.
+            learning_rate: Policy learning rate.
+            critic_lr: Critic learning rate.
+            critic_updates: Critic updates per policy update (K).
+            critic_warmup_steps: Critic-only steps before the first policy update.
+            max_staleness: Drop trajectories older than this many policy versions.
+            eps_low: DIS band lower width.
+            eps_high: DIS band upper width.
+            engine: Rollout engine: vllm or hf.
+            method_options: Other RLConfig fields.
+            num_nodes: Learner nodes.
+            gpus_per_node: GPUs per learner node.
+            rollout_replicas: Rollout service replicas.
+            rollout_gpus: GPUs per rollout replica.
+            tensor_parallel_size: vLLM tensor-parallel size inside a replica.
+            accelerator_type: Kubernetes resource name of the GPUs.
+            node_selector: Node labels every pod of the TrainJob requires.
+            tolerations: Tolerations of every pod of the TrainJob.
+            s3_secret_name: Secret with the S3 credentials.
+        """
+        return guarded_launch(data, output_root, base_model, method, steps, batch_size, learning_rate, engine,
+                              method_options, num_nodes, gpus_per_node, rollout_replicas, rollout_gpus,
+                              tensor_parallel_size, accelerator_type, node_selector, tolerations, s3_secret_name,
+                              critic_lr=critic_lr, critic_updates=critic_updates,
+                              critic_warmup_steps=critic_warmup_steps, max_staleness=max_staleness, eps_low=eps_low,
+                              eps_high=eps_high)
+
+    return sao_trainjob_stage
 
 
 def build_rl_stage(method: str, settings: k8s.ClusterSettings):
-    """The `method` ('sao' or 'grpo') RL stage with an optional warm start, as a graph component."""
+    """The `method` ('sao' or 'grpo') RL stage with an optional warm start and a placement, as a graph component."""
     if method not in ("sao", "grpo"):
         raise ValueError(f"RL stage method must be sao or grpo, got {method!r}")
     rl_component = sao_train if method == "sao" else grpo_train
+    trainjob_stage = build_trainjob_stage(settings, stage=method)  # grpo_train writes to RUN_ID/<method>
 
     def rl_task(data, base_model, output_root, steps, batch_size, learning_rate, engine, method_options, params):
         kwargs = dict(data=data, output_root=output_root, base_model=base_model, steps=steps, batch_size=batch_size,
@@ -32,8 +185,8 @@ def build_rl_stage(method: str, settings: k8s.ClusterSettings):
         task = rl_component(**kwargs).set_display_name(f"{method} training")
         return k8s.apply(task, "training", params, settings, image_kind="rollout")
 
-    @dsl.pipeline(name=f"{method}-stage")
-    def rl_stage(
+    @dsl.pipeline(name=f"{method}-single-pod-stage")
+    def single_pod_rl_stage(
         data: Input[Dataset],
         output_root: str,
         base_model: str,
@@ -52,7 +205,7 @@ def build_rl_stage(method: str, settings: k8s.ClusterSettings):
         tolerations: list,
         s3_secret_name: str,
     ) -> str:
-        """RL training with an optional SFT warm start; returns the trained model's URI.
+        """RL in one pod (colocated rollout service) with an optional SFT warm start; returns the model's URI.
 
         Args:
             data: Prepared rl dataset.
@@ -77,18 +230,150 @@ def build_rl_stage(method: str, settings: k8s.ClusterSettings):
                                    node_selector=node_selector, tolerations=tolerations,
                                    s3_secret_name=s3_secret_name)
         with dsl.If(warm_start_steps > 0, name="warm-start"):
-            warm_data = prepare_data(source=warm_start_source, kind="sft").set_display_name("prepare warm-start data")
-            k8s.apply(warm_data, "data", params, settings, image_kind="cpu")
-            warm = sft_train(data=warm_data.outputs["dataset"], output_root=output_root, base_model=base_model,
-                             steps=warm_start_steps, lr=warm_start_lr, max_tokens=max_tokens,
-                             run_id=RUN_ID).set_display_name("warm-start SFT")
-            k8s.apply(warm, "training", params, settings, image_kind="train")
+            warm = warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, warm_start_lr,
+                                  max_tokens, params, settings)
             after_warm = rl_task(data, warm.outputs["model_uri"], output_root, steps, batch_size, learning_rate,
                                  engine, method_options, params)
         with dsl.Else(name="no-warm-start"):
             cold = rl_task(data, base_model, output_root, steps, batch_size, learning_rate, engine, method_options,
                            params)
         return dsl.OneOf(after_warm.outputs["model_uri"], cold.outputs["model_uri"])
+
+    @dsl.pipeline(name=f"{method}-trainjob-rl-stage")
+    def trainjob_rl_stage(
+        data: Input[Dataset],
+        output_root: str,
+        base_model: str,
+        steps: int,
+        batch_size: int,
+        learning_rate: float,
+        engine: str,
+        method_options: dict,
+        warm_start_source: str,
+        warm_start_steps: int,
+        warm_start_lr: float,
+        max_tokens: int,
+        num_nodes: int,
+        gpus_per_node: int,
+        rollout_replicas: int,
+        rollout_gpus: int,
+        tensor_parallel_size: int,
+        gpu_count: int,
+        accelerator_type: str,
+        node_selector: dict,
+        tolerations: list,
+        s3_secret_name: str,
+    ) -> str:
+        """RL as one TrainJob with an optional SFT warm start (in one pod); returns the trained model's URI.
+
+        Args:
+            data: Prepared rl dataset.
+            output_root: s3://bucket/prefix where runs are written.
+            base_model: Model to start from.
+            steps: RL learner steps.
+            batch_size: Trajectories per step.
+            learning_rate: Policy learning rate.
+            engine: Rollout engine: vllm or hf.
+            method_options: Other RLConfig fields.
+            warm_start_source: SFT data source of the warm start.
+            warm_start_steps: SFT steps before RL (0 = no warm start).
+            warm_start_lr: Learning rate of the warm start.
+            max_tokens: Token limit of warm-start examples.
+            num_nodes: Learner nodes of the TrainJob.
+            gpus_per_node: GPUs per learner node.
+            rollout_replicas: Rollout service replicas of the TrainJob.
+            rollout_gpus: GPUs per rollout replica.
+            tensor_parallel_size: vLLM tensor-parallel size inside a replica.
+            gpu_count: GPUs of the warm-start SFT pod.
+            accelerator_type: Kubernetes resource name of the GPUs.
+            node_selector: Node labels the GPU pods require.
+            tolerations: Tolerations of the GPU pods.
+            s3_secret_name: Secret with the S3 credentials.
+        """
+        params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
+                                   node_selector=node_selector, tolerations=tolerations,
+                                   s3_secret_name=s3_secret_name)
+        rl = dict(data=data, output_root=output_root, method=method, steps=steps, batch_size=batch_size,
+                  learning_rate=learning_rate, engine=engine, method_options=method_options, num_nodes=num_nodes,
+                  gpus_per_node=gpus_per_node, rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
+                  tensor_parallel_size=tensor_parallel_size, accelerator_type=accelerator_type,
+                  node_selector=node_selector, tolerations=tolerations, s3_secret_name=s3_secret_name)
+        with dsl.If(warm_start_steps > 0, name="warm-start"):
+            warm = warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, warm_start_lr,
+                                  max_tokens, params, settings)
+            after_warm = trainjob_stage(base_model=warm.outputs["model_uri"], **rl).set_display_name(
+                f"{method} trainjob")
+        with dsl.Else(name="no-warm-start"):
+            cold = trainjob_stage(base_model=base_model, **rl).set_display_name(f"{method} trainjob")
+        return dsl.OneOf(after_warm.output, cold.output)
+
+    @dsl.pipeline(name=f"{method}-stage")
+    def rl_stage(
+        data: Input[Dataset],
+        output_root: str,
+        base_model: str,
+        steps: int,
+        batch_size: int,
+        learning_rate: float,
+        engine: str,
+        method_options: dict,
+        warm_start_source: str,
+        warm_start_steps: int,
+        warm_start_lr: float,
+        max_tokens: int,
+        placement: str,
+        num_nodes: int,
+        gpus_per_node: int,
+        rollout_replicas: int,
+        rollout_gpus: int,
+        tensor_parallel_size: int,
+        gpu_count: int,
+        accelerator_type: str,
+        node_selector: dict,
+        tolerations: list,
+        s3_secret_name: str,
+    ) -> str:
+        """RL training with an optional SFT warm start, in one pod or as a TrainJob; returns the model's URI.
+
+        Args:
+            data: Prepared rl dataset.
+            output_root: Where runs are written (s3://bucket/prefix; a local directory for single_pod local runs).
+            base_model: Model to start from.
+            steps: RL learner steps.
+            batch_size: Trajectories per step.
+            learning_rate: Policy learning rate.
+            engine: Rollout engine: vllm or hf.
+            method_options: Other RLConfig fields.
+            warm_start_source: SFT data source of the warm start.
+            warm_start_steps: SFT steps before RL (0 = no warm start).
+            warm_start_lr: Learning rate of the warm start.
+            max_tokens: Token limit of warm-start examples.
+            placement: single_pod (rollout service and learner in one pod) or trainjob (one Kubeflow Trainer TrainJob).
+            num_nodes: trainjob: learner nodes.
+            gpus_per_node: trainjob: GPUs per learner node.
+            rollout_replicas: trainjob: rollout service replicas.
+            rollout_gpus: trainjob: GPUs per rollout replica.
+            tensor_parallel_size: trainjob: vLLM tensor-parallel size inside a replica.
+            gpu_count: GPUs of the training pods (single_pod RL and the warm-start SFT).
+            accelerator_type: Kubernetes resource name of the GPUs.
+            node_selector: Node labels the GPU pods require.
+            tolerations: Tolerations of the GPU pods.
+            s3_secret_name: Secret with the S3 credentials.
+        """
+        common = dict(data=data, output_root=output_root, base_model=base_model, steps=steps, batch_size=batch_size,
+                      learning_rate=learning_rate, engine=engine, method_options=method_options,
+                      warm_start_source=warm_start_source, warm_start_steps=warm_start_steps,
+                      warm_start_lr=warm_start_lr, max_tokens=max_tokens, gpu_count=gpu_count,
+                      accelerator_type=accelerator_type, node_selector=node_selector, tolerations=tolerations,
+                      s3_secret_name=s3_secret_name)
+        with dsl.If(placement == "trainjob", name="trainjob"):
+            multi = trainjob_rl_stage(**common, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                                      rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
+                                      tensor_parallel_size=tensor_parallel_size).set_display_name(
+                f"{method} as a TrainJob (optional warm start)")
+        with dsl.Else(name="single-pod"):
+            single = single_pod_rl_stage(**common).set_display_name(f"{method} in one pod (optional warm start)")
+        return dsl.OneOf(multi.output, single.output)
 
     return rl_stage
 

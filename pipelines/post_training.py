@@ -2,9 +2,11 @@
 
 Steps: check the arguments for the chosen method (seconds, CPU) -> prepare the training data with the
 method's data kind -> one ``dsl.If``/``dsl.Elif``/``dsl.Else`` branch per method (grpo and sao with
-an optional SFT warm start) -> evaluation of the trained model (one parallel step per benchmark) and
+an optional SFT warm start, in one pod or, with ``placement=trainjob``, as one Kubeflow Trainer
+TrainJob) -> evaluation of the trained model (one parallel step per benchmark) and
 a report. The pipeline's output is the trained model's URI. ``method`` is a dropdown in the KFP
-UI: :func:`sao_core.kfp.spec.compile_pipeline` patches its ``literals`` into the compiled spec.
+UI (and ``placement``): :func:`sao_core.kfp.spec.compile_pipeline` patches their ``literals`` into the
+compiled spec.
 """
 
 from kfp import dsl
@@ -17,11 +19,12 @@ from components.prepare_data import prepare_data
 from components.sft import sft_train
 from pipelines._stages import RUN_ID, build_evaluation_stage, build_rl_stage
 from sao_core.kfp import k8s
-from sao_core.kfp.params import POST_TRAINING_METHODS
+from sao_core.kfp.params import PLACEMENTS, POST_TRAINING_METHODS
 
 NAME = "sao-post-training"
 #: Parameters whose allowed values become dropdowns in the KFP UI.
-LITERALS = {"method": list(POST_TRAINING_METHODS), "engine": ["vllm", "hf"], "eval_sandbox": ["kubernetes", "local"]}
+LITERALS = {"method": list(POST_TRAINING_METHODS), "placement": list(PLACEMENTS), "engine": ["vllm", "hf"],
+            "eval_sandbox": ["kubernetes", "local"]}
 DEFAULT_EVAL_BENCHMARKS = ["swe_verified", "beyond_aime", "imo_answerbench"]
 
 
@@ -52,6 +55,12 @@ def build_post_training(settings: k8s.ClusterSettings | None = None):
         warm_start_source: str = "",
         warm_start_steps: int = 0,
         warm_start_lr: float = 1e-5,
+        placement: str = "single_pod",
+        num_nodes: int = 1,
+        gpus_per_node: int = 8,
+        rollout_replicas: int = 2,
+        rollout_gpus: int = 1,
+        tensor_parallel_size: int = 1,
         run_evaluation: bool = True,
         eval_benchmarks: list = DEFAULT_EVAL_BENCHMARKS,  # noqa: B006
         eval_k: int = 4,
@@ -88,6 +97,12 @@ def build_post_training(settings: k8s.ClusterSettings | None = None):
             warm_start_source: grpo and sao: SFT data for a warm start before RL ('' = none).
             warm_start_steps: grpo and sao: SFT steps of the warm start (0 = no warm start).
             warm_start_lr: Learning rate of the warm-start SFT.
+            placement: grpo and sao: where the RL step runs: single_pod (rollout service and learner in one pod with gpu_count GPUs) or trainjob (one Kubeflow Trainer TrainJob: rollout replicas + a multi-node torchrun learner, admitted by Kueue as one workload; output_root must be s3://; see deploy/README.md). The warm start runs in one pod either way.
+            num_nodes: placement=trainjob: learner nodes (torchrun --nnodes).
+            gpus_per_node: placement=trainjob: GPUs per learner node (torchrun processes per node).
+            rollout_replicas: placement=trainjob: rollout service (vLLM) replicas, one pod each.
+            rollout_gpus: placement=trainjob: GPUs per rollout replica (= tensor_parallel_size with vllm).
+            tensor_parallel_size: placement=trainjob: vLLM tensor-parallel size inside a rollout replica.
             run_evaluation: Evaluate the trained model at the end (one step per benchmark, then a report).
             eval_benchmarks: Benchmarks of the final evaluation: swe_verified, beyond_aime, imo_answerbench.
             eval_k: Samples per problem in the evaluation.
@@ -110,7 +125,10 @@ def build_post_training(settings: k8s.ClusterSettings | None = None):
         check = check_post_training_arguments(
             method=method, output_root=output_root, steps=steps, batch_size=batch_size,
             learning_rate=learning_rate, max_tokens=max_tokens, engine=engine, warm_start_source=warm_start_source,
-            warm_start_steps=warm_start_steps, method_options=method_options).set_display_name("check arguments")
+            warm_start_steps=warm_start_steps, method_options=method_options, placement=placement,
+            num_nodes=num_nodes, gpus_per_node=gpus_per_node, rollout_replicas=rollout_replicas,
+            rollout_gpus=rollout_gpus, tensor_parallel_size=tensor_parallel_size,
+            s3_secret_name=s3_secret_name).set_display_name("check arguments")
         k8s.apply(check, "cpu", params, settings, image_kind="cpu")
         data = prepare_data(source=train_source, kind=check.outputs["data_kind"], split=train_split,
                             limit=train_limit).set_display_name("prepare training data")
@@ -123,7 +141,9 @@ def build_post_training(settings: k8s.ClusterSettings | None = None):
                          batch_size=batch_size, learning_rate=learning_rate, engine=engine,
                          method_options=method_options, warm_start_source=warm_start_source,
                          warm_start_steps=warm_start_steps, warm_start_lr=warm_start_lr, max_tokens=max_tokens,
-                         gpu_count=gpu_count, accelerator_type=accelerator_type, node_selector=node_selector,
+                         placement=placement, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                         rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
+                         tensor_parallel_size=tensor_parallel_size, gpu_count=gpu_count, accelerator_type=accelerator_type, node_selector=node_selector,
                          tolerations=tolerations, s3_secret_name=s3_secret_name)
         with dsl.If(method == "sft", name="sft"):
             sft = k8s.apply(sft_train(**common).set_display_name("sft training"), "training", params, settings,

@@ -1,22 +1,189 @@
-"""sao_rl: prepare -> optional SFT warm start -> SAO -> evaluation -> report.
+"""sao_rl: prepare -> optional SFT warm start -> SAO (in one pod or as a TrainJob) -> evaluation -> report.
 
 The SAO path with every SAO setting in the run form (post_training has them in ``method_options``).
-The RL data and the warm-start data are prepared first; ``dsl.If(warm_start_steps > 0)`` fine-tunes
-the base model before SAO; the trained policy is evaluated on the chosen benchmarks (one parallel
-step each) and one HTML report is written. The pipeline's output is the report's URI.
+The RL data is prepared first; ``dsl.If(placement == "trainjob")`` picks where SAO runs: one pod with
+the rollout service and the learner (``single_pod``), or one Kubeflow Trainer TrainJob with rollout
+replicas and a multi-node learner, launched from a CPU pod and deleted by an ExitHandler step
+(``trainjob``). Inside either, ``dsl.If(warm_start_steps > 0)`` fine-tunes the base model (in one pod)
+before SAO. The trained policy is evaluated on the chosen benchmarks (one parallel step each) and one
+HTML report is written. The pipeline's output is the report's URI.
 """
 
 from kfp import dsl
+from kfp.dsl import Dataset, Input
 
 from components.prepare_data import prepare_data
 from components.sao import sao_train
-from components.sft import sft_train
-from pipelines._stages import RUN_ID, build_evaluation_stage
+from pipelines._stages import RUN_ID, build_evaluation_stage, build_trainjob_stage, warm_start_sft
 from sao_core.kfp import k8s
+from sao_core.kfp.params import PLACEMENTS
 
 NAME = "sao-rl"
-LITERALS = {"engine": ["vllm", "hf"], "eval_sandbox": ["kubernetes", "local"]}
+LITERALS = {"placement": list(PLACEMENTS), "engine": ["vllm", "hf"], "eval_sandbox": ["kubernetes", "local"]}
 DEFAULT_EVAL_BENCHMARKS = ["swe_verified", "beyond_aime", "imo_answerbench"]
+
+
+def build_sao_stages(settings: k8s.ClusterSettings):
+    """sao_rl's two SAO stages (single pod, TrainJob), each with the optional warm start, as graph components."""
+    trainjob_stage = build_trainjob_stage(settings, "sao", sao_parameters=True)
+
+    @dsl.pipeline(name="sao-single-pod-stage")
+    def sao_single_pod(
+        data: Input[Dataset],
+        output_root: str,
+        base_model: str,
+        warm_start_source: str,
+        warm_start_steps: int,
+        warm_start_lr: float,
+        warm_start_batch_size: int,
+        max_tokens: int,
+        steps: int,
+        batch_size: int,
+        policy_lr: float,
+        critic_lr: float,
+        critic_updates: int,
+        critic_warmup_steps: int,
+        max_staleness: int,
+        eps_low: float,
+        eps_high: float,
+        engine: str,
+        sao_options: dict,
+        gpu_count: int,
+        accelerator_type: str,
+        node_selector: dict,
+        tolerations: list,
+        s3_secret_name: str,
+    ) -> str:
+        """SAO in one pod (colocated rollout service) with an optional SFT warm start; returns the model's URI.
+
+        Args:
+            data: Prepared rl dataset.
+            output_root: Where runs are written (s3://bucket/prefix or a local directory).
+            base_model: Model to start from.
+            warm_start_source: SFT data of the warm start.
+            warm_start_steps: SFT steps before SAO (0 = no warm start).
+            warm_start_lr: Learning rate of the warm start.
+            warm_start_batch_size: Examples per warm-start step.
+            max_tokens: Token limit of warm-start examples.
+            steps: SAO learner steps.
+            batch_size: Trajectories per step.
+            policy_lr: Policy learning rate.
+            critic_lr: Critic learning rate.
+            critic_updates: Critic updates per policy update (K).
+            critic_warmup_steps: Critic-only steps before the first policy update.
+            max_staleness: Drop trajectories older than this many policy versions.
+            eps_low: DIS band lower width.
+            eps_high: DIS band upper width.
+            engine: Rollout engine: vllm or hf.
+            sao_options: Other RLConfig fields.
+            gpu_count: GPUs of the training pods.
+            accelerator_type: Kubernetes resource name of the GPUs.
+            node_selector: Node labels the training pods require.
+            tolerations: Tolerations of the training pods.
+            s3_secret_name: Secret with the S3 credentials.
+        """
+        params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
+                                   node_selector=node_selector, tolerations=tolerations,
+                                   s3_secret_name=s3_secret_name)
+        sao = dict(data=data, output_root=output_root, steps=steps, batch_size=batch_size, policy_lr=policy_lr,
+                   critic_lr=critic_lr, critic_updates=critic_updates, critic_warmup_steps=critic_warmup_steps,
+                   max_staleness=max_staleness, eps_low=eps_low, eps_high=eps_high, engine=engine,
+                   options=sao_options, run_id=RUN_ID)
+        with dsl.If(warm_start_steps > 0, name="warm-start"):
+            warm = warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, warm_start_lr,
+                                  max_tokens, params, settings, batch_size=warm_start_batch_size)
+            after_warm = sao_train(base_model=warm.outputs["model_uri"], **sao)
+            k8s.apply(after_warm.set_display_name("sao training"), "training", params, settings,
+                      image_kind="rollout")
+        with dsl.Else(name="no-warm-start"):
+            cold = sao_train(base_model=base_model, **sao)
+            k8s.apply(cold.set_display_name("sao training"), "training", params, settings, image_kind="rollout")
+        return dsl.OneOf(after_warm.outputs["model_uri"], cold.outputs["model_uri"])
+
+    @dsl.pipeline(name="sao-trainjob-rl-stage")
+    def sao_trainjob(
+        data: Input[Dataset],
+        output_root: str,
+        base_model: str,
+        warm_start_source: str,
+        warm_start_steps: int,
+        warm_start_lr: float,
+        warm_start_batch_size: int,
+        max_tokens: int,
+        steps: int,
+        batch_size: int,
+        policy_lr: float,
+        critic_lr: float,
+        critic_updates: int,
+        critic_warmup_steps: int,
+        max_staleness: int,
+        eps_low: float,
+        eps_high: float,
+        engine: str,
+        sao_options: dict,
+        num_nodes: int,
+        gpus_per_node: int,
+        rollout_replicas: int,
+        rollout_gpus: int,
+        tensor_parallel_size: int,
+        gpu_count: int,
+        accelerator_type: str,
+        node_selector: dict,
+        tolerations: list,
+        s3_secret_name: str,
+    ) -> str:
+        """SAO as one TrainJob with an optional SFT warm start (in one pod); returns the trained model's URI.
+
+        Args:
+            data: Prepared rl dataset.
+            output_root: s3://bucket/prefix where runs are written.
+            base_model: Model to start from.
+            warm_start_source: SFT data of the warm start.
+            warm_start_steps: SFT steps before SAO (0 = no warm start).
+            warm_start_lr: Learning rate of the warm start.
+            warm_start_batch_size: Examples per warm-start step.
+            max_tokens: Token limit of warm-start examples.
+            steps: SAO learner steps.
+            batch_size: Trajectories per step.
+            policy_lr: Policy learning rate.
+            critic_lr: Critic learning rate.
+            critic_updates: Critic updates per policy update (K).
+            critic_warmup_steps: Critic-only steps before the first policy update.
+            max_staleness: Drop trajectories older than this many policy versions.
+            eps_low: DIS band lower width.
+            eps_high: DIS band upper width.
+            engine: Rollout engine: vllm or hf.
+            sao_options: Other RLConfig fields.
+            num_nodes: Learner nodes of the TrainJob.
+            gpus_per_node: GPUs per learner node.
+            rollout_replicas: Rollout service replicas of the TrainJob.
+            rollout_gpus: GPUs per rollout replica.
+            tensor_parallel_size: vLLM tensor-parallel size inside a replica.
+            gpu_count: GPUs of the warm-start SFT pod.
+            accelerator_type: Kubernetes resource name of the GPUs.
+            node_selector: Node labels the GPU pods require.
+            tolerations: Tolerations of the GPU pods.
+            s3_secret_name: Secret with the S3 credentials.
+        """
+        params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
+                                   node_selector=node_selector, tolerations=tolerations,
+                                   s3_secret_name=s3_secret_name)
+        sao = dict(data=data, output_root=output_root, method="sao", steps=steps, batch_size=batch_size,
+                   learning_rate=policy_lr, critic_lr=critic_lr, critic_updates=critic_updates,
+                   critic_warmup_steps=critic_warmup_steps, max_staleness=max_staleness, eps_low=eps_low,
+                   eps_high=eps_high, engine=engine, method_options=sao_options, num_nodes=num_nodes,
+                   gpus_per_node=gpus_per_node, rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
+                   tensor_parallel_size=tensor_parallel_size, accelerator_type=accelerator_type,
+                   node_selector=node_selector, tolerations=tolerations, s3_secret_name=s3_secret_name)
+        with dsl.If(warm_start_steps > 0, name="warm-start"):
+            warm = warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, warm_start_lr,
+                                  max_tokens, params, settings, batch_size=warm_start_batch_size)
+            after_warm = trainjob_stage(base_model=warm.outputs["model_uri"], **sao).set_display_name("sao trainjob")
+        with dsl.Else(name="no-warm-start"):
+            cold = trainjob_stage(base_model=base_model, **sao).set_display_name("sao trainjob")
+        return dsl.OneOf(after_warm.output, cold.output)
+
+    return sao_single_pod, sao_trainjob
 
 
 def build_sao_rl(settings: k8s.ClusterSettings | None = None):
@@ -24,6 +191,7 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
     settings = settings or k8s.ClusterSettings()
     settings.validate()
     evaluation_stage = build_evaluation_stage(settings)
+    sao_single_pod, sao_trainjob = build_sao_stages(settings)
 
     @dsl.pipeline(name=NAME)
     def sao_rl(
@@ -47,6 +215,12 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
         eps_low: float = 0.3,
         eps_high: float = 5.0,
         engine: str = "vllm",
+        placement: str = "single_pod",
+        num_nodes: int = 1,
+        gpus_per_node: int = 8,
+        rollout_replicas: int = 2,
+        rollout_gpus: int = 1,
+        tensor_parallel_size: int = 1,
         sao_options: dict = {},  # noqa: B006 (a pipeline parameter's default, never mutated)
         eval_benchmarks: list = DEFAULT_EVAL_BENCHMARKS,  # noqa: B006
         eval_k: int = 4,
@@ -86,6 +260,12 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
             eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).
             eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding).
             engine: Rollout and evaluation engine: vllm (GPU) or hf (transformers).
+            placement: Where SAO runs: single_pod (rollout service and learner in one pod with gpu_count GPUs) or trainjob (one Kubeflow Trainer TrainJob: rollout replicas + a multi-node torchrun learner, admitted by Kueue as one workload; output_root must be s3://; see deploy/README.md). The warm start runs in one pod either way.
+            num_nodes: placement=trainjob: learner nodes (torchrun --nnodes).
+            gpus_per_node: placement=trainjob: GPUs per learner node (torchrun processes per node).
+            rollout_replicas: placement=trainjob: rollout service (vLLM) replicas, one pod each.
+            rollout_gpus: placement=trainjob: GPUs per rollout replica (= tensor_parallel_size with vllm).
+            tensor_parallel_size: placement=trainjob: vLLM tensor-parallel size inside a rollout replica.
             sao_options: Other SAO settings as JSON (RLConfig fields), e.g. {"max_total_tokens": 32768, "checkpoint_every": 50, "env_options": {"math_python": {}}}.
             eval_benchmarks: Benchmarks of the final evaluation: swe_verified, beyond_aime, imo_answerbench.
             eval_k: Samples per problem in the evaluation.
@@ -95,7 +275,7 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
             eval_sandbox: Where SWE-Bench agent commands and tests run: kubernetes (one pod per episode) or local (bubblewrap in the evaluation pod).
             eval_options: Other evaluation settings as JSON (EvalConfig fields), e.g. {"imo_answerbench_source": "s3://..."}.
             previous_summary: summary.json of an earlier evaluation (path or s3://) to compare against in the report ('' = none).
-            gpu_count: GPUs of the SFT and SAO pods (0 = none).
+            gpu_count: GPUs of the SFT and (single_pod) SAO pods (0 = none).
             eval_gpu_count: GPUs of each evaluation pod (0 = none).
             accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
             node_selector: Node labels GPU pods require, e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
@@ -107,25 +287,22 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
                                    s3_secret_name=s3_secret_name)
         rl_data = prepare_data(source=rl_source, kind="rl", split=rl_split, limit=rl_limit)
         k8s.apply(rl_data.set_display_name("prepare rl data"), "data", params, settings, image_kind="cpu")
-        sao = dict(data=rl_data.outputs["dataset"], output_root=output_root, steps=steps, batch_size=batch_size,
-                   policy_lr=policy_lr, critic_lr=critic_lr, critic_updates=critic_updates,
-                   critic_warmup_steps=critic_warmup_steps, max_staleness=max_staleness, eps_low=eps_low,
-                   eps_high=eps_high, engine=engine, options=sao_options, run_id=RUN_ID)
-        with dsl.If(warm_start_steps > 0, name="warm-start"):
-            warm_data = prepare_data(source=warm_start_source, kind="sft")
-            k8s.apply(warm_data.set_display_name("prepare warm-start data"), "data", params, settings,
-                      image_kind="cpu")
-            warm = sft_train(data=warm_data.outputs["dataset"], output_root=output_root, base_model=base_model,
-                             steps=warm_start_steps, batch_size=warm_start_batch_size, lr=warm_start_lr,
-                             max_tokens=max_tokens, run_id=RUN_ID)
-            k8s.apply(warm.set_display_name("warm-start SFT"), "training", params, settings, image_kind="train")
-            after_warm = sao_train(base_model=warm.outputs["model_uri"], **sao)
-            k8s.apply(after_warm.set_display_name("sao training"), "training", params, settings,
-                      image_kind="rollout")
-        with dsl.Else(name="no-warm-start"):
-            cold = sao_train(base_model=base_model, **sao)
-            k8s.apply(cold.set_display_name("sao training"), "training", params, settings, image_kind="rollout")
-        trained = dsl.OneOf(after_warm.outputs["model_uri"], cold.outputs["model_uri"])
+        stage = dict(data=rl_data.outputs["dataset"], output_root=output_root, base_model=base_model,
+                     warm_start_source=warm_start_source, warm_start_steps=warm_start_steps,
+                     warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size, max_tokens=max_tokens,
+                     steps=steps, batch_size=batch_size, policy_lr=policy_lr, critic_lr=critic_lr,
+                     critic_updates=critic_updates, critic_warmup_steps=critic_warmup_steps,
+                     max_staleness=max_staleness, eps_low=eps_low, eps_high=eps_high, engine=engine,
+                     sao_options=sao_options, gpu_count=gpu_count, accelerator_type=accelerator_type,
+                     node_selector=node_selector, tolerations=tolerations, s3_secret_name=s3_secret_name)
+        with dsl.If(placement == "trainjob", name="trainjob"):
+            multi = sao_trainjob(**stage, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                                 rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
+                                 tensor_parallel_size=tensor_parallel_size).set_display_name(
+                "sao as a TrainJob (optional warm start)")
+        with dsl.Else(name="single-pod"):
+            single = sao_single_pod(**stage).set_display_name("sao in one pod (optional warm start)")
+        trained = dsl.OneOf(multi.output, single.output)
         evaluation = evaluation_stage(
             model=trained, output_root=output_root, benchmarks=eval_benchmarks, k=eval_k, limit=eval_limit,
             engine=engine, max_new_tokens=eval_max_new_tokens, max_total_tokens=eval_max_total_tokens,

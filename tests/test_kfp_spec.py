@@ -1,5 +1,6 @@
 """Compiled KFP IR of the three pipelines: golden files, Kubernetes settings, parameter descriptions, the
-method dropdown (literals patched in and read back by kfp and protobuf), and IR consistency."""
+method dropdown (literals patched in and read back by kfp and protobuf), and IR consistency (DAG inputs,
+and Kubernetes configs that resolve where their task runs after kfp merged the sub-pipelines)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import yaml
 
 import pipelines
+from pipelines._kfp_merge import platform_problems
 from pipelines.compile import GOLDEN_DIR, GOLDEN_SETTINGS
 from sao_core.kfp import images, k8s
 from sao_core.kfp.commands import compile_pipelines
@@ -117,6 +119,14 @@ def test_ir_is_consistent(compiled, name):
         for key, value in task.get("inputs", {}).get("artifacts", {}).items():
             if "componentInputArtifact" in value:
                 assert value["componentInputArtifact"] in declared.get("artifacts", {}), (component_name, task_name, key)
+
+
+@pytest.mark.parametrize("name", list(pipelines.PIPELINES))
+def test_kubernetes_configs_name_parameters_their_task_can_see(compiled, name):
+    """kfp 2.17 merges sub-pipelines in an order that overwrote the root prepare-data step's secret
+    parameter with a nested step's (pipelines/_kfp_merge.py); each config must resolve where it runs."""
+    spec, platform = _docs(compiled[name])
+    assert not platform_problems(spec, platform)
 
 
 @pytest.mark.parametrize("name", list(pipelines.PIPELINES))

@@ -1,8 +1,10 @@
 """The pipelines run end to end on this machine with KFP's local runner (`kfp.local.SubprocessRunner`,
 every step a subprocess running the component's compiled command): post_training's sft and sao
 branches (the sao one with a warm start and the evaluation), the evaluation pipeline's ParallelFor over
-two benchmarks with one report, an unknown method stopped by the argument check before any data is
-prepared, the standalone rollout service, and `sao_rl` end to end as `make demo` runs it (slow)."""
+two benchmarks with one report, an unknown method (and placement=trainjob with a local output_root)
+stopped by the argument check before any data is prepared, the standalone rollout service, and
+`sao_rl` end to end as `make demo` runs it (slow). Every run that trains uses placement=single_pod, which
+never enters the TrainJob branch."""
 
 from __future__ import annotations
 
@@ -110,6 +112,17 @@ def test_unknown_method_stops_at_the_check_before_any_data(tmp_path, inputs, sao
              tmp_path, sao_cache)
     assert not (tmp_path / "runs").exists()
     assert not list((tmp_path / "root").rglob("prepare-data*")), "no data step may start after a failed check"
+
+
+def test_trainjob_placement_with_a_local_output_root_stops_at_the_check(tmp_path, inputs, sao_cache):
+    from pipelines.post_training import post_training
+
+    with pytest.raises(LocalRunError, match="check-post-training-arguments"):
+        _run(post_training, dict(train_source=inputs["rl"], output_root=str(tmp_path / "runs"), method="sao",
+                                 placement="trainjob"), tmp_path, sao_cache)
+    assert not (tmp_path / "runs").exists()
+    assert not list((tmp_path / "root").rglob("prepare-data*")), "no data step may start after a failed check"
+    assert not list((tmp_path / "root").rglob("launch-trainjob*")), "no TrainJob may be launched"
 
 
 def test_standalone_rollout_service_serves_until_shutdown(tmp_path, sao_cache):
