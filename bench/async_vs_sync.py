@@ -135,7 +135,7 @@ def _env_options(tail: dict) -> dict:
 def _engine_stats(client: RolloutClient) -> dict:
     engine = client.status()["engine"]
     return {"busy_s": float(engine.get("busy_seconds", 0.0)), "steps": int(engine.get("steps", 0)),
-            "tokens": int(engine.get("tokens_generated", 0))}
+            "tokens": int(engine.get("tokens_generated", 0)), "positions": int(engine.get("positions_encoded", 0))}
 
 
 def _engine_delta(before: dict, after: dict, wall: float) -> dict:

@@ -8,6 +8,7 @@ processes hits every measurement alike, the script times:
             loss), critic forward for the values (no gradient), K x critic forward + backward (MSE)
 - pieces    what else the step does, timed alone: AdamW steps with gradient clipping (policy, K x critic),
             the entropy / |logp - rollout logp| statistics, GAE, the DIS loss
+- unpadded  the bare passes row by row on the same trajectories without padding (what packing could save)
 - loop      what the learner loop adds per step around `Updater.step`: collate, the journal entry (JSON of the
             batch's trajectories), exporting + publishing the new weights to local disk (loading them into a
             rollout service is `bench/weight_push.py`)
@@ -16,8 +17,8 @@ and reports medians, the overhead ratio step / bare, and where the rest goes. Th
 episodes with 1 + Geometric(p_more) operations (the heavy tail of bench/async_vs_sync.py), rollout log-probs
 from the policy itself; or `--journal DIR` replays the first batch of a real run's journal. Reproduce with:
 
-    .venv/bin/python bench/learner_step.py --output local_outputs/bench/learner_step     # ~2 min on 2 cores
-    .venv/bin/python bench/learner_step.py --quick                                        # ~30 s
+    .venv/bin/python bench/learner_step.py --output local_outputs/bench/learner_step     # ~3 min on 2 idle cores
+    .venv/bin/python bench/learner_step.py --quick                                        # ~40 s
 """
 
 from __future__ import annotations
@@ -107,6 +108,21 @@ def measure(args: argparse.Namespace) -> dict:
         (-(logp * mask).sum() / mask.sum()).backward()
         policy.zero_grad(set_to_none=True)
 
+    rows = [collate([t], tokenizer.pad_token_id) for t in trajectories]
+
+    def unpadded():
+        """The bare passes on each trajectory alone (no padding at all): the floor a packed learner could reach."""
+        for row in rows:
+            logits = policy(input_ids=row.input_ids, attention_mask=row.attention_mask).logits
+            (-(token_logprobs(logits, row.input_ids) * row.action_mask).sum() / mask.sum()).backward()
+            with torch.no_grad():
+                critic(row.input_ids, row.attention_mask)
+            for _ in range(args.critic_updates):
+                values = critic(row.input_ids, row.attention_mask)
+                (((values - row.rewards[:, None]) ** 2 * row.action_mask).sum() / mask.sum()).backward()
+        policy.zero_grad(set_to_none=True)
+        critic.zero_grad(set_to_none=True)
+
     def critic_values():
         with torch.no_grad():
             critic(batch.input_ids, batch.attention_mask)
@@ -187,7 +203,8 @@ def measure(args: argparse.Namespace) -> dict:
 
     plain = {"step": step, "policy_fb": policy_fb, "critic_values": critic_values, "critic_fb": critic_fb,
              "entropy_stats_with_forward": entropy_stats, "plain_forward": plain_forward, "gae": gae,
-             "dis_loss": dis, "collate": do_collate, "journal": journal, "publish_weights": publish}
+             "dis_loss": dis, "collate": do_collate, "journal": journal, "publish_weights": publish,
+             "bare_unpadded": unpadded}
     after = {"policy_opt": (fill_policy_grads, opt_step(updater.policy_opt, list(policy.parameters()))),
              "critic_opt": (fill_critic_grads, opt_step(updater.critic_opt, critic_params))}
     # Warm-up (first calls allocate), then interleaved rounds in rotated order.
@@ -230,6 +247,7 @@ def measure(args: argparse.Namespace) -> dict:
                          "publish_weights": med["publish_weights"]},
         "iteration_s": med["step"] + loop_extra, "iteration_ratio": (med["step"] + loop_extra) / bare,
         "train_tokens_per_s": tokens / med["step"],
+        "bare_unpadded_s": med["bare_unpadded"], "padding_cost_ratio": bare / med["bare_unpadded"],
     }
 
 
@@ -249,13 +267,16 @@ def report(result: dict) -> str:
     rows += [("unexplained rest", result["unexplained_s"]), ("= Updater.step", result["step_s"]),
              ("collate", result["loop_extra_s"]["collate"]), ("journal entry", result["loop_extra_s"]["journal"]),
              ("export + publish weights", result["loop_extra_s"]["publish_weights"]),
-             ("= learner iteration (no push to a service)", result["iteration_s"])]
+             ("= learner iteration (no push to a service)", result["iteration_s"]),
+             ("(bare passes row by row, no padding)", result["bare_unpadded_s"])]
     width = max(len(n) for n, _ in rows)
     lines += [f"{'part':<{width}}  {'ms':>8}  {'x bare':>7}"]
     lines += [f"{n:<{width}}  {v * 1000:8.1f}  {v / result['bare_s']:7.2f}" for n, v in rows]
     lines += ["", f"overhead ratio Updater.step / bare = {result['overhead_ratio']:.2f} "
                   f"(learner iteration / bare = {result['iteration_ratio']:.2f}); "
-                  f"{result['train_tokens_per_s']:.0f} trained tokens/s"]
+                  f"{result['train_tokens_per_s']:.0f} trained tokens/s",
+              f"padding: the bare passes on the padded batch take {result['padding_cost_ratio']:.2f}x the same passes "
+              f"row by row without padding ({s['padding_share']:.0%} of the batch is padding)"]
     return "\n".join(lines)
 
 
@@ -267,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--p-more", type=float, default=0.2, help="episode operations 1 + Geometric(p_more)")
     parser.add_argument("--max-ops", type=int, default=30)
     parser.add_argument("--journal", help="replay the first batch of this learner journal directory instead")
-    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="batch 16, 5 rounds (under a minute)")
     parser.add_argument("--output", default="local_outputs/bench/learner_step")

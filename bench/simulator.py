@@ -3,13 +3,17 @@ batch) against asynchronous training (SAO: one rollout per prompt; async GRPO: g
 
 Model
 - Rollout engines (one per rollout GPU). An engine decodes its active sequences in steps: one token per
-  sequence per step for up to `max_batch` sequences (round robin beyond that); a step takes
-  `step_overhead_s + step_per_row_s * rows`. Set them directly or from `decode_tokens_per_s` (aggregate at
-  `max_batch` rows) and `seq_tokens_per_s` (one sequence alone). Episodes go to the least loaded engine.
+  sequence per step for up to `max_batch` sequences (round robin beyond that). `engine_mode="kv"` (vLLM, GPUs):
+  a step takes `step_overhead_s + step_per_row_s * rows`; set them directly or from `decode_tokens_per_s`
+  (aggregate at `max_batch` rows) and `seq_tokens_per_s` (one sequence alone). `engine_mode="recompute"` (the
+  HF engine: no KV cache, left padding): a step also costs `step_per_position_s` per encoded position, rows x
+  the longest context among them, so long and mixed-length contexts slow every row. Episodes go to the least
+  loaded engine.
 - Episodes: turns of decoding (action tokens) separated by tool calls (seconds); parametric (turns
-  1 + Geometric(p_more) <= max, log-normal tool time, a fixed number of action tokens per turn, optionally
-  drawn) or empirical (the turns, tokens and tool seconds of recorded trajectories, drawn with replacement).
-  The G rollouts of one prompt share its number of turns (as with tool_arith's fixed_turns).
+  min_turns + Geometric(p_more) <= max_turns, log-normal tool time plus a fixed service time per turn, action
+  tokens per turn fixed or log-normal, prompt tokens growing with the turns) or empirical (the turns, tokens and
+  tool seconds of recorded trajectories, drawn with replacement). The G rollouts of one prompt share its number
+  of turns (as with tool_arith's fixed_turns).
 - Learner (on `train_gpus`): a step on B trajectories takes `train_step_overhead_s + tokens /
   (train_tokens_per_s_per_gpu * train_gpus)`, tokens padded to the longest trajectory of the batch (as the
   learner's right padding) unless `padded=False`; then `push_s` to publish and load the new weights.
@@ -28,7 +32,7 @@ predicted with the measured trajectories/s; `anchors` reconstructs published asy
 
     .venv/bin/python bench/simulator.py anchors --output local_outputs/bench/simulator
     .venv/bin/python bench/simulator.py validate local_outputs/bench/async_vs_sync/async_vs_sync.json
-    .venv/bin/python bench/simulator.py run --method sync --group-size 8 --rollout-gpus 48 --train-gpus 16 ...
+    .venv/bin/python bench/simulator.py run --group-size 8 --rollout-gpus 48 --train-gpus 16 --colocated-sync
 """
 
 from __future__ import annotations
@@ -55,26 +59,35 @@ class Episode:
     action_tokens: list[int]
     tool_s: list[float]
     tokens: int
+    prompt_tokens: int = 0                   # the context before the first turn (recompute engines)
+
+    def observation_tokens(self) -> float:
+        """Tokens appended after each tool call (the rest of the trajectory, spread evenly)."""
+        gaps = len(self.action_tokens) - 1
+        return max(0.0, (self.tokens - self.prompt_tokens - sum(self.action_tokens)) / gaps) if gaps else 0.0
 
 
 @dataclass
 class Workload:
     """Parametric episodes (used when `episodes` is empty)."""
 
-    turns_p_more: float = 0.2                  # turns = 1 + min(Geometric(p_more), max_turns - 1)
+    turns_p_more: float = 0.2                  # turns = min_turns + Geometric(p_more), at most max_turns
+    min_turns: int = 1
     max_turns: int = 31
     action_tokens_per_turn: float = 12.0
     action_tokens_sigma: float = 0.0           # log-normal spread of the tokens of one turn (0: constant)
     observation_tokens_per_turn: float = 8.0
     prompt_tokens: float = 30.0
+    prompt_tokens_per_turn: float = 0.0          # prompts that grow with the task (tool_arith lists every operation)
     tool_median_s: float = 0.1
     tool_sigma: float = 1.2
+    turn_overhead_s: float = 0.0                 # service time per turn outside the engine and the tools
     episodes: list[Episode] = field(default_factory=list)   # empirical: drawn with replacement
 
     def draw_turns(self, rng: random.Random) -> int:
         if self.episodes:
             return -1
-        n = 1
+        n = self.min_turns
         while n < self.max_turns and rng.random() >= self.turns_p_more:
             n += 1
         return n
@@ -85,10 +98,12 @@ class Workload:
         tokens = [max(1, round(self.action_tokens_per_turn * (math.exp(rng.gauss(0, self.action_tokens_sigma))
                                                               if self.action_tokens_sigma else 1.0)))
                   for _ in range(turns)]
-        tools = [self.tool_median_s * (math.exp(rng.gauss(0, self.tool_sigma)) if self.tool_sigma else 1.0)
+        tools = [self.turn_overhead_s + self.tool_median_s * (math.exp(rng.gauss(0, self.tool_sigma))
+                                                              if self.tool_sigma else 1.0)
                  for _ in range(turns - 1)]
-        total = round(self.prompt_tokens + sum(tokens) + self.observation_tokens_per_turn * (turns - 1))
-        return Episode(tokens, tools, total)
+        prompt = round(self.prompt_tokens + self.prompt_tokens_per_turn * turns)
+        total = round(prompt + sum(tokens) + self.observation_tokens_per_turn * (turns - 1))
+        return Episode(tokens, tools, total, prompt)
 
 
 @dataclass
@@ -101,8 +116,10 @@ class SimConfig:
     rollout_gpus: int = 1
     train_gpus: int = 1
     colocated: bool = False                    # sync only: all GPUs generate, then all GPUs train
+    engine_mode: str = "kv"                    # kv: a step costs overhead + per-row; recompute: + per encoded position
     step_overhead_s: float = 0.02              # engine decode step: overhead + per-row cost
     step_per_row_s: float = 0.0001
+    step_per_position_s: float = 0.0           # recompute (no KV cache, left padding): per row x padded width
     max_batch: int = 256
     train_tokens_per_s_per_gpu: float = 5000.0
     train_step_overhead_s: float = 0.0
@@ -126,6 +143,8 @@ class SimConfig:
             raise ValueError("in_flight must be >= batch_size")
         if self.colocated and self.method != "sync":
             raise ValueError("colocated applies to sync only")
+        if self.engine_mode not in ("kv", "recompute"):
+            raise ValueError(f"engine_mode must be kv or recompute, got {self.engine_mode!r}")
 
 
 def engine_params(decode_tokens_per_s: float, seq_tokens_per_s: float, max_batch: int) -> tuple[float, float]:
@@ -145,6 +164,9 @@ class _Engine:
         self.heap: list[tuple[float, int]] = []
         self.busy_s = 0.0
         self.tokens = 0.0
+        self.active: list[int] = []            # recompute mode: decoding sequences in round-robin order
+        self.stepping: list[int] | None = None
+        self.kicked = False
 
     def rate(self) -> float:
         n = len(self.heap)
@@ -180,10 +202,55 @@ def simulate(cfg: SimConfig, workload: Workload) -> dict:
         counter += 1
         heapq.heappush(timed, (t, counter, kind, ident))
 
+    recompute = cfg.engine_mode == "recompute"
+
     def start_decode(eid: int) -> None:
         ep = episodes[eid]
         engine = engines[ep["engine"]]
-        heapq.heappush(engine.heap, (engine.service + ep["episode"].action_tokens[ep["turn"]], eid))
+        if not recompute:
+            heapq.heappush(engine.heap, (engine.service + ep["episode"].action_tokens[ep["turn"]], eid))
+            return
+        if ep["turn"] == 0:
+            ep["context"] = ep["episode"].prompt_tokens
+        else:
+            ep["context"] += ep["episode"].observation_tokens()
+        ep["left"] = ep["episode"].action_tokens[ep["turn"]]
+        engine.active.append(eid)
+        kick(ep["engine"])
+
+    def kick(index: int) -> None:
+        """Start a step at this instant, after every arrival of the same instant (as the engine thread takes its
+        whole inbox at the start of a step)."""
+        engine = engines[index]
+        if engine.stepping is None and not engine.kicked and not paused:
+            engine.kicked = True
+            schedule(now, "kick", index)
+
+    def start_step(index: int) -> None:
+        """Recompute engine (the HF engine): one step samples a token for each of up to max_batch sequences,
+        re-encoding their left-padded contexts; the others wait their turn (round robin)."""
+        engine = engines[index]
+        batch = engine.active[:cfg.max_batch]
+        if not batch:
+            engine.stepping = None
+            return
+        engine.active = engine.active[cfg.max_batch:] + batch
+        width = max(episodes[e]["context"] for e in batch)
+        seconds = cfg.step_overhead_s + len(batch) * (cfg.step_per_row_s + cfg.step_per_position_s * width)
+        engine.busy_s += seconds
+        engine.tokens += len(batch)
+        engine.stepping = batch
+        schedule(now + seconds, "step", index)
+
+    def finish_turn(eid: int) -> None:
+        ep = episodes[eid]
+        if ep["turn"] == len(ep["episode"].action_tokens) - 1:
+            arrive(eid)
+            if is_stale(eid) and cfg.group_size == 1:
+                drop([eid])
+            try_learn()
+        else:
+            schedule(now + ep["episode"].tool_s[ep["turn"]], "tool", eid)
 
     def admit() -> None:
         nonlocal in_flight, prompt, next_id
@@ -195,7 +262,10 @@ def simulate(cfg: SimConfig, workload: Workload) -> dict:
                 engine = min(range(len(engines)), key=lambda e: len(engines[e].heap))
                 episodes[next_id] = {"episode": episode, "turn": 0, "engine": engine, "prompt": prompt, "k": k,
                                      "version": learner["engine_version"], "started": now}
-                start_decode(next_id)
+                if workload.turn_overhead_s > 0:
+                    schedule(now + workload.turn_overhead_s, "begin", next_id)
+                else:
+                    start_decode(next_id)
                 next_id += 1
             in_flight += g
             prompt += 1
@@ -311,17 +381,30 @@ def simulate(cfg: SimConfig, workload: Workload) -> dict:
         if best_t <= t_timed:
             engine = engines[best_engine]
             _, eid = heapq.heappop(engine.heap)
-            ep = episodes[eid]
-            if ep["turn"] == len(ep["episode"].action_tokens) - 1:
-                arrive(eid)
-                if is_stale(eid) and cfg.group_size == 1:
-                    drop([eid])
-                try_learn()
-            else:
-                schedule(now + ep["episode"].tool_s[ep["turn"]], "tool", eid)
+            finish_turn(eid)
             continue
         _, _, kind, ident = heapq.heappop(timed)
-        if kind == "tool":
+        if kind == "kick":
+            engines[ident].kicked = False
+            if engines[ident].stepping is None and not paused:
+                start_step(ident)
+        elif kind == "step":
+            engine = engines[ident]
+            batch, engine.stepping = engine.stepping, None
+            done = []
+            for eid in batch:
+                ep = episodes[eid]
+                ep["context"] += 1
+                ep["left"] -= 1
+                if ep["left"] <= 0:
+                    engine.active.remove(eid)
+                    done.append(eid)
+            for eid in done:          # after the whole batch is updated
+                finish_turn(eid)
+            kick(ident)
+        elif kind == "begin":
+            start_decode(ident)
+        elif kind == "tool":
             episodes[ident]["turn"] += 1
             start_decode(ident)
         elif kind == "trained":
@@ -343,6 +426,9 @@ def simulate(cfg: SimConfig, workload: Workload) -> dict:
             if paused:
                 paused = False
                 admit()
+                for index, engine in enumerate(engines):
+                    if recompute and engine.active:
+                        kick(index)
             try_learn()
     wall = finished_at
     gen_busy = statistics.mean(e.busy_s for e in engines) / wall
@@ -356,8 +442,10 @@ def simulate(cfg: SimConfig, workload: Workload) -> dict:
     ends, half = learner["step_end"], learner["steps"] // 2
     steady = (cfg.batch_size * (len(ends) - half) / (ends[-1] - ends[half - 1])) if half >= 1 and \
         ends[-1] > ends[half - 1] else learner["trained"] / wall
-    capacity = cfg.max_batch / (cfg.step_overhead_s + cfg.step_per_row_s * cfg.max_batch)   # tokens/s per engine
-    utilisation = sum(e.tokens for e in engines) / (capacity * len(engines) * wall)
+    utilisation = None
+    if not recompute:
+        capacity = cfg.max_batch / (cfg.step_overhead_s + cfg.step_per_row_s * cfg.max_batch)   # tokens/s per engine
+        utilisation = sum(e.tokens for e in engines) / (capacity * len(engines) * wall)
     return {"config": asdict(cfg), "wall_s": wall, "trained": learner["trained"], "steps": learner["steps"],
             "rollout_utilisation": utilisation,
             "steady_trajectories_per_s": steady,
@@ -386,27 +474,83 @@ def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return a, b
 
 
-def predict_measured(measured: dict) -> dict:
-    """Simulate every learner arm of a bench/async_vs_sync.py result from the inputs it measured: engine step
-    time vs rows (fitted over the tail's arms), training seconds per padded token (from the train-only replays),
-    weight-push seconds, the tail's turn and tool-latency distribution and the action tokens per turn seen."""
+def _fit_engine(arms: dict) -> tuple[str, float, float, float]:
+    """(mode, step_overhead_s, step_per_row_s, step_per_position_s) from the engine activity of the arms:
+    busy seconds = a x steps + c x encoded positions (HF engine: no KV cache, left padding), or, without
+    position counts (vLLM), seconds per step = a + b x rows per step."""
+    engines = [r["engine"] for r in arms.values() if r.get("engine", {}).get("steps")]
+    if not engines:   # no step counts (the vLLM engine): a compute-bound engine, a fixed cost per sampled token
+        engines = [r["engine"] for r in arms.values() if r.get("engine", {}).get("tokens")]
+        return "kv", 0.0, sum(e["busy_s"] for e in engines) / sum(e["tokens"] for e in engines), 0.0
+    if all(e.get("positions") for e in engines):
+        # least squares through the origin in two variables
+        sxx = sum(e["steps"] ** 2 for e in engines)
+        syy = sum(e["positions"] ** 2 for e in engines)
+        sxy = sum(e["steps"] * e["positions"] for e in engines)
+        sxb = sum(e["steps"] * e["busy_s"] for e in engines)
+        syb = sum(e["positions"] * e["busy_s"] for e in engines)
+        det = sxx * syy - sxy * sxy
+        a, c = ((syy * sxb - sxy * syb) / det, (sxx * syb - sxy * sxb) / det) if det else (0.0, 0.0)
+        if a < 0 or c <= 0:   # degenerate: all cost per position
+            a, c = 0.0, sum(e["busy_s"] for e in engines) / sum(e["positions"] for e in engines)
+        return "recompute", a, 0.0, c
+    a, b = _fit_line([(e["rows_per_step"], e["step_s"]) for e in engines])
+    return "kv", a, b, 0.0
+
+
+def _shape_from_trajectories(path: Path) -> dict:
+    """Prompt tokens (intercept and per turn), observation tokens per tool call and action tokens per turn of
+    recorded trajectories (a gen_only run's trajectories.jsonl)."""
+    turns, prompts, obs, actions = [], [], [], []
+    for line in Path(path).read_text().splitlines():
+        t = json.loads(line)
+        first = t["action_mask"].index(1) if 1 in t["action_mask"] else len(t["action_mask"])
+        n = t["num_turns"]
+        act = sum(t["action_mask"])
+        turns.append(n)
+        prompts.append(first)
+        actions.append(act / max(1, n))
+        if n > 1:
+            obs.append((len(t["token_ids"]) - first - act) / (n - 1))
+    p0, p1 = _fit_line(list(zip(turns, prompts, strict=True))) if len(set(turns)) > 1 else (statistics.mean(prompts), 0)
+    return {"prompt_tokens": p0, "prompt_tokens_per_turn": p1,
+            "observation_tokens_per_turn": statistics.mean(obs) if obs else 8.0,
+            "action_tokens_per_turn": statistics.mean(actions)}
+
+
+def _arm_profile(r: dict) -> dict:
+    """What one measured learner arm says about its stages: service time per turn outside the engine and the
+    tools (from the trajectories' timings), padded tokens of each trained batch, learner seconds per step."""
+    batches = [json.loads(p.read_text())["trajectories"]
+               for p in sorted((Path(r["run_dir"]) / "run" / "journal").glob("step-*.json"))]
+    overhead = [max(0.0, (t["timings"]["finished"] - t["timings"]["started"]) - t["timings"]["generation_seconds"]
+                    - t["timings"]["tool_seconds"]) / max(1, t["num_turns"]) for b in batches for t in b]
+    padded = [len(b) * max(len(t["token_ids"]) for t in b) for b in batches]
+    return {"turn_overhead_s": statistics.mean(overhead) if overhead else 0.0, "padded_tokens_per_step": padded}
+
+
+def predict_measured(measured: dict, calibrate_arms: bool = True) -> dict:
+    """Simulate every learner arm of a bench/async_vs_sync.py result from the stage costs it measured, and
+    compare the predicted with the measured trajectories/s.
+
+    Inputs: the engine's cost per step and per encoded position (fitted to the engine's busy seconds, steps and
+    positions over the tail's arms; with `calibrate_arms` scaled to each arm's own engine speed, which CPU
+    contention changes from arm to arm), the learner's seconds per step (the train-only replay's seconds per
+    padded token, scaled to the arm's own update seconds with `calibrate_arms`), weight-push seconds, the
+    service's time per turn outside the engine and the tools, the tail's turn and tool-latency distribution,
+    and the prompt / action / observation token counts of the gen_only run. The pipeline (barriers, overlap,
+    admission, staleness drops) is the simulator's own."""
     s = measured["settings"]
     out = []
     for tail in measured["tails"]:
         arms, t = tail["arms"], tail["tail_settings"]
-        points = [(r["engine"]["rows_per_step"], r["engine"]["step_s"]) for r in arms.values()
-                  if r.get("engine", {}).get("steps")]
-        if not points:
+        if not any(r.get("engine", {}).get("tokens") for r in arms.values()):
             continue
-        a, b = _fit_line(points)
-        gen = arms.get("gen_only") or next(r for r in arms.values() if r.get("method"))
-        per_turn = gen["action_tokens"] / (gen["turns_mean"] * gen["trajectories"])
-        tokens_per_traj = gen["tokens"] / gen["trajectories"]
-        obs = max(0.0, (tokens_per_traj - 30 - per_turn * gen["turns_mean"]) / max(1e-9, gen["turns_mean"] - 1)) \
-            if gen["turns_mean"] > 1 else 8.0
-        workload = Workload(turns_p_more=t["p_more"], max_turns=t["max_ops"] + 1, action_tokens_per_turn=per_turn,
-                            observation_tokens_per_turn=obs, prompt_tokens=30.0,
-                            tool_median_s=t["latency_median_s"], tool_sigma=t["latency_sigma"])
+        mode, a, b, c = _fit_engine(arms)
+        gen = arms.get("gen_only")
+        shape = {}
+        if gen and (Path(gen["run_dir"]) / "trajectories.jsonl").exists():
+            shape = _shape_from_trajectories(Path(gen["run_dir"]) / "trajectories.jsonl")
         train_fit = {}
         for method in ("sao", "grpo"):
             replay = arms.get(f"train_only_{method}")
@@ -420,12 +564,28 @@ def predict_measured(measured: dict) -> dict:
             fit = train_fit.get("sao" if method == "sao" else "grpo")
             if fit is None:
                 continue
+            profile = _arm_profile(r)
+            e = r["engine"]
+            engine_scale = learner_scale = 1.0
+            push = r.get("weight_push_s_mean", 0.0)
+            if calibrate_arms:
+                modelled = a * e["steps"] + (c * e.get("positions", 0) if mode == "recompute" else
+                                             b * e["tokens"])
+                engine_scale = e["busy_s"] / modelled if modelled > 0 else 1.0
+                predicted_train = sum(fit[0] + fit[1] * x for x in profile["padded_tokens_per_step"])
+                measured_train = sum(r["step_update_s"]) - push * len(r["step_update_s"])
+                learner_scale = measured_train / predicted_train if predicted_train > 0 else 1.0
+            workload = Workload(turns_p_more=t["p_more"], min_turns=2, max_turns=t["max_ops"] + 1,
+                                tool_median_s=t["latency_median_s"], tool_sigma=t["latency_sigma"],
+                                turn_overhead_s=profile["turn_overhead_s"], **shape)
             group = s["group_size"] if method in ("grpo", "grpo_async") else 1
+            slope = fit[1] * learner_scale
             cfg = SimConfig(method="sync" if method == "grpo" else "async", batch_size=s["batch_size"],
                             group_size=group, max_staleness=s["max_staleness"], in_flight=r["in_flight"],
-                            step_overhead_s=a, step_per_row_s=b, max_batch=s["max_batch"],
-                            train_tokens_per_s_per_gpu=1.0 / fit[1] if fit[1] else 1e12,
-                            train_step_overhead_s=fit[0], push_s=r.get("weight_push_s_mean", 0.0),
+                            engine_mode=mode, step_overhead_s=a * engine_scale, step_per_row_s=b * engine_scale,
+                            step_per_position_s=c * engine_scale, max_batch=s["max_batch"],
+                            train_tokens_per_s_per_gpu=1.0 / slope if slope else 1e12,
+                            train_step_overhead_s=fit[0] * learner_scale, push_s=push,
                             trajectories=r["trajectories"], seed=s["seed"])
             runs = [simulate(SimConfig(**{**asdict(cfg), "seed": cfg.seed + k}), workload) for k in range(5)]
             predicted = statistics.mean(x["steady_trajectories_per_s"] for x in runs)
@@ -437,9 +597,15 @@ def predict_measured(measured: dict) -> dict:
                         "error_e2e": predicted_e2e / r["trajectories_per_s"] - 1.0,
                         "predicted_idle": statistics.mean(x["rollout_idle_share"] for x in runs),
                         "measured_idle": r.get("generator_idle_share"),
-                        "inputs": {"step_overhead_s": a, "step_per_row_s": b, "train_fit": fit,
-                                   "action_tokens_per_turn": per_turn, "push_s": cfg.push_s}})
-    return {"rows": out, "mean_abs_error": statistics.mean(abs(r["error"]) for r in out) if out else None,
+                        "predicted_staleness": statistics.mean(x["staleness_mean"] for x in runs),
+                        "measured_staleness": r.get("staleness_mean"),
+                        "inputs": {"engine_mode": mode, "step_overhead_s": cfg.step_overhead_s,
+                                   "step_per_row_s": cfg.step_per_row_s,
+                                   "step_per_position_s": cfg.step_per_position_s, "engine_scale": engine_scale,
+                                   "train_fit": fit, "learner_scale": learner_scale, "push_s": push,
+                                   "turn_overhead_s": profile["turn_overhead_s"], **shape}})
+    return {"calibrate_arms": calibrate_arms, "rows": out,
+            "mean_abs_error": statistics.mean(abs(r["error"]) for r in out) if out else None,
             "mean_abs_error_e2e": statistics.mean(abs(r["error_e2e"]) for r in out) if out else None}
 
 
@@ -566,8 +732,8 @@ def main(argv: list[str] | None = None) -> int:
               "prompt_tokens", "tool_median_s", "tool_sigma"):
         p.add_argument("--" + f.replace("_", "-"), type=float, default=getattr(Workload, f))
     p.add_argument("--max-turns", type=int, default=Workload.max_turns)
-    p.add_argument("--episodes", help="jsonl of trajectories (e.g. gen_only/trajectories.jsonl of "
-                                      "bench/async_vs_sync.py): draw episodes from them")
+    p.add_argument("--episodes", help="recorded trajectories: a jsonl (e.g. gen_only/trajectories.jsonl of "
+                                      "bench/async_vs_sync.py) or a learner journal directory; draw episodes from them")
     p.add_argument("--colocated-sync", action="store_true", help="sync baseline on all GPUs in turn")
     p.add_argument("--sao-in-flight", type=int, default=0, help="async in-flight cap [default (S + 1) B]")
     p.add_argument("--output")
@@ -643,11 +809,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load_episodes(path: str) -> list[Episode]:
-    """Episodes of recorded trajectories: action tokens per turn (runs of the action mask) and tool seconds
-    spread evenly over the turns that called a tool."""
+    """Episodes of recorded trajectories (a jsonl of trajectories, e.g. gen_only/trajectories.jsonl, or a learner
+    journal directory): action tokens per turn (runs of the action mask), prompt tokens, and tool seconds spread
+    evenly over the turns that called a tool."""
+    source = Path(path)
+    if source.is_dir():
+        records = [t for p_ in sorted(source.glob("step-*.json")) for t in json.loads(p_.read_text())["trajectories"]]
+    else:
+        records = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
     episodes = []
-    for line in Path(path).read_text().splitlines():
-        t = json.loads(line)
+    for t in records:
         runs, current, previous = [], 0, 0
         for m in t["action_mask"]:
             if m:
@@ -662,7 +833,8 @@ def load_episodes(path: str) -> list[Episode]:
             continue
         tool = t.get("timings", {}).get("tool_seconds", 0.0)
         gaps = max(1, len(runs) - 1)
-        episodes.append(Episode(runs, [tool / gaps] * (len(runs) - 1), len(t["token_ids"])))
+        episodes.append(Episode(runs, [tool / gaps] * (len(runs) - 1), len(t["token_ids"]),
+                                prompt_tokens=t["action_mask"].index(1)))
     return episodes
 
 

@@ -14,7 +14,7 @@ loop does after a policy step:
 and, interleaved with those, the baseline `copy`: `shutil.copytree` of the same files to a fresh directory
 on the same disk. It reports medians in seconds, bytes/s of each phase and the ratio push / copy. The
 store is a local directory (default) or, with `--store s3`, a moto S3 server on 127.0.0.1. Sizes: `tiny` is
-the embedded model (~0.4M parameters), `medium` a 28M-parameter Llama of the same family (~110 MB), both
+the embedded model (0.36M parameters, 1.5 MB), `medium` a 25M-parameter Llama of the same family (102 MB), both
 random weights. Reproduce with:
 
     .venv/bin/python bench/weight_push.py --output local_outputs/bench/weight_push        # HF + vLLM, ~6 min

@@ -88,6 +88,22 @@ def test_colocated_sync_uses_every_gpu_for_both_phases():
     assert colocated["wall_s"] == pytest.approx(2 * (1.0 + 0.5))
 
 
+def test_recompute_engine_pays_for_the_padded_context():
+    # no KV cache: every step re-encodes the left-padded contexts of its rows
+    cfg = dict(method="async", batch_size=1, in_flight=1, trajectories=1, train_tokens_per_s_per_gpu=1e12,
+               engine_mode="recompute", step_overhead_s=0.01, step_per_row_s=0.0, step_per_position_s=0.001,
+               max_batch=8)
+    one = simulate(SimConfig(**cfg), _Cycle([Episode([3], [], 13, prompt_tokens=10)]))
+    assert one["wall_s"] == pytest.approx(3 * 0.01 + 0.001 * (10 + 11 + 12))
+    # two sequences in one step: both rows pay the longer context
+    two = simulate(SimConfig(**{**cfg, "batch_size": 2, "in_flight": 2, "trajectories": 2}),
+                   _Cycle([Episode([1], [], 11, prompt_tokens=10), Episode([1], [], 31, prompt_tokens=30)]))
+    assert two["wall_s"] == pytest.approx(0.01 + 2 * 0.001 * 30)
+    # a second turn continues from the context plus the observation tokens
+    turns = simulate(SimConfig(**cfg), _Cycle([Episode([1, 1], [0.5], 20, prompt_tokens=10)]))   # 8 obs tokens
+    assert turns["wall_s"] == pytest.approx(0.01 + 0.001 * 10 + 0.5 + 0.01 + 0.001 * 19)
+
+
 def test_engine_params_round_trip():
     a, b = engine_params(decode_tokens_per_s=4000, seq_tokens_per_s=40, max_batch=256)
     assert 1 / (a + b) == pytest.approx(40)

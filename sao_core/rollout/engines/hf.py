@@ -86,6 +86,7 @@ class HFEngine:
         self._tokens_generated = 0
         self._busy_seconds = 0.0
         self._steps = 0
+        self._positions = 0                  # token positions encoded (rows x padded width, summed over steps)
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
@@ -137,7 +138,7 @@ class HFEngine:
         return {"engine": "hf", "model": self.model_ref, "version": self.version, "active": len(self._active),
                 "paused": self._paused.is_set(), "tokens_generated": self._tokens_generated,
                 "busy_share": self._busy_seconds / elapsed, "busy_seconds": self._busy_seconds,
-                "uptime_seconds": elapsed, "steps": self._steps}
+                "uptime_seconds": elapsed, "steps": self._steps, "positions_encoded": self._positions}
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -185,6 +186,7 @@ class HFEngine:
         for row, context in enumerate(contexts):
             ids[row, width - len(context):] = torch.tensor(context)
             mask[row, width - len(context):] = 1
+        self._positions += ids.numel()
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                             position_ids=positions.to(self.device)).logits[:, -1].float().cpu()
