@@ -251,7 +251,9 @@ def test_published_weights_are_verifiable(rl_data, tmp_path, sao_cache, tiny_mod
 def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao_cache, tiny_model_dir, caplog):
     """Two rollout replicas: trajectories come from both (service i rolls out the stream positions
     ≡ i mod 2); when one dies the learner goes on with the other without waiting, and takes from it again
-    after it restarts on the same port (re-synced to the current weights). Nothing is trained twice."""
+    after it restarts on the same port (re-synced to the current weights). Nothing is trained twice.
+    A small in-flight cap (one batch per service) keeps the learner from running on items it took
+    before the restart, so the restarted replica's work must be trained."""
     servers = [RolloutServer(ServeConfig(model=tiny_model_dir, port=0, cache_dir=str(sao_cache))).start()
                for _ in range(2)]
     port = servers[1].port
@@ -261,7 +263,7 @@ def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao
     def run():
         try:
             result["summary"] = train_rl(_config(
-                rl_data, tmp_path / "run", tiny_model_dir, sao_cache, steps=12, batch_size=8,
+                rl_data, tmp_path / "run", tiny_model_dir, sao_cache, steps=20, batch_size=8, max_in_flight=16,
                 services=tuple(s.url for s in servers), critic_warmup_steps=2, max_new_tokens_per_turn=12,
                 max_total_tokens=80, service_retry_s=60, shutdown_services=True),
                 progress=lambda s, m: steps_seen.append(s))
@@ -284,11 +286,11 @@ def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao
         thread.join(240)
         assert not thread.is_alive()
         assert "error" not in result, result.get("error")
-        assert result["summary"]["steps"] == 12
+        assert result["summary"]["steps"] == 20
         journal = [json.loads((tmp_path / "run" / "journal" / f"step-{s:06d}.json").read_text())
-                   for s in range(1, 13)]
+                   for s in range(1, 21)]
         ids = [i for entry in journal for i in entry["ids"]]
-        assert len(ids) == len(set(ids)) == 96
+        assert len(ids) == len(set(ids)) == 160
 
         trained = [t for e in journal for t in e["trajectories"]]
         assert {t["metadata"]["position"] % 2 for t in trained} == {0, 1}
@@ -343,3 +345,14 @@ def test_fresh_run_with_resume_waits_for_a_service_that_starts_late(rl_data, tmp
         assert "waiting for it" in messages and "is back" in messages
     finally:
         server.stop()
+
+
+def test_each_service_may_hold_a_whole_batch_in_flight():
+    """The run's in-flight cap is shared out over the services, but never below one batch: otherwise a
+    single live replica could not fill a batch while the others are down, and the learner would hang."""
+    from sao_core.learner.loop import per_service_in_flight
+
+    config = RLConfig(data="unused", output="unused", batch_size=32, max_staleness=4)
+    assert config.in_flight_cap == 160
+    assert [per_service_in_flight(config, n) for n in (1, 2, 4, 8)] == [160, 80, 40, 32]
+    assert per_service_in_flight(RLConfig(data="u", output="u", method="grpo", batch_size=16), 4) == 16

@@ -300,6 +300,13 @@ def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext) -> b
     return True
 
 
+def per_service_in_flight(config: RLConfig, services: int) -> int:
+    """Episodes each service may have in flight (started, not acknowledged): the run's cap shared out, but
+    never below one batch, so a single live replica can still fill a batch while the others are down
+    (below that the learner would wait forever for trajectories the cap forbids)."""
+    return max(config.in_flight_cap // services, config.batch_size)
+
+
 def colocated_serve_config(config: RLConfig):
     """The ServeConfig of the rollout service a run starts in its own process (no `services` given):
     GPU split on one machine is `rollout_options={"gpu_memory_utilization": ...}` with the vllm engine."""
@@ -420,7 +427,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
             server = RolloutServer(colocated_serve_config(config)).start()
             urls = [server.url]
         plan = {"dataset": config.data, "rollouts_per_prompt": config.rollouts_per_prompt, "epochs": 0,
-                "shuffle": True, "seed": config.seed, "max_in_flight": max(1, config.in_flight_cap // len(urls)),
+                "shuffle": True, "seed": config.seed, "max_in_flight": per_service_in_flight(config, len(urls)),
                 "env_options": config.env_options, "max_new_tokens_per_turn": config.max_new_tokens_per_turn,
                 "max_total_tokens": config.max_total_tokens, "training": True, "start_position": data_position}
         services = ServiceSet(urls, consumer, plan, config.service_retry_s)
