@@ -275,6 +275,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- sao simulate (cluster simulator)
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from sao_core.sim import commands, report
+    from sao_core.sim.model import SimError
+
+    action = args.simulate_command
+    try:
+        if action == "run":
+            result = commands.project(config_from_args(commands.ProjectConfig, args))
+            print(report.format_projection(result))
+        elif action == "validate":
+            result = commands.validate_results(args.results, args.output)
+            print(report.format_validation(result))
+        else:
+            result = commands.anchors(args.output, seeds=args.seeds, scale=args.scale)
+            print(report.format_anchors(result["rows"]))
+    except (SimError, ConfigError, ValueError, OSError) as err:
+        print(f"sao simulate {action}: error: {err}", file=sys.stderr)
+        return 2
+    for kind, path in result["files"].items():
+        print(f"{kind}: {path}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- sao kfp ...
 def _cluster_settings(args: argparse.Namespace):
     from sao_core.kfp.k8s import ClusterSettings
@@ -545,6 +569,29 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = cluster_sub.add_parser("rollout", help="in a TrainJob's rollout pod: serve rollouts (settings from SAO_* env)")
     for p in cluster_sub.choices.values():
         p.set_defaults(func=cmd_cluster)
+
+    from sao_core.sim.commands import ProjectConfig
+
+    simulate = sub.add_parser("simulate", help="discrete-event cluster simulator: sync GRPO vs SAO projections, "
+                                               "validation against measured runs and published anchors")
+    simulate_sub = simulate.add_subparsers(dest="simulate_command", required=True, metavar="ACTION")
+    p = simulate_sub.add_parser("run", help="project sync GRPO (G) and SAO (S) on one cluster: busy / idle shares "
+                                            "per role, trajectories/hour, GPU-hours per 1,000, staleness")
+    add_config_arguments(p, ProjectConfig)
+    p = simulate_sub.add_parser("validate", help="predicted vs measured trajectories/s for a "
+                                                 "bench/async_vs_sync.py result")
+    p.add_argument("results", help="async_vs_sync.json written by bench/async_vs_sync.py")
+    p.add_argument("--output", metavar="DIR", help="where simulator_validation.json/.png go [default: next to "
+                                                   "RESULTS]")
+    p = simulate_sub.add_parser("anchors", help="published async-vs-sync speed-ups (AReaL, verl, ROLL Flash), "
+                                                "reconstructed")
+    p.add_argument("--output", metavar="DIR", default="local_outputs/bench/simulator",
+                   help="[default: local_outputs/bench/simulator]")
+    p.add_argument("--seeds", type=int, default=3, help="runs per method [default: 3]")
+    p.add_argument("--scale", type=int, default=1, help="divide batch sizes and GPU counts by this (quicker) "
+                                                        "[default: 1]")
+    for p in simulate_sub.choices.values():
+        p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("demo", help="the main job on the embedded default: data preparation and a short SFT run")
     p.add_argument("--output", default="local_outputs/demo", help="output directory [default: local_outputs/demo]")
