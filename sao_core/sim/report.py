@@ -71,33 +71,52 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(out)
 
 
-_COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
+_COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207)]
 
 
-def bar_chart_png(path: Path, title: str, labels: list[str], series: dict[str, list[float]], unit: str = "") -> bool:
-    """A horizontal bar chart (one group of bars per label, one bar per series) as PNG, drawn with Pillow.
-    Returns False, writing nothing, when Pillow is not installed (it is not a dependency of sao_core)."""
+def bar_chart_png(path: Path, title: str, labels: list[str], series: dict[str, list[float | None]],
+                  unit: str = "", stacked: bool = False, note: str = "") -> bool:
+    """A horizontal bar chart as PNG with Pillow (no plotting library needed): one group of bars per label,
+    one bar per series (or one stacked bar per label with `stacked`). Returns False, writing nothing, when
+    Pillow is not installed (it is not a dependency of sao_core)."""
     try:
         from PIL import Image, ImageDraw, ImageFont
     except ImportError:
         return False
+
     font = ImageFont.load_default()
     names = list(series)
-    bar_h, gap, left, right, top, width = 14, 10, 260, 120, 46, 980
-    height = top + len(labels) * (len(names) * bar_h + gap) + 30 + 16 * ((len(names) + 2) // 3)
+    per_group = 1 if stacked else len(names)
+    bar_h, gap, left, right, top = 14, 10, 260, 120, 46
+    height = top + len(labels) * (per_group * bar_h + gap) + 30 + 16 * ((len(names) + 2) // 3) + (16 if note else 0)
+    width = 980
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
     draw.text((10, 10), title, fill="black", font=font)
-    scale = (width - left - right) / max([v or 0 for n in names for v in series[n]] + [1e-12])
+    totals = [sum(v or 0 for v in (series[n][i] for n in names)) for i in range(len(labels))] if stacked else \
+        [v or 0 for n in names for v in series[n]]
+    top_value = max(totals + [1e-12])
+    scale = (width - left - right) / top_value
     y = top
     for i, label in enumerate(labels):
         draw.text((10, y + 2), label[:40], fill="black", font=font)
+        x = left
         for j, name in enumerate(names):
             value = series[name][i]
-            if value is not None:
-                length = max(1, int(value * scale))
-                draw.rectangle([left, y, left + length, y + bar_h - 2], fill=_COLORS[j % len(_COLORS)])
-                draw.text((left + length + 4, y + 1), f"{value:.3g}{unit}", fill="black", font=font)
+            if value is None:
+                if not stacked:
+                    y += bar_h
+                continue
+            length = max(1, int(value * scale))
+            draw.rectangle([x, y, x + length, y + bar_h - 2], fill=_COLORS[j % len(_COLORS)])
+            if stacked:
+                x += length
+            else:
+                draw.text((x + length + 4, y + 1), f"{value:.3g}{unit}", fill="black", font=font)
+                y += bar_h
+        if stacked:
+            draw.text((x + 4, y + 1), f"{totals[i]:.3g}{unit}", fill="black", font=font)
             y += bar_h
         y += gap
     y += 10
@@ -105,5 +124,7 @@ def bar_chart_png(path: Path, title: str, labels: list[str], series: dict[str, l
         cx, cy = 10 + (j % 3) * 320, y + (j // 3) * 16
         draw.rectangle([cx, cy + 2, cx + 10, cy + 12], fill=_COLORS[j % len(_COLORS)])
         draw.text((cx + 16, cy + 1), name[:48], fill="black", font=font)
+    if note:
+        draw.text((10, height - 16), note[:160], fill=(80, 80, 80), font=font)
     image.save(path)
     return True
