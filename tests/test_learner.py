@@ -303,9 +303,14 @@ def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao
                    for t in trained)
         messages = " ".join(r.getMessage() for r in caplog.records)
         assert "continuing with the other 1" in messages and "is back" in messages
-        for server in servers:  # shutdown_services=True: both replicas were told to shut down
+        for server in servers:  # shutdown_services=True: both replicas were told to shut down (graceful, so poll)
+            client = RolloutClient(server.url)
+            deadline = time.monotonic() + 60
             with pytest.raises(RolloutUnavailable):
-                RolloutClient(server.url).status()
+                while time.monotonic() < deadline:
+                    client.status()
+                    time.sleep(0.2)
+            client.close()
     finally:
         for server in servers:
             server.stop()
