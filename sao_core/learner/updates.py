@@ -120,10 +120,10 @@ class Updater:
         n_local = float(mask.sum())
         (n_global,) = all_reduce([n_local], self.ctx)
         # Turns this rank's token mean into its share of the token mean over the whole batch (see above).
-        self.loss_scale = n_local * self.ctx.world_size / max(n_global, 1.0)
+        loss_scale = n_local * self.ctx.world_size / max(n_global, 1.0)
         metrics: dict[str, float] = {"action_tokens": n_local}
         if method == "sao":
-            advantages = self._critic_phase(batch, metrics)
+            advantages = self._critic_phase(batch, metrics, loss_scale)
             if step_index < self.config.critic_warmup_steps:
                 metrics["critic_warmup"] = 1.0
                 return self._reduce(metrics, n_local, len(batch.trajectories), reward_mean), False
@@ -143,7 +143,7 @@ class Updater:
         else:  # grpo: π_old recomputed by the learner; one update per batch, so it is the current policy
             loss, m = ppo_clip_loss(logp, logp.detach(), advantages, mask, self.config.clip_low,
                                     self.config.clip_high)
-        (loss * self.loss_scale).backward()
+        (loss * loss_scale).backward()
         metrics["policy_grad_norm"] = _step(self.policy_opt, self.policy.parameters(), self.config.grad_clip)
         metrics["policy_loss"] = float(loss.detach())
         metrics.update({f"policy_{k}": v for k, v in m.items() if k not in ("loss", "action_tokens")})
@@ -165,7 +165,7 @@ class Updater:
         out["reward_mean"] = reward_mean
         return out
 
-    def _critic_phase(self, batch: RLBatch, metrics: dict[str, float]) -> torch.Tensor:
+    def _critic_phase(self, batch: RLBatch, metrics: dict[str, float], loss_scale: float) -> torch.Tensor:
         cfg = self.config
         mask = batch.action_mask
         self.critic.eval()
@@ -178,7 +178,7 @@ class Updater:
         for k in range(cfg.critic_updates):
             values = self.critic(batch.input_ids, batch.attention_mask)
             loss, m = value_loss(values, old_values, returns, mask, cfg.value_clip)
-            (loss * self.loss_scale).backward()
+            (loss * loss_scale).backward()
             norm = _step(self.critic_opt, [p for p in self.critic.parameters() if p.requires_grad], cfg.grad_clip)
             if k == 0:
                 metrics["explained_variance"] = m["explained_variance"]
