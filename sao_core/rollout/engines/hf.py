@@ -1,12 +1,21 @@
 """HF transformers engine: continuous step-level batching in one engine thread (CPU or one GPU).
 
-Every step takes up to `max_batch` active requests, left-pads their contexts and runs one forward pass
-to sample the next token of each. New requests join at the next step and finished ones leave, so a
-short request never waits for a long one. The context is re-encoded at every step (no KV cache): simple
-and exact, fine for the small models this engine is for; use vLLM for real models.
+Every step takes up to `max_batch` active requests and samples the next token of each. New requests join
+at the next step and finished ones leave, so a short request never waits for a long one.
+
+KV cache (default for attention-only decoder models such as Llama / Qwen2 / SmolLM2): each request keeps
+the keys and values of its context in its own buffer. A request that joins is prefilled alone (no
+padding) over the part of its context that is not cached; requests that continue are decoded together,
+one new token each, with their caches left-padded into one batch. Multi-turn episodes send the whole
+context again at every turn: the cache of the previous turn (kept in a small LRU store when a request
+finishes) is reused when it is a prefix of the new context, so only the tool's reply and the new turn's
+tokens are encoded. With `kv_cache=False` (or for architectures the cache does not cover, e.g. sliding
+window attention) the whole padded context is re-encoded at every step: simple, exact and slow.
 
 New weights are loaded off the engine thread and swapped in between two steps: tokens sampled after the
-swap carry the new version, in-flight requests keep going.
+swap carry the new version, in-flight requests keep going. The swap drops every cached key / value
+computed with the old weights (in-flight requests are prefilled again), so the recorded log-prob of every
+token is the new policy's log-prob given the full context, exactly as without a cache.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +33,10 @@ import torch
 from sao_core.rollout.engines.base import EngineError, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
+
+# Extra cache positions allocated beyond what a request needs, so that the next turn of an episode
+# (tool reply + new tokens) usually fits without reallocating.
+_CACHE_SLACK = 256
 
 
 @dataclass
@@ -36,6 +50,13 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    kv: torch.Tensor | None = None     # [layers, 2, kv_heads, capacity, head_dim]
+    kv_len: int = 0                    # positions of prompt + tokens whose keys / values are in `kv`
+    kv_version: int = -1               # weights version that computed `kv`
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.tokens
 
 
 def _sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -58,13 +79,75 @@ def _sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+@dataclass(frozen=True)
+class _CacheShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def _cache_shape(model) -> _CacheShape | None:
+    """Shape of the per-layer key / value cache, or None when this engine's cache does not cover the
+    architecture (sliding-window or non-attention layers, encoder-decoder)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return None
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return None
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return None
+    try:
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return _CacheShape(config.num_hidden_layers, kv_heads, head_dim)
+    except AttributeError:
+        return None
+
+
+def _preallocated_cache(keys: list[torch.Tensor], values: list[torch.Tensor], cached: int):
+    """A transformers `Cache` over preallocated per-layer tensors [B, kv_heads, cached + q, head_dim] whose
+    first `cached` positions hold the context; the forward pass writes the q new positions in place
+    (no concatenation, no copy)."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class _Layer(DynamicLayer):
+        def __init__(self, k: torch.Tensor, v: torch.Tensor):
+            super().__init__()
+            self.keys, self.values = k, v
+            self.dtype, self.device = k.dtype, k.device
+            self.is_initialized = True
+            self.cached = cached
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            q = key_states.shape[-2]
+            self.keys[:, :, self.cached:self.cached + q] = key_states
+            self.values[:, :, self.cached:self.cached + q] = value_states
+            self.cached += q
+            return self.keys[:, :, :self.cached], self.values[:, :, :self.cached]
+
+        def get_seq_length(self) -> int:
+            return self.cached
+
+    return Cache(layers=[_Layer(k, v) for k, v in zip(keys, values, strict=True)])
+
+
 class HFEngine:
-    """Engine over a `transformers` causal LM. Thread-safe entry points are the async methods."""
+    """Engine over a `transformers` causal LM. Thread-safe entry points are the async methods.
+
+    `max_batch`: sequences per forward pass (more active requests take turns). `kv_cache`: keep keys /
+    values per request and reuse a finished request's cache for a context that extends it (see the
+    module docstring); `prefix_cache_entries` finished caches are kept (least recently used dropped).
+    """
 
     def __init__(self, model: str, cache_dir: str, max_batch: int = 32, device: str = "cpu",
-                 dtype: str = "float32", seed: int = 0):
+                 dtype: str = "float32", seed: int = 0, kv_cache: bool = True, prefix_cache_entries: int = 0):
         from sao_core.models import load_model_and_tokenizer
 
+        if max_batch < 1:
+            raise EngineError(f"max_batch must be >= 1, got {max_batch}")
+        if prefix_cache_entries < 0:
+            raise EngineError(f"prefix_cache_entries must be >= 0, got {prefix_cache_entries}")
         self.model_ref = model
         self.cache_dir = cache_dir
         self.device = torch.device(device)
@@ -72,6 +155,13 @@ class HFEngine:
         self.max_batch = max_batch
         self.model, self.tokenizer = load_model_and_tokenizer(model, cache_dir, dtype=dtype)
         self.model.to(self.device)
+        self.cache_shape = _cache_shape(self.model) if kv_cache else None
+        if kv_cache and self.cache_shape is None:
+            log.warning("the HF engine's KV cache does not cover %s; contexts are re-encoded at every step",
+                        type(self.model).__name__)
+        self.prefix_cache_entries = prefix_cache_entries or 4 * max_batch
+        self._prefix_store: OrderedDict[int, tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()
+        self._store_key = 0
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_token_ids = tuple(t for t in {self.tokenizer.eos_token_id} if t is not None)
         self.version = 0
@@ -86,7 +176,10 @@ class HFEngine:
         self._tokens_generated = 0
         self._busy_seconds = 0.0
         self._steps = 0
-        self._positions = 0                  # token positions encoded (rows x padded width, summed over steps)
+        self._positions = 0                  # token positions encoded (fed through the model), summed over steps
+        self._attended = 0                   # key / value positions attended (rows x padded cache width)
+        self._prefill_tokens = 0
+        self._reused_tokens = 0              # context positions taken from a finished request's cache
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
@@ -138,7 +231,9 @@ class HFEngine:
         return {"engine": "hf", "model": self.model_ref, "version": self.version, "active": len(self._active),
                 "paused": self._paused.is_set(), "tokens_generated": self._tokens_generated,
                 "busy_share": self._busy_seconds / elapsed, "busy_seconds": self._busy_seconds,
-                "uptime_seconds": elapsed, "steps": self._steps, "positions_encoded": self._positions}
+                "uptime_seconds": elapsed, "steps": self._steps, "positions_encoded": self._positions,
+                "positions_attended": self._attended, "kv_cache": self.cache_shape is not None,
+                "prefill_tokens": self._prefill_tokens, "prefix_reused_tokens": self._reused_tokens}
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -161,7 +256,10 @@ class HFEngine:
             self._active = self._active[self.max_batch:] + batch
             began = time.monotonic()
             try:
-                self._step(batch)
+                if self.cache_shape is None:
+                    self._step_reencode(batch)
+                else:
+                    self._step_cached(batch)
             except Exception as err:  # a broken batch must not kill the engine thread
                 log.exception("engine step failed")
                 for request in batch:
@@ -176,10 +274,12 @@ class HFEngine:
         self._swap = None
         self.model = new_model
         self.version = version
+        self._prefix_store.clear()  # keys / values of the old weights must not be reused
         loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
-    def _step(self, batch: list[_Request]) -> None:
-        contexts = [r.prompt + r.tokens for r in batch]
+    def _step_reencode(self, batch: list[_Request]) -> None:
+        """One token per request, re-encoding every left-padded context [B, max context length]."""
+        contexts = [r.context for r in batch]
         width = max(len(c) for c in contexts)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -187,9 +287,96 @@ class HFEngine:
             ids[row, width - len(context):] = torch.tensor(context)
             mask[row, width - len(context):] = 1
         self._positions += ids.numel()
+        self._attended += ids.numel() * width
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                            position_ids=positions.to(self.device)).logits[:, -1].float().cpu()
+                            position_ids=positions.to(self.device), use_cache=False).logits[:, -1].float().cpu()
+        self._sample(batch, logits)
+
+    def _step_cached(self, batch: list[_Request]) -> None:
+        """Prefill the requests without a valid cache (one forward each), decode the others together."""
+        decode = []
+        for request in batch:
+            if request.kv is None or request.kv_version != self.version:
+                self._sample([request], self._prefill(request))
+            else:
+                decode.append(request)
+        if decode:
+            self._sample(decode, self._decode(decode))
+
+    def _new_cache(self, capacity: int) -> torch.Tensor:
+        s = self.cache_shape
+        return torch.empty((s.layers, 2, s.kv_heads, capacity, s.head_dim), dtype=self.model.dtype,
+                           device=self.device)
+
+    def _take_prefix(self, context: list[int]) -> tuple[torch.Tensor | None, int]:
+        """The stored cache of the longest finished context that is a prefix of `context` (removed from
+        the store: an episode continues once), and how many of its positions to use."""
+        best, best_len = None, 0
+        for key, (tokens, _) in self._prefix_store.items():
+            n = min(len(tokens), len(context) - 1)
+            # Cheap checks first: most stored contexts belong to other episodes.
+            if n > best_len and len(tokens) <= len(context) and context[len(tokens) - 1] == tokens[-1] \
+                    and tuple(context[:len(tokens)]) == tokens:
+                best, best_len = key, n
+        if best is None:
+            return None, 0
+        _, kv = self._prefix_store.pop(best)
+        return kv, best_len
+
+    def _prefill(self, request: _Request) -> torch.Tensor:
+        """Encode the uncached part of the request's context into its cache; logits of the next token [1, V]."""
+        context = request.context
+        needed = len(context) + request.params.max_new_tokens
+        kv, reused = (None, 0)
+        if request.kv is None:
+            kv, reused = self._take_prefix(context)
+        if kv is None or kv.shape[3] < needed:
+            fresh = self._new_cache(needed + _CACHE_SLACK)
+            if kv is not None and reused:
+                fresh[:, :, :, :reused] = kv[:, :, :, :reused]
+            kv = fresh
+        new = context[reused:]
+        end = reused + len(new)
+        cache = _preallocated_cache([kv[i, 0, :, :end].unsqueeze(0) for i in range(kv.shape[0])],
+                                    [kv[i, 1, :, :end].unsqueeze(0) for i in range(kv.shape[0])], reused)
+        ids = torch.tensor([new], device=self.device)
+        positions = torch.arange(reused, end, device=self.device).unsqueeze(0)
+        logits = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1].float().cpu()
+        request.kv, request.kv_len, request.kv_version = kv, end, self.version
+        self._positions += len(new)
+        self._attended += len(new) * end
+        self._prefill_tokens += len(new)
+        self._reused_tokens += reused
+        return logits
+
+    def _decode(self, batch: list[_Request]) -> torch.Tensor:
+        """Feed each request's last sampled token with its cache; logits [B, V]. The caches are left-padded
+        into one [layers, 2, B, kv_heads, width + 1, head_dim] tensor; the new position is the last column."""
+        s, n = self.cache_shape, len(batch)
+        width = max(r.kv_len for r in batch)
+        big = torch.zeros((s.layers, 2, n, s.kv_heads, width + 1, s.head_dim), dtype=self.model.dtype,
+                          device=self.device)
+        mask = torch.zeros((n, width + 1), dtype=torch.long)
+        for row, r in enumerate(batch):
+            big[:, :, row, :, width - r.kv_len:width] = r.kv[:, :, :, :r.kv_len]
+            mask[row, width - r.kv_len:] = 1
+        cache = _preallocated_cache([big[i, 0] for i in range(s.layers)], [big[i, 1] for i in range(s.layers)],
+                                    width)
+        ids = torch.tensor([[r.tokens[-1]] for r in batch], device=self.device)
+        positions = torch.tensor([[r.kv_len] for r in batch], device=self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask.to(self.device), position_ids=positions,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float().cpu()
+        for row, r in enumerate(batch):
+            r.kv[:, :, :, r.kv_len] = big[:, :, row, :, width]
+            r.kv_len += 1
+        self._positions += n
+        self._attended += n * (width + 1)
+        return logits
+
+    def _sample(self, batch: list[_Request], logits: torch.Tensor) -> None:
+        """Sample one token per request from `logits` [B, V]; finish the requests that stop."""
         logp = torch.log_softmax(logits, dim=-1)
         for row, request in enumerate(batch):
             probs = _sampling_probs(logits[row], request.params)
@@ -207,6 +394,13 @@ class HFEngine:
     def _finish(self, request: _Request, reason: str = "stop", error: Exception | None = None) -> None:
         if request in self._active:
             self._active.remove(request)
+        if error is None and request.kv is not None and request.kv_version == self.version and request.kv_len:
+            # Keep the cache for the episode's next turn, whose context starts with this one.
+            self._prefix_store[self._store_key] = (tuple(request.context[:request.kv_len]), request.kv)
+            self._store_key += 1
+            while len(self._prefix_store) > self.prefix_cache_entries:
+                self._prefix_store.popitem(last=False)
+        request.kv = None
         generation = Generation(request.tokens, request.logprobs, request.versions, reason,
                                 seconds=time.monotonic() - request.started)
 
