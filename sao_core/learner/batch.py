@@ -32,6 +32,42 @@ class RLBatch:
                                                              "rollout_logprobs", "versions", "rewards")}
         return RLBatch(self.trajectories[start:stop], **sliced)
 
+    def select(self, indices: list[int]) -> RLBatch:
+        """Rows `indices` (in that order), trimmed to the width of the longest selected row: [b, w] with w ≤ T
+        (at least 1). Rows are right-padded, so the trimmed columns are padding in every selected row."""
+        index = torch.tensor(indices, dtype=torch.long, device=self.input_ids.device)
+        used = self.attention_mask[index].bool().any(dim=0).nonzero()
+        width = int(used[-1]) + 1 if used.numel() else 1
+        picked = {k: getattr(self, k)[index, :width] for k in ("input_ids", "attention_mask", "action_mask",
+                                                                "rollout_logprobs", "versions")}
+        return RLBatch([self.trajectories[i] for i in indices], rewards=self.rewards[index], **picked)
+
+
+def micro_batch_rows(lengths: list[int], budget: int) -> list[list[int]]:
+    """Split rows into micro-batches of at most `budget` padded positions each.
+
+    Rows are sorted by length, longest first (stable), and consecutive rows are grouped greedily while
+    rows × the group's longest length ≤ `budget`; a group always holds at least one row, so a row longer
+    than the budget forms a micro-batch of its own. `budget` ≤ 0: one group of every row in order.
+
+    Args:
+        lengths: [B] real length of each row in tokens (e.g. its attention-mask sum).
+        budget: maximum rows × width per micro-batch, in tokens.
+
+    Returns:
+        Lists of row indices; every row appears in exactly one list.
+    """
+    if budget <= 0:
+        return [list(range(len(lengths)))] if lengths else []
+    groups: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        # Longest first: the group's width is the length of its first row.
+        if groups and (len(groups[-1]) + 1) * max(lengths[groups[-1][0]], 1) <= budget:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
 
 def collate(trajectories: list[Trajectory], pad_id: int) -> RLBatch:
     """Right-pad `trajectories` into one batch."""

@@ -40,6 +40,7 @@ class RLConfig:
     whiten_advantages: bool = False
     baseline_window: int = 8                   # running_mean: last rewards per prompt
     grad_clip: float = 1.0
+    micro_batch_tokens: int = 16384            # max rows x width (padded positions) per learner forward/backward; 0: one pass over the local batch
     env_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     max_new_tokens_per_turn: int = 256
     max_total_tokens: int = 4096
@@ -73,7 +74,7 @@ class RLConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"RLConfig.{key} must be >= 1, got {getattr(self, key)}")
         for key in ("max_staleness", "max_in_flight", "critic_warmup_steps", "checkpoint_every", "value_clip",
-                    "grad_clip"):
+                    "grad_clip", "micro_batch_tokens"):
             if getattr(self, key) < 0:
                 raise ValueError(f"RLConfig.{key} must be >= 0, got {getattr(self, key)}")
         if self.method in GROUP_METHODS and self.batch_size % self.group_size:

@@ -15,6 +15,13 @@ n_local · W / n_global before FSDP2 averages the gradients over the W ranks mak
 token mean over the whole batch, as in one process. Advantage whitening uses global statistics. Metrics are
 token-weighted over ranks (exact for token means and fractions; `lambda_mean` is a mean over trajectories;
 `explained_variance` is the token-weighted mean of the per-rank values, an approximation).
+
+Micro-batches: each rank sorts its rows by length and runs the forward/backward passes on groups of at most
+`micro_batch_tokens` padded positions (rows × the group's own width), so long-tailed lengths do not pad every
+row to the longest one. Advantages, whitening and GAE are computed on the whole local batch; each group's
+loss is a token mean over its own action tokens, scaled by n_micro / n_local so the accumulated gradient is
+the token mean over the local batch, and the optimiser steps once per update. Metrics are combined exactly
+(token-weighted means, maxima; `explained_variance` is computed on the local batch's values).
 """
 
 from __future__ import annotations
@@ -22,18 +29,22 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from sao_core.learner.batch import RLBatch
+from sao_core.learner.batch import RLBatch, micro_batch_rows
 from sao_core.learner.config import RLConfig
 from sao_core.objectives.common import token_logprobs
 from sao_core.objectives.gae import adaptive_lambda, skip_observation_gae
 from sao_core.objectives.grpo import RunningMeanBaseline, group_advantages, ppo_clip_loss
-from sao_core.objectives.sao import dis_policy_loss, value_loss
+from sao_core.objectives.sao import dis_policy_loss, explained_variance, value_loss
 from sao_core.training.distributed import DistContext, all_reduce, broadcast_object
 
 # Metrics combined over ranks by sum or max instead of the token-weighted mean.
 _SUMMED = {"action_tokens"}
 _MAXED = {"logp_diff_max"}
 _ROW_MEANS = {"lambda_mean"}  # means over trajectories, not tokens
+
+# One forward/backward unit: (row indices [b] into the local batch, the rows trimmed to [b, w], whether it is
+# real; a filler pass (False) only keeps FSDP2's collectives in step across ranks and has a zero loss factor).
+MicroBatch = tuple[torch.Tensor, RLBatch, bool]
 
 
 def _policy_forward(policy, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -51,6 +62,13 @@ def _policy_forward(policy, batch: RLBatch) -> tuple[torch.Tensor, dict[str, flo
                  "logp_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
                  "logp_diff_max": float(diff.max()) if diff.numel() else 0.0}
     return logp, stats
+
+
+def _combine(parts: list[tuple[float, dict[str, float]]], tokens: float) -> dict[str, float]:
+    """Metrics of the local batch from per-micro-batch metrics: (action tokens, metrics) pairs. Token-weighted
+    means (exact for token means and fractions of action tokens), maxima for `_MAXED`."""
+    return {k: max(m[k] for _, m in parts) if k in _MAXED else sum(n * m[k] for n, m in parts) / max(tokens, 1.0)
+            for k in parts[0][1]} if parts else {}
 
 
 def _whiten(adv: torch.Tensor, mask: torch.Tensor, ctx: DistContext) -> torch.Tensor:
@@ -121,9 +139,10 @@ class Updater:
         (n_global,) = all_reduce([n_local], self.ctx)
         # Turns this rank's token mean into its share of the token mean over the whole batch (see above).
         loss_scale = n_local * self.ctx.world_size / max(n_global, 1.0)
+        micro = self._micro_batches(batch)
         metrics: dict[str, float] = {"action_tokens": n_local}
         if method == "sao":
-            advantages = self._critic_phase(batch, metrics, loss_scale)
+            advantages = self._critic_phase(batch, micro, metrics, loss_scale)
             if step_index < self.config.critic_warmup_steps:
                 metrics["critic_warmup"] = 1.0
                 return self._reduce(metrics, n_local, len(batch.trajectories), reward_mean), False
@@ -132,23 +151,45 @@ class Updater:
         if self.config.whiten_advantages:
             advantages = _whiten(advantages, mask, self.ctx)
         self.policy.train()
-        logp, stats = _policy_forward(self.policy, batch)
-        metrics.update(stats)
-        if method in ("sao", "grpo_dis", "running_mean"):
-            loss, m = dis_policy_loss(logp, batch.rollout_logprobs, advantages, mask, self.config.eps_low,
-                                      self.config.eps_high)
-        elif method == "grpo_async":
-            loss, m = ppo_clip_loss(logp, batch.rollout_logprobs, advantages, mask, self.config.clip_low,
-                                    self.config.clip_high)
-        else:  # grpo: π_old recomputed by the learner; one update per batch, so it is the current policy
-            loss, m = ppo_clip_loss(logp, logp.detach(), advantages, mask, self.config.clip_low,
-                                    self.config.clip_high)
-        (loss * loss_scale).backward()
+        parts = []
+        for index, mb, real in micro:
+            logp, stats = _policy_forward(self.policy, mb)
+            loss, m = self._policy_loss(logp, mb, advantages[index, :mb.input_ids.shape[1]])
+            n_micro = float(mb.action_mask.sum()) if real else 0.0
+            # The micro-batch's token mean times n_micro / n_local: its share of the local token mean.
+            (loss * (n_micro / max(n_local, 1.0) * loss_scale)).backward()
+            if real:
+                parts.append((n_micro, {**stats, "policy_loss": float(loss.detach()),
+                                        **{f"policy_{k}": v for k, v in m.items() if k not in ("loss", "action_tokens")}}))
+        metrics.update(_combine(parts, n_local))
         metrics["policy_grad_norm"] = _step(self.policy_opt, self.policy.parameters(), self.config.grad_clip)
-        metrics["policy_loss"] = float(loss.detach())
-        metrics.update({f"policy_{k}": v for k, v in m.items() if k not in ("loss", "action_tokens")})
         metrics["advantage_mean"] = float(advantages[mask.bool()].mean()) if mask.any() else 0.0
         return self._reduce(metrics, n_local, len(batch.trajectories), reward_mean), True
+
+    def _policy_loss(self, logp: torch.Tensor, mb: RLBatch, advantages: torch.Tensor):
+        """The method's policy loss on one micro-batch (all [b, w]): a token mean over its action tokens."""
+        cfg, mask = self.config, mb.action_mask
+        if cfg.method in ("sao", "grpo_dis", "running_mean"):
+            return dis_policy_loss(logp, mb.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high)
+        if cfg.method == "grpo_async":
+            return ppo_clip_loss(logp, mb.rollout_logprobs, advantages, mask, cfg.clip_low, cfg.clip_high)
+        # grpo: π_old recomputed by the learner; one update per batch, so it is the current policy (the weights
+        # change only after the last micro-batch).
+        return ppo_clip_loss(logp, logp.detach(), advantages, mask, cfg.clip_low, cfg.clip_high)
+
+    def _micro_batches(self, batch: RLBatch) -> list[MicroBatch]:
+        """This rank's rows in groups of at most `micro_batch_tokens` padded positions (0: the local batch as
+        one group, untrimmed). Under torchrun every rank runs as many passes as the rank with the most groups
+        (FSDP2 gathers and reduces in every pass): the extra ones repeat this rank's smallest group as fillers."""
+        budget = self.config.micro_batch_tokens
+        if not budget:
+            return [(torch.arange(len(batch.trajectories), device=batch.input_ids.device), batch, True)]
+        lengths = [int(n) for n in batch.attention_mask.sum(dim=1).tolist()]
+        micro = [(torch.tensor(rows, device=batch.input_ids.device), batch.select(rows), True)
+                 for rows in micro_batch_rows(lengths, budget)]
+        (passes,) = all_reduce([len(micro)], self.ctx, op="max")
+        smallest = min(micro, key=lambda u: u[1].input_ids.numel())
+        return micro + [(smallest[0], smallest[1], False)] * (int(passes) - len(micro))
 
     def _reduce(self, metrics: dict[str, float], tokens: float, rows: int, reward_mean: float) -> dict[str, float]:
         """Combine per-rank metrics: token-weighted mean, except sums, maxima and per-trajectory means."""
@@ -165,24 +206,48 @@ class Updater:
         out["reward_mean"] = reward_mean
         return out
 
-    def _critic_phase(self, batch: RLBatch, metrics: dict[str, float], loss_scale: float) -> torch.Tensor:
+    def _critic_phase(self, batch: RLBatch, micro: list[MicroBatch], metrics: dict[str, float],
+                      loss_scale: float) -> torch.Tensor:
+        """K critic updates on the local batch; returns the policy advantages [B_local, T]."""
         cfg = self.config
         mask = batch.action_mask
+        n_local = float(mask.sum())
         self.critic.eval()
+        # Old values [B_local, T] from the micro-batches (0 on trimmed padding, which no loss reads); GAE is
+        # row-wise but runs on the whole local batch at once.
+        old_values = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         with torch.no_grad():
-            old_values = self.critic(batch.input_ids, batch.attention_mask)
+            for index, mb, real in micro:
+                values = self.critic(mb.input_ids, mb.attention_mask)
+                if real:
+                    old_values[index, :values.shape[1]] = values.float()
         lam = adaptive_lambda(mask.sum(dim=1), cfg.lambda_alpha)
         advantages, _ = skip_observation_gae(batch.rewards, old_values, mask, cfg.gamma, lam)
         _, returns = skip_observation_gae(batch.rewards, old_values, mask, cfg.gamma, 1.0)
         self.critic.train()
         for k in range(cfg.critic_updates):
-            values = self.critic(batch.input_ids, batch.attention_mask)
-            loss, m = value_loss(values, old_values, returns, mask, cfg.value_clip)
-            (loss * loss_scale).backward()
-            norm = _step(self.critic_opt, [p for p in self.critic.parameters() if p.requires_grad], cfg.grad_clip)
+            # The first update's values [B_local, T], for the explained variance.
+            first_values = torch.zeros_like(old_values) if k == 0 else None
+            parts = []
+            for index, mb, real in micro:
+                values = self.critic(mb.input_ids, mb.attention_mask)
+                width = values.shape[1]
+                loss, m = value_loss(values, old_values[index, :width], returns[index, :width], mb.action_mask,
+                                     cfg.value_clip)
+                n_micro = float(mb.action_mask.sum()) if real else 0.0
+                (loss * (n_micro / max(n_local, 1.0) * loss_scale)).backward()
+                if real:
+                    parts.append((n_micro, {"critic_loss": m["value_loss"]}))
+                    if first_values is not None:
+                        first_values[index, :width] = values.detach().float()
+            # Parameters listed after the backward passes: FSDP2 swaps a module's parameters between sharded and
+            # unsharded tensors around forward, and the optimiser's (sharded) ones hold the gradients.
+            params = [p for p in self.critic.parameters() if p.requires_grad]
+            norm = _step(self.critic_opt, params, cfg.grad_clip)
             if k == 0:
-                metrics["explained_variance"] = m["explained_variance"]
-            metrics["critic_loss"] = m["value_loss"]
+                # Not a token mean: computed once on the whole local batch.
+                metrics["explained_variance"] = explained_variance(first_values, returns, mask)
+            metrics.update(_combine(parts, n_local))
             metrics["critic_grad_norm"] = norm
         metrics["lambda_mean"] = float(lam.mean())
         return advantages

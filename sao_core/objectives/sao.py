@@ -95,10 +95,18 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         err = torch.maximum(err, (clipped - returns.float()) ** 2)
     loss = (err * mask).sum() / n
     with torch.no_grad():
+        metrics = {"value_loss": float(loss.detach()), "explained_variance": explained_variance(values, returns, mask),
+                   "value_mean": float(values.float()[mask].mean()) if mask.any() else 0.0}
+    return loss, metrics
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor) -> float:
+    """1 − Var(returns − values) / Var(returns) over the action tokens (population variances); 0 when the
+    returns have no variance. `values`, `returns`, `action_mask`: [B, T]. Not a mean over tokens, so it
+    cannot be combined from parts of a batch: compute it on the whole batch."""
+    with torch.no_grad():
+        mask = action_mask.bool()
         target = returns.float()[mask]
         residual = target - values.float()[mask]
         variance = target.var(unbiased=False) if target.numel() > 1 else torch.tensor(0.0)
-        explained = 1.0 - residual.var(unbiased=False) / variance if float(variance) > 1e-12 else torch.tensor(0.0)
-        metrics = {"value_loss": float(loss.detach()), "explained_variance": float(explained),
-                   "value_mean": float(values.float()[mask].mean()) if mask.any() else 0.0}
-    return loss, metrics
+        return float(1.0 - residual.var(unbiased=False) / variance) if float(variance) > 1e-12 else 0.0
