@@ -343,3 +343,25 @@ def test_vllm_scaling_settings_map_to_engine_arguments_and_are_checked():
         ServeConfig(engine="vllm", data_parallel_size=0).validate()
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         ServeConfig(engine="vllm", gpu_memory_utilization=1.5).validate()
+
+
+def test_tool_calls_of_all_episodes_in_flight_wait_at_once(service, tmp_path):
+    """Environment calls run on a pool with a thread per episode in flight: with 24 episodes waiting on a
+    0.5 s tool at the same time, more than asyncio's default pool (min(32, cores + 4) threads) are busy."""
+    import threading
+
+    server, client = service
+    dataset = _rl_dataset(tmp_path, 24, seed=9)
+    client.start(_plan(dataset, max_in_flight=24,
+                       env_options={"tool_arith": {"latency_median_s": 0.5, "latency_sigma": 0.0,
+                                                   "fixed_turns": True}}))
+    most = 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        most = max(most, sum(t.name.startswith("sao-env") for t in threading.enumerate()))
+        if most > 12:
+            break
+        time.sleep(0.01)
+    got, _ = _drain(client)
+    assert len(got) == 24
+    assert most > 12, most

@@ -44,6 +44,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -294,7 +295,7 @@ def _cut_tail(text: str | None, limit: int) -> str | None:
 
 
 async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, Any], index: int, engine: Any,
-                tokenizer: Any, graders: _Graders) -> dict[str, Any]:
+                tokenizer: Any, graders: _Graders, executor: ThreadPoolExecutor | None = None) -> dict[str, Any]:
     from sao_core.envs import make_env
     from sao_core.envs.grading import extract_boxed
     from sao_core.rollout.engines import SamplingParams
@@ -317,7 +318,7 @@ async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, An
     limits = EpisodeLimits(config.max_total_tokens, config.max_new_tokens, config.sample_timeout_s)
     started = time.monotonic()
     trajectory = await run_episode(task, env, engine, tokenizer, params, limits, sample_index=index,
-                                   trajectory_id=f"{spec.name}/{problem_id}/{index}")
+                                   trajectory_id=f"{spec.name}/{problem_id}/{index}", executor=executor)
     finish = trajectory.finish_reason
     info = dict(trajectory.metadata.get("info") or {})
     response = action_text(tokenizer, _last_turn(trajectory))
@@ -411,6 +412,8 @@ async def _generate(config: EvalConfig, loaded: list[LoadedBenchmark], todo: lis
         await asyncio.to_thread(graders.warm_up, config.grader_workers)
     slots = asyncio.Semaphore(config.concurrency)
     swe_slots = asyncio.Semaphore(config.swe_concurrency)
+    # A thread per concurrent sample for environment calls (sandboxed tests wait on processes).
+    env_pool = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="sao-eval-env")
     finished = 0
 
     async def one(bench_index: int, record: dict, index: int) -> dict[str, Any]:
@@ -419,8 +422,8 @@ async def _generate(config: EvalConfig, loaded: list[LoadedBenchmark], todo: lis
             try:
                 if bench.spec.env == "swe":
                     async with swe_slots:
-                        return await _play(config, bench, record, index, engine, engine.tokenizer, graders)
-                return await _play(config, bench, record, index, engine, engine.tokenizer, graders)
+                        return await _play(config, bench, record, index, engine, engine.tokenizer, graders, env_pool)
+                return await _play(config, bench, record, index, engine, engine.tokenizer, graders, env_pool)
             except Exception as err:   # e.g. environment options that do not fit: this sample failed
                 log.warning("%s %s sample %d failed: %s: %s", bench.spec.name, record["id"], index,
                             type(err).__name__, err)
@@ -443,6 +446,7 @@ async def _generate(config: EvalConfig, loaded: list[LoadedBenchmark], todo: lis
         if given_engine is None:
             await engine.close()
         await asyncio.to_thread(graders.close)
+        env_pool.shutdown(wait=False)
     return finished
 
 

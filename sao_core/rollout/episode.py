@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from sao_core.envs.base import Environment, Task
@@ -55,9 +56,18 @@ def action_text(tokenizer, token_ids: list[int]) -> str:
 
 async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, params: SamplingParams,
                       limits: EpisodeLimits, queued_at: float | None = None, sample_index: int = 0,
-                      trajectory_id: str | None = None) -> Trajectory:
+                      trajectory_id: str | None = None, executor: Executor | None = None) -> Trajectory:
     """Play one episode to the end and return its trajectory (never raises for env or tool failures:
-    they end the episode with finish_reason env_error / tool_error)."""
+    they end the episode with finish_reason env_error / tool_error).
+
+    The environment's reset / step / close run on `executor` (default: the event loop's default executor).
+    Tool calls mostly wait (sandboxes, HTTP, sleeps), so callers running many episodes at once pass a pool
+    with a thread per episode in flight: asyncio's default pool has only min(32, cores + 4) threads, which
+    would cap the episodes in a tool call at once (6 on 2 cores) whatever the in-flight setting."""
+    loop = asyncio.get_running_loop()
+
+    def in_thread(fn, *args):
+        return loop.run_in_executor(executor, fn, *args)
     started = time.time()
     timings = Timings(queued=queued_at or started, started=started)
     tokens: list[int] = []
@@ -74,7 +84,7 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
     reward, finish, turns, info = 0.0, "stop", 0, {}
     deadline = started + limits.timeout_s if limits.timeout_s else None
     try:
-        messages = await asyncio.to_thread(env.reset, task)
+        messages = await in_thread(env.reset, task)
         add(prompt_tokens(tokenizer, messages), action=False)
         while True:
             budget = limits.max_total_tokens - len(tokens)
@@ -99,7 +109,7 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
                 break
             text = action_text(tokenizer, generation.token_ids)
             try:
-                step = await _with_deadline(asyncio.to_thread(env.step, text), deadline)
+                step = await _with_deadline(in_thread(env.step, text), deadline)
             except Exception as err:  # an environment bug ends this episode only
                 finish, info = "env_error", {"error": f"{type(err).__name__}: {err}"}
                 break
@@ -115,7 +125,7 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
         if finish == "stop":
             finish, info = "env_error", {"error": f"{type(err).__name__}: {err}"}
     finally:
-        await asyncio.to_thread(_close_quietly, env)
+        await in_thread(_close_quietly, env)
     timings.finished = time.time()
     return Trajectory(
         id=trajectory_id or uuid.uuid4().hex, prompt_id=task.id, env=task.env, token_ids=tokens,

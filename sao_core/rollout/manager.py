@@ -13,6 +13,7 @@ import logging
 import random
 import time
 from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,7 @@ class RolloutManager:
         self.lease_seconds = lease_seconds
         self.plan: RolloutPlan | None = None
         self._producer: asyncio.Task | None = None
+        self._env_pool: ThreadPoolExecutor | None = None
         self._episodes: set[asyncio.Task] = set()
         self._ready: OrderedDict[str, Trajectory] = OrderedDict()
         self._leased: dict[str, _Lease] = {}
@@ -143,6 +145,10 @@ class RolloutManager:
         self.plan = plan
         self.plan_done = False
         self._slots = asyncio.Semaphore(plan.max_in_flight)
+        # One thread per episode in flight for environment calls (tool calls mostly wait); threads start lazily.
+        if self._env_pool is not None:
+            self._env_pool.shutdown(wait=False)
+        self._env_pool = ThreadPoolExecutor(max_workers=plan.max_in_flight, thread_name_prefix="sao-env")
         self._env_slots = {name: asyncio.Semaphore(cap) for name, cap in plan.env_concurrency.items()}
         self._producer = asyncio.create_task(self._produce(plan, tasks))
         return {"prompts": len(tasks), "rollouts_per_prompt": plan.rollouts_per_prompt, "epochs": plan.epochs}
@@ -198,7 +204,8 @@ class RolloutManager:
             limits = EpisodeLimits(plan.max_total_tokens, plan.max_new_tokens_per_turn, plan.episode_timeout_s)
             digest = hashlib.sha256(f"{plan.seed}/{epoch}/{task.id}/{k}".encode()).hexdigest()[:20]
             trajectory = await run_episode(task, env, self.engine, self.tokenizer, plan.sampling(), limits,
-                                           queued_at=queued, sample_index=k, trajectory_id=f"{digest}-{k}")
+                                           queued_at=queued, sample_index=k, trajectory_id=f"{digest}-{k}",
+                                           executor=self._env_pool)
             trajectory.metadata["epoch"] = epoch
             trajectory.metadata["position"] = position
         except asyncio.CancelledError:
@@ -312,6 +319,8 @@ class RolloutManager:
         if self._episodes:
             await asyncio.wait(list(self._episodes), timeout=grace_s)
         await self.stop()
+        if self._env_pool is not None:
+            self._env_pool.shutdown(wait=False)
         await self.engine.close()
 
     def status(self) -> dict:
