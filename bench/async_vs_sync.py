@@ -133,9 +133,14 @@ def _env_options(tail: dict) -> dict:
 
 
 def _engine_stats(client: RolloutClient) -> dict:
+    """Engine counters. `positions` (encoded positions) only for an engine that re-encodes every context
+    (HF without KV cache): the simulator then fits a cost per position; with a KV cache it fits a cost per
+    step and per row, as for vLLM."""
     engine = client.status()["engine"]
+    reencodes = not engine.get("kv_cache", True)
     return {"busy_s": float(engine.get("busy_seconds", 0.0)), "steps": int(engine.get("steps", 0)),
-            "tokens": int(engine.get("tokens_generated", 0)), "positions": int(engine.get("positions_encoded", 0))}
+            "tokens": int(engine.get("tokens_generated", 0)),
+            "positions": int(engine.get("positions_encoded", 0)) if reencodes else 0}
 
 
 def _engine_delta(before: dict, after: dict, wall: float) -> dict:
@@ -458,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-staleness", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10, help="learner steps per arm (trained = steps x B)")
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
-    parser.add_argument("--max-batch", type=int, default=32, help="hf engine: sequences per forward pass")
+    parser.add_argument("--max-batch", type=int, default=128, help="hf engine: sequences per forward pass (>= every "
+                        "arm's in-flight count, so no arm is limited by the engine's batch)")
     parser.add_argument("--max-new-tokens-per-turn", type=int, default=24)
     parser.add_argument("--max-total-tokens", type=int, default=1024)
     parser.add_argument("--policy-lr", type=float, default=3e-4)
@@ -491,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model
     if model is None:
         say(f"SFT warm start ({args.sft_steps} steps, cached) ...")
-        model = _setup.warm_start(root / "warm", sft_steps=args.sft_steps, seed=args.seed, p_more=0.4, max_tokens=256)
+        # Cached with the other model builds, so every output directory reuses the same warm start.
+        model = _setup.warm_start(Path(_setup.default_cache_dir()) / "bench-warm", sft_steps=args.sft_steps,
+                                  seed=args.seed, p_more=0.4, max_tokens=256)
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
     if unknown:

@@ -4,12 +4,12 @@ batch) against asynchronous training (SAO: one rollout per prompt; async GRPO: g
 Units: seconds of simulated time (`*_s`), tokens, tokens per second (`*_tokens_per_s*`), GPUs.
 
 - Rollout engines (one per rollout GPU). An engine decodes its active sequences in steps: one token per
-  sequence per step for up to `max_batch` sequences (round robin beyond that). `engine_mode="kv"` (vLLM, GPUs):
-  a step takes `step_overhead_s + step_per_row_s * rows`; set them directly or from `decode_tokens_per_s`
-  (aggregate at `max_batch` rows) and `seq_tokens_per_s` (one sequence alone) with `engine_params`.
-  `engine_mode="recompute"` (the HF engine: no KV cache, left padding): a step also costs `step_per_position_s`
-  per encoded position, rows x the longest context among them, so long and mixed-length contexts slow every
-  row. Episodes go to the least loaded engine.
+  sequence per step for up to `max_batch` sequences (round robin beyond that). `engine_mode="kv"` (vLLM, the
+  HF engine with its KV cache): a step takes `step_overhead_s + step_per_row_s * rows`; set them directly or
+  from `decode_tokens_per_s` (aggregate at `max_batch` rows) and `seq_tokens_per_s` (one sequence alone) with
+  `engine_params`. `engine_mode="recompute"` (the HF engine with `kv_cache=False`: left padding, no cache): a
+  step also costs `step_per_position_s` per encoded position, rows x the longest context among them, so long
+  and mixed-length contexts slow every row. Episodes go to the least loaded engine.
 - Episodes: turns of decoding (action tokens) separated by tool calls (seconds); parametric (turns
   min_turns + Geometric(p_more) <= max_turns, log-normal tool time plus a fixed service time per turn, action
   tokens per turn fixed or log-normal, prompt tokens growing with the turns) or empirical (the turns, tokens and
