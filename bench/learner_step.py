@@ -4,6 +4,9 @@ On one batch, in one process (one torch thread), interleaved round by round so t
 processes hits every measurement alike, the script times:
 
 - step      `Updater.step` (SAO: critic values, skip-observation GAE, K critic updates, one DIS policy update)
+            in one pass over the whole padded batch (micro_batch_tokens=0)
+- micro     the same `Updater.step` with length-bucketed micro-batches (`--micro-batch-tokens`, by default the
+            RLConfig default): rows sorted by length, groups of at most that many padded positions
 - bare      the passes the step cannot avoid: policy forward + backward (log-probs of the tokens, a token-mean
             loss), critic forward for the values (no gradient), K x critic forward + backward (MSE)
 - pieces    what else the step does, timed alone: AdamW steps with gradient clipping (policy, K x critic),
@@ -24,6 +27,7 @@ from the policy itself; or `--journal DIR` replays the first batch of a real run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import shutil
@@ -39,7 +43,7 @@ import torch  # noqa: E402
 
 from sao_core import storage  # noqa: E402
 from sao_core.envs.tool_arith import tool_arith_solution, tool_arith_tasks  # noqa: E402
-from sao_core.learner.batch import collate  # noqa: E402
+from sao_core.learner.batch import collate, micro_batch_rows  # noqa: E402
 from sao_core.learner.config import RLConfig  # noqa: E402
 from sao_core.learner.updates import Updater, _policy_forward  # noqa: E402
 from sao_core.objectives.common import token_logprobs  # noqa: E402
@@ -95,8 +99,11 @@ def measure(args: argparse.Namespace) -> dict:
     else:
         trajectories = solved_trajectories(policy, tokenizer, args.batch_size, args.p_more, args.max_ops, args.seed)
     config = RLConfig(data="-", output="-", method="sao", model=args.model, batch_size=len(trajectories),
-                      critic_updates=args.critic_updates, critic_warmup_steps=0, policy_lr=1e-6, critic_lr=5e-6)
+                      critic_updates=args.critic_updates, critic_warmup_steps=0, policy_lr=1e-6, critic_lr=5e-6,
+                      micro_batch_tokens=0)
     updater = Updater(config, policy, critic)
+    # Same models, own optimisers: the weights drift a little between arms, which does not matter for timing.
+    micro_updater = Updater(dataclasses.replace(config, micro_batch_tokens=args.micro_batch_tokens), policy, critic)
     batch = collate(trajectories, tokenizer.pad_token_id)
     mask = batch.action_mask
     scratch = Path(tempfile.mkdtemp(prefix="bench-learner-step-"))
@@ -184,6 +191,10 @@ def measure(args: argparse.Namespace) -> dict:
         updater.step(batch, step_counter[0])
         step_counter[0] += 1
 
+    def step_micro():
+        micro_updater.step(batch, step_counter[0])
+        step_counter[0] += 1
+
     def do_collate():
         collate(trajectories, tokenizer.pad_token_id)
 
@@ -201,7 +212,7 @@ def measure(args: argparse.Namespace) -> dict:
         storage.checkpoint_digest(uri)
         shutil.rmtree(uri, ignore_errors=True)
 
-    plain = {"step": step, "policy_fb": policy_fb, "critic_values": critic_values, "critic_fb": critic_fb,
+    plain = {"step": step, "step_micro": step_micro, "policy_fb": policy_fb, "critic_values": critic_values, "critic_fb": critic_fb,
              "entropy_stats_with_forward": entropy_stats, "plain_forward": plain_forward, "gae": gae,
              "dis_loss": dis, "collate": do_collate, "journal": journal, "publish_weights": publish,
              "bare_unpadded": unpadded}
@@ -234,6 +245,7 @@ def measure(args: argparse.Namespace) -> dict:
     explained = bare + sum(pieces.values())
     loop_extra = med["collate"] + med["journal"] + med["publish_weights"]
     tokens = int(batch.attention_mask.sum())
+    groups = micro_batch_rows(batch.attention_mask.sum(dim=1).tolist(), args.micro_batch_tokens)
     return {
         "settings": {**vars(args), "batch_rows": len(trajectories), "padded_width": int(batch.input_ids.shape[1]),
                      "tokens": tokens, "action_tokens": int(mask.sum()),
@@ -248,11 +260,15 @@ def measure(args: argparse.Namespace) -> dict:
         "iteration_s": med["step"] + loop_extra, "iteration_ratio": (med["step"] + loop_extra) / bare,
         "train_tokens_per_s": tokens / med["step"],
         "bare_unpadded_s": med["bare_unpadded"], "padding_cost_ratio": bare / med["bare_unpadded"],
+        "micro": {"micro_batch_tokens": args.micro_batch_tokens, "micro_batches": len(groups),
+                  "padded_positions": sum(len(g) * max(int(batch.attention_mask[r].sum()) for r in g) for g in groups),
+                  "step_s": med["step_micro"], "vs_bare": med["step_micro"] / bare,
+                  "vs_unpadded": med["step_micro"] / med["bare_unpadded"], "vs_step": med["step_micro"] / med["step"]},
     }
 
 
 def report(result: dict) -> str:
-    s, med = result["settings"], result["median_s"]
+    s, med, micro = result["settings"], result["median_s"], result["micro"]
     k = s["critic_updates"]
     lines = [f"SAO learner step on B={s['batch_rows']} trajectories, padded width {s['padded_width']}, "
              f"{s['tokens']} tokens ({s['action_tokens']} action), padding {s['padding_share']:.0%}, "
@@ -268,7 +284,8 @@ def report(result: dict) -> str:
              ("collate", result["loop_extra_s"]["collate"]), ("journal entry", result["loop_extra_s"]["journal"]),
              ("export + publish weights", result["loop_extra_s"]["publish_weights"]),
              ("= learner iteration (no push to a service)", result["iteration_s"]),
-             ("(bare passes row by row, no padding)", result["bare_unpadded_s"])]
+             ("(bare passes row by row, no padding)", result["bare_unpadded_s"]),
+             ("Updater.step with micro-batching", result["micro"]["step_s"])]
     width = max(len(n) for n, _ in rows)
     lines += [f"{'part':<{width}}  {'ms':>8}  {'x bare':>7}"]
     lines += [f"{n:<{width}}  {v * 1000:8.1f}  {v / result['bare_s']:7.2f}" for n, v in rows]
@@ -276,7 +293,11 @@ def report(result: dict) -> str:
                   f"(learner iteration / bare = {result['iteration_ratio']:.2f}); "
                   f"{result['train_tokens_per_s']:.0f} trained tokens/s",
               f"padding: the bare passes on the padded batch take {result['padding_cost_ratio']:.2f}x the same passes "
-              f"row by row without padding ({s['padding_share']:.0%} of the batch is padding)"]
+              f"row by row without padding ({s['padding_share']:.0%} of the batch is padding)",
+              f"micro-batching (micro_batch_tokens={micro['micro_batch_tokens']}: {micro['micro_batches']} micro-batches, "
+              f"{micro['padded_positions']} padded positions instead of {s['batch_rows'] * s['padded_width']}): "
+              f"Updater.step {micro['step_s'] * 1000:.1f} ms = {micro['vs_step']:.2f}x the one-pass step, "
+              f"{micro['vs_bare']:.2f}x the bare padded passes, {micro['vs_unpadded']:.2f}x the bare passes row by row"]
     return "\n".join(lines)
 
 
@@ -288,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--p-more", type=float, default=0.2, help="episode operations 1 + Geometric(p_more)")
     parser.add_argument("--max-ops", type=int, default=30)
     parser.add_argument("--journal", help="replay the first batch of this learner journal directory instead")
+    parser.add_argument("--micro-batch-tokens", type=int,
+                        default=RLConfig.micro_batch_tokens,
+                        help="budget of the micro-batched Updater.step arm (padded positions per pass)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="batch 16, 5 rounds (under a minute)")
