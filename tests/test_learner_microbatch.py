@@ -21,11 +21,12 @@ from sao_core.learner.config import RLConfig
 
 # Total lengths (prompt + actions + observations) of the fixed batch: long-tailed, long and short mixed.
 LENGTHS = [150, 12, 120, 20, 90, 8, 100, 30]
-# 8 rows of the batch above: 150, 120, 100, 90 alone, then 30, 20, 12, 8 together: 5 micro-batches.
+# 8 rows of the batch above: 150, 120, 100, 90 alone (budget), then 30 with 20, and 12 with 8 (a row joins a
+# group only when at least half as long as its longest): 6 micro-batches.
 BUDGET = 160
-# Under torchrun rank 0 holds rows 150, 12, 120, 20 (3 groups at this budget), rank 1 rows 90, 8, 100, 30
-# (2 groups): rank 1 runs a filler pass.
-DIST_BUDGET = 250
+# Under torchrun rank 0 holds rows 150, 12, 120, 20 (groups 150+120 and 20+12 at this budget), rank 1 rows
+# 90, 8, 100, 30 (groups 100+90, 30 and 8): rank 0 runs a filler pass.
+DIST_BUDGET = 300
 
 
 def fixed_trajectories(model_dir: str):
@@ -88,14 +89,16 @@ def test_grouping_respects_the_budget_and_covers_every_row_once():
         assert sorted(r for g in groups for r in g) == list(range(len(lengths)))
         for g in groups:
             assert len(g) == 1 or len(g) * max(lengths[r] for r in g) <= budget
+            assert all(2 * lengths[r] >= max(lengths[r] for r in g) for r in g)   # padding <= half
         flat = [lengths[r] for g in groups for r in g]
         assert flat == sorted(flat, reverse=True)  # longest first, so neighbours have similar widths
     assert micro_batch_rows([5, 3, 7], 0) == [[0, 1, 2]]  # 0: the whole batch, in order
-    assert micro_batch_rows(LENGTHS, BUDGET) == [[0], [2], [6], [4], [7, 3, 1, 5]]
+    assert micro_batch_rows(LENGTHS, BUDGET) == [[0], [2], [6], [4], [7, 3], [1, 5]]
 
 
 def test_a_row_longer_than_the_budget_forms_its_own_micro_batch():
     assert micro_batch_rows([10, 500, 12, 9], 40) == [[1], [2, 0, 3]]
+    assert micro_batch_rows([10, 500, 12, 9], 10_000) == [[1], [2, 0, 3]]   # 500 and 12 never share a pass
     assert micro_batch_rows([500], 40) == [[0]]
 
 
@@ -139,7 +142,7 @@ def assert_same_step(whole, micro, *, atol: float = 1e-5, moved: float = 5e-4):
 
 @pytest.mark.parametrize("method, whiten", [("sao", False), ("sao", True), ("grpo_dis", False), ("grpo", False)])
 def test_micro_batched_step_equals_the_whole_batch_step(method, whiten, tiny_model_dir):
-    """Two steps with micro_batch_tokens=0 (one padded [8, 150] pass) and with 5 micro-batches: grad norms,
+    """Two steps with micro_batch_tokens=0 (one padded [8, 150] pass) and with 6 micro-batches: grad norms,
     losses, DIS / clip fractions, entropy, logp-diff max, explained variance and the weights agree."""
     whole = run_steps(tiny_model_dir, method, 0, whiten)
     micro = run_steps(tiny_model_dir, method, BUDGET, whiten)
@@ -156,7 +159,7 @@ WORKER_MAIN = Path(__file__).resolve()
 
 @pytest.mark.slow
 def test_two_rank_micro_batched_step_equals_the_single_process_step(tmp_path, tiny_model_dir, sao_cache):
-    """Under torchrun (FSDP2, gloo) with micro-batches, the ranks holding 3 and 2 groups (rank 1 runs a
+    """Under torchrun (FSDP2, gloo) with micro-batches, the ranks holding 2 and 3 groups (rank 0 runs a
     filler pass so that the collectives stay in step): weights and metrics equal one process's whole-batch step
     (explained_variance excepted: over ranks it is an approximation, see updates.py)."""
     out = tmp_path / "two.pt"
@@ -167,7 +170,7 @@ def test_two_rank_micro_batched_step_equals_the_single_process_step(tmp_path, ti
     assert done.returncode == 0, done.stderr[-3000:]
     two = torch.load(out)
     ranks = [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [len(micro_batch_rows([LENGTHS[r] for r in rows], DIST_BUDGET)) for rows in ranks] == [3, 2]
+    assert [len(micro_batch_rows([LENGTHS[r] for r in rows], DIST_BUDGET)) for rows in ranks] == [2, 3]
     for method in ("sao", "grpo_dis"):
         whole = run_steps(tiny_model_dir, method, 0, whiten=True)
         for a, b in zip(whole[0], two[method]["metrics"], strict=True):

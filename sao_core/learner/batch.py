@@ -47,8 +47,10 @@ def micro_batch_rows(lengths: list[int], budget: int) -> list[list[int]]:
     """Split rows into micro-batches of at most `budget` padded positions each.
 
     Rows are sorted by length, longest first (stable), and consecutive rows are grouped greedily while
-    rows × the group's longest length ≤ `budget`; a group always holds at least one row, so a row longer
-    than the budget forms a micro-batch of its own. `budget` ≤ 0: one group of every row in order.
+    rows × the group's longest length ≤ `budget` and the row is at least half as long as the group's longest
+    (so padding is at most half of any micro-batch, whatever the budget); a group always holds at least one
+    row, so a row longer than the budget forms a micro-batch of its own. `budget` ≤ 0: one group of every
+    row in order.
 
     Args:
         lengths: [B] real length of each row in tokens (e.g. its attention-mask sum).
@@ -62,7 +64,8 @@ def micro_batch_rows(lengths: list[int], budget: int) -> list[list[int]]:
     groups: list[list[int]] = []
     for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         # Longest first: the group's width is the length of its first row.
-        if groups and (len(groups[-1]) + 1) * max(lengths[groups[-1][0]], 1) <= budget:
+        width = max(lengths[groups[-1][0]], 1) if groups else 0
+        if groups and (len(groups[-1]) + 1) * width <= budget and 2 * lengths[row] >= width:
             groups[-1].append(row)
         else:
             groups.append([row])

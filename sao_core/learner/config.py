@@ -40,7 +40,7 @@ class RLConfig:
     whiten_advantages: bool = False
     baseline_window: int = 8                   # running_mean: last rewards per prompt
     grad_clip: float = 1.0
-    micro_batch_tokens: int = 16384            # max rows x width (padded positions) per learner forward/backward; 0: one pass over the local batch
+    micro_batch_tokens: int = 16384            # max rows x width (padded positions) per learner forward/backward, rows grouped by length (padding <= half); 0: one pass
     env_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     max_new_tokens_per_turn: int = 256
     max_total_tokens: int = 4096
