@@ -77,3 +77,32 @@ def test_simulator_script_run(tmp_path, capsys):
                            "--trajectories", "32", "--colocated-sync", "--output", str(tmp_path)]) == 0
     assert "SAO / sync = " in capsys.readouterr().out
     assert set(json.loads((tmp_path / "simulate.json").read_text())) == {"settings", "sync", "sao"}
+
+
+def test_real_model_smoke_and_bad_arguments(tmp_path, sao_cache, monkeypatch, capsys):
+    monkeypatch.setenv("SAO_CACHE_DIR", str(sao_cache))
+    import real_model
+
+    assert real_model.main(["--model", "embedded:tiny", "--max-steps", "3", "--batch-size", "4", "--group-size", "2",
+                            "--critic-warmup-steps", "1", "--eval-problems", "4", "--train-problems", "40",
+                            "--max-new-tokens", "6", "--service", "thread", "--output", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "real_model.json").read_text())
+    assert set(result["arms"]) == {"sao", "sync_grpo"}
+    for arm in result["arms"].values():
+        assert arm["learner_steps"] == 3 and arm["trained_trajectories"] == 12 and arm["stopped_by"] == "max_steps"
+        assert [s["step"] for s in arm["steps"]] == [1, 2, 3] and all(s["t_s"] > 0 for s in arm["steps"])
+        assert 0.0 <= arm["eval_end"]["accuracy"] <= 1.0 and arm["trajectories_per_s"] > 0
+        assert arm["conditions"]["before"]["loadavg_1_5_15"]
+    assert result["arms"]["sao"]["policy_versions"] == 2 and result["arms"]["sync_grpo"]["policy_versions"] == 3
+    assert result["eval_start"]["problems"] == 4 and result["settings"]["batch_size"] == 4
+    assert set(result["derived"]["ratios_sao_over_grpo"]) >= {"trajectories_per_s", "reward_last"}
+    assert (tmp_path / "real_model.png").stat().st_size > 0
+    assert "SAO / GRPO" in (tmp_path / "real_model.txt").read_text()
+    for bad, message in ((["--batch-size", "6", "--group-size", "4"], "--group-size must be >= 2 and divide"),
+                         (["--minutes-per-arm", "0"], "--minutes-per-arm must be > 0"),
+                         (["--arms", "sao,ppo"], "--arms: unknown"),
+                         (["--operations", "*", "--max-steps-per-problem", "2"], "needs '+' or '-'"),
+                         (["--critic-warmup-steps", "5", "--max-steps", "5"], "SAO never updates the policy")):
+        with pytest.raises(SystemExit) as exit_info:
+            real_model.main(["--model", "embedded:tiny", "--output", str(tmp_path / "bad"), *bad])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
