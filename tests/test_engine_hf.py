@@ -117,7 +117,9 @@ def test_more_requests_than_the_batch_and_cancellation(tiny_model_dir, sao_cache
         return done, stats
 
     done, stats = asyncio.run(go())
-    assert all(len(g.token_ids) == 8 and g.finish_reason == "length" for g in done)
+    assert len(done) == 6
+    # The untrained model may sample its end-of-turn token early; otherwise a request runs to its budget.
+    assert all(g.finish_reason == "length" and len(g.token_ids) == 8 or g.finish_reason == "stop" for g in done)
     assert stats["active"] == 0
 
 

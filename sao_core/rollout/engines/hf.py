@@ -4,9 +4,9 @@ Every step takes up to `max_batch` active requests and samples the next token of
 at the next step and finished ones leave, so a short request never waits for a long one.
 
 KV cache (default for attention-only decoder models such as Llama / Qwen2 / SmolLM2): each request keeps
-the keys and values of its context in its own buffer. A request that joins is prefilled alone (no
-padding) over the part of its context that is not cached; requests that continue are decoded together,
-one new token each, with their caches left-padded into one batch. Multi-turn episodes send the whole
+the keys and values of its context in its own buffer. Requests that join are prefilled together over the
+parts of their contexts that are not cached; requests that continue are decoded together, one new token
+each. Both are one forward pass over the requests' caches left-padded into a reused workspace. Multi-turn episodes send the whole
 context again at every turn: the cache of the previous turn (kept in a small LRU store when a request
 finishes) is reused when it is a prefix of the new context, so only the tool's reply and the new turn's
 tokens are encoded. With `kv_cache=False` (or for architectures the cache does not cover, e.g. sliding
@@ -79,6 +79,11 @@ def _sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def _plain(params: SamplingParams) -> bool:
+    """Sampling from the model's own distribution (temperature 1, no truncation)."""
+    return params.temperature == 1.0 and params.top_k == 0 and params.top_p >= 1.0
+
+
 @dataclass(frozen=True)
 class _CacheShape:
     layers: int
@@ -132,6 +137,38 @@ def _preallocated_cache(keys: list[torch.Tensor], values: list[torch.Tensor], ca
     return Cache(layers=[_Layer(k, v) for k, v in zip(keys, values, strict=True)])
 
 
+_GQA_ATTENTION = "sao_sdpa_gqa"
+
+
+def _gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                        **kwargs):
+    """transformers' SDPA attention, but key / value heads shared by several query heads (GQA) are used in
+    place (`enable_gqa`) instead of being copied per query head, which transformers does whenever a mask is
+    given. query [B, Hq, q, D], key / value [B, Hkv, k, D] (reads of the cache; copying them every layer
+    and step cost more than the attention). Returns ([B, q, Hq, D], None)."""
+    q_length, kv_length = query.shape[2], key.shape[2]
+    causal = q_length > 1 and attention_mask is None and (is_causal if is_causal is not None
+                                                           else getattr(module, "is_causal", True))
+    if causal and kv_length > q_length:   # as transformers: an empty static cache's unused positions
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
+        is_causal=causal, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _use_gqa_attention(model) -> None:
+    """Switch a model that uses transformers' SDPA attention to `_gqa_sdpa_attention` (same masks)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    AttentionInterface.register(_GQA_ATTENTION, _gqa_sdpa_attention)
+    AttentionMaskInterface.register(_GQA_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(_GQA_ATTENTION)
+
+
 class HFEngine:
     """Engine over a `transformers` causal LM. Thread-safe entry points are the async methods.
 
@@ -155,6 +192,7 @@ class HFEngine:
         self.max_batch = max_batch
         self.model, self.tokenizer = load_model_and_tokenizer(model, cache_dir, dtype=dtype)
         self.model.to(self.device)
+        _use_gqa_attention(self.model)
         self.cache_shape = _cache_shape(self.model) if kv_cache else None
         if kv_cache and self.cache_shape is None:
             log.warning("the HF engine's KV cache does not cover %s; contexts are re-encoded at every step",
@@ -162,6 +200,7 @@ class HFEngine:
         self.prefix_cache_entries = prefix_cache_entries or 4 * max_batch
         self._prefix_store: OrderedDict[int, tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()
         self._store_key = 0
+        self._workspace: torch.Tensor | None = None  # decode / prefill batch buffer, see _workspace_for
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_token_ids = tuple(t for t in {self.tokenizer.eos_token_id} if t is not None)
         self.version = 0
@@ -208,6 +247,7 @@ class HFEngine:
 
         new_model = await asyncio.to_thread(load_model, model_dir, self.cache_dir, self.dtype)
         new_model.to(self.device)
+        _use_gqa_attention(new_model)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._swap = (new_model, version, loop, done)
@@ -275,6 +315,7 @@ class HFEngine:
         self.model = new_model
         self.version = version
         self._prefix_store.clear()  # keys / values of the old weights must not be reused
+        self._workspace = None      # the new model may have another dtype
         loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
     def _step_reencode(self, batch: list[_Request]) -> None:
@@ -294,15 +335,16 @@ class HFEngine:
         self._sample(batch, logits)
 
     def _step_cached(self, batch: list[_Request]) -> None:
-        """Prefill the requests without a valid cache (one forward each), decode the others together."""
-        decode = []
-        for request in batch:
-            if request.kv is None or request.kv_version != self.version:
-                self._sample([request], self._prefill(request))
-            else:
-                decode.append(request)
+        """Prefill the requests without a valid cache (one forward for all of them), then decode the others
+        together (one forward, one new token each)."""
+        stale = [r for r in batch if r.kv is None or r.kv_version != self.version]
+        decode = [r for r in batch if r.kv is not None and r.kv_version == self.version]
+        if stale:
+            feeds = [self._prepare_prefill(r) for r in stale]
+            self._prefill_tokens += sum(len(f) for f in feeds)
+            self._sample(stale, self._forward(stale, feeds))
         if decode:
-            self._sample(decode, self._decode(decode))
+            self._sample(decode, self._forward(decode, [[r.tokens[-1]] for r in decode]))
 
     def _new_cache(self, capacity: int) -> torch.Tensor:
         s = self.cache_shape
@@ -324,8 +366,9 @@ class HFEngine:
         _, kv = self._prefix_store.pop(best)
         return kv, best_len
 
-    def _prefill(self, request: _Request) -> torch.Tensor:
-        """Encode the uncached part of the request's context into its cache; logits of the next token [1, V]."""
+    def _prepare_prefill(self, request: _Request) -> list[int]:
+        """Give the request a cache buffer (a finished turn's cache when its context extends that one, else an
+        empty one) big enough for its context and new tokens; returns the context tokens still to encode."""
         context = request.context
         needed = len(context) + request.params.max_new_tokens
         kv, reused = (None, 0)
@@ -336,53 +379,71 @@ class HFEngine:
             if kv is not None and reused:
                 fresh[:, :, :, :reused] = kv[:, :, :, :reused]
             kv = fresh
-        new = context[reused:]
-        end = reused + len(new)
-        cache = _preallocated_cache([kv[i, 0, :, :end].unsqueeze(0) for i in range(kv.shape[0])],
-                                    [kv[i, 1, :, :end].unsqueeze(0) for i in range(kv.shape[0])], reused)
-        ids = torch.tensor([new], device=self.device)
-        positions = torch.arange(reused, end, device=self.device).unsqueeze(0)
-        logits = self.model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                            logits_to_keep=1).logits[:, -1].float().cpu()
-        request.kv, request.kv_len, request.kv_version = kv, end, self.version
-        self._positions += len(new)
-        self._attended += len(new) * end
-        self._prefill_tokens += len(new)
+        request.kv, request.kv_len, request.kv_version = kv, reused, self.version
         self._reused_tokens += reused
-        return logits
+        return context[reused:]
 
-    def _decode(self, batch: list[_Request]) -> torch.Tensor:
-        """Feed each request's last sampled token with its cache; logits [B, V]. The caches are left-padded
-        into one [layers, 2, B, kv_heads, width + 1, head_dim] tensor; the new position is the last column."""
-        s, n = self.cache_shape, len(batch)
-        width = max(r.kv_len for r in batch)
-        big = torch.zeros((s.layers, 2, n, s.kv_heads, width + 1, s.head_dim), dtype=self.model.dtype,
-                          device=self.device)
-        mask = torch.zeros((n, width + 1), dtype=torch.long)
+    def _workspace_for(self, rows: int, width: int) -> torch.Tensor:
+        """A [layers, 2, >= rows, kv_heads, >= width, head_dim] buffer reused across steps. Positions a step
+        does not fill keep finite values of earlier steps; the attention mask hides them."""
+        ws = self._workspace
+        if ws is None or ws.shape[2] < rows or ws.shape[4] < width:
+            s = self.cache_shape
+            rows = max(rows, ws.shape[2] if ws is not None else 0)
+            width = max(width + _CACHE_SLACK, ws.shape[4] if ws is not None else 0)
+            ws = self._workspace = torch.zeros((s.layers, 2, rows, s.kv_heads, width, s.head_dim),
+                                               dtype=self.model.dtype, device=self.device)
+        return ws
+
+    def _forward(self, batch: list[_Request], feeds: list[list[int]]) -> torch.Tensor:
+        """Encode `feeds[i]` (the next context tokens of request i, after its `kv_len` cached ones) for every
+        request in one forward pass; store their keys / values in the requests' caches; logits of the next
+        token [B, V].
+
+        Layout per row, W = longest cache, S = longest feed: the cache right-aligned in columns [0, W), the
+        feed right-aligned in [W, W + S); the gaps are masked. Decoding is the case S = 1."""
+        n = len(batch)
+        cached = [r.kv_len for r in batch]
+        fed = [len(f) for f in feeds]
+        width, span = max(cached), max(fed)
+        ws = self._workspace_for(n, width + span)[:, :, :n, :, :width + span]
         for row, r in enumerate(batch):
-            big[:, :, row, :, width - r.kv_len:width] = r.kv[:, :, :, :r.kv_len]
-            mask[row, width - r.kv_len:] = 1
-        cache = _preallocated_cache([big[i, 0] for i in range(s.layers)], [big[i, 1] for i in range(s.layers)],
+            if r.kv_len:
+                ws[:, :, row, :, width - r.kv_len:width] = r.kv[:, :, :, :r.kv_len]
+        # ids, positions and mask built in Python and converted once (per-row tensor ops cost more here).
+        ids = torch.tensor([[self.pad_id] * (span - len(f)) + f for f in feeds], dtype=torch.long)
+        positions = torch.tensor([[0] * (span - k) + list(range(c, c + k)) for c, k in zip(cached, fed, strict=True)],
+                                 dtype=torch.long)
+        column = torch.arange(width + span)
+        cached_t, fed_t = torch.tensor(cached).unsqueeze(1), torch.tensor(fed).unsqueeze(1)
+        mask = (((column >= width - cached_t) & (column < width)) | (column >= width + span - fed_t)).long()
+        cache = _preallocated_cache([ws[i, 0] for i in range(ws.shape[0])], [ws[i, 1] for i in range(ws.shape[0])],
                                     width)
-        ids = torch.tensor([[r.tokens[-1]] for r in batch], device=self.device)
-        positions = torch.tensor([[r.kv_len] for r in batch], device=self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask.to(self.device), position_ids=positions,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float().cpu()
-        for row, r in enumerate(batch):
-            r.kv[:, :, :, r.kv_len] = big[:, :, row, :, width]
-            r.kv_len += 1
-        self._positions += n
-        self._attended += n * (width + 1)
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                            position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1].float().cpu()
+        for row, (r, feed) in enumerate(zip(batch, feeds, strict=True)):
+            r.kv[:, :, :, r.kv_len:r.kv_len + len(feed)] = ws[:, :, row, :, width + span - len(feed):]
+            r.kv_len += len(feed)
+        self._positions += sum(len(f) for f in feeds)
+        self._attended += n * span * (width + span)
         return logits
 
     def _sample(self, batch: list[_Request], logits: torch.Tensor) -> None:
         """Sample one token per request from `logits` [B, V]; finish the requests that stop."""
         logp = torch.log_softmax(logits, dim=-1)
+        probs = torch.stack([logp[row].exp() if _plain(r.params) else _sampling_probs(logits[row], r.params)
+                             for row, r in enumerate(batch)])
+        # Inverse-CDF sampling with one uniform draw from each request's own generator: the same tokens for a
+        # request whatever else shares its batch, one batched search instead of a multinomial per row.
+        cdf = probs.cumsum(dim=-1)
+        draws = torch.cat([torch.rand(1, generator=r.generator) for r in batch]) * cdf[:, -1]
+        tokens = torch.searchsorted(cdf, draws.unsqueeze(1), right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         for row, request in enumerate(batch):
-            probs = _sampling_probs(logits[row], request.params)
-            token = int(torch.multinomial(probs, 1, generator=request.generator))
+            token = int(tokens[row])
             request.tokens.append(token)
-            request.logprobs.append(float(logp[row, token]))
+            request.logprobs.append(chosen[row])
             request.versions.append(self.version)
             self._tokens_generated += 1
             stops = set(self.eos_token_ids) | set(request.params.stop_token_ids)
