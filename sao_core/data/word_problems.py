@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sao_core.data.synthetic import arith_result
+
 OPERATIONS = ("+", "-", "*", "/")
 MAX_STEPS = 4
 _MAX_MISSES = 5000
@@ -80,17 +82,14 @@ class WordProblem:
 
 
 def _apply(value: int, op: str, operand: int) -> int:
-    if op == "+":
-        return value + operand
-    if op == "-":
-        return value - operand
-    if op == "*":
-        return value * operand
+    """`value op operand` for op in OPERATIONS; division must be exact."""
     if op == "/":
         if operand == 0 or value % operand:
             raise ValueError(f"{value} / {operand} is not an exact integer division")
         return value // operand
-    raise ValueError(f"unknown operation {op!r}; expected one of {' '.join(OPERATIONS)}")
+    if op not in OPERATIONS:
+        raise ValueError(f"unknown operation {op!r}; expected one of {' '.join(OPERATIONS)}")
+    return arith_result(value, op, operand)
 
 
 def check_knobs(max_operand: int, min_steps: int, max_steps: int, operations: Iterable[str]) -> tuple[str, ...]:
