@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-staleness", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10, help="learner steps per arm (trained = steps x B)")
+    parser.add_argument("--steps", type=int, default=30, help="learner steps per arm (trained = steps x B)")
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     parser.add_argument("--max-batch", type=int, default=128, help="hf engine: sequences per forward pass (>= every "
                         "arm's in-flight count, so no arm is limited by the engine's batch)")
