@@ -64,22 +64,10 @@ def test_kv_cache_samples_what_reencoding_samples_and_reuses_turns(warm_tool_mod
     assert plain_stats["positions_encoded"] > 5 * stats["positions_encoded"]
 
 
-def test_weight_swap_drops_the_old_cache(tiny_model_dir, sao_cache, tmp_path):
-    """Tokens sampled after a swap carry the new version and the new model's log-prob given the full
-    context: the keys / values of the old weights are not reused."""
-    from sao_core.models import load_model
-
-    new_dir = tmp_path / "v1"
-    changed = load_model(str(tiny_model_dir), sao_cache)
-    with torch.no_grad():
-        for p in changed.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    changed.save_pretrained(new_dir)
-    from sao_core.models import load_tokenizer
-    load_tokenizer(str(tiny_model_dir), sao_cache).save_pretrained(new_dir)
-
+def _swap_mid_generation(model_dir, new_dir, cache, **engine_options):
+    """Three requests; new weights (version 1) loaded after 15 sampled tokens. Returns (prompt, generations)."""
     async def go():
-        engine = HFEngine(str(tiny_model_dir), str(sao_cache), seed=5)
+        engine = HFEngine(str(model_dir), str(cache), seed=5, **engine_options)
         prompt = engine.tokenizer.encode("Compute 12 + 30 with the tool.")
         params = SamplingParams(max_new_tokens=60, stop_token_ids=(-1,))
         jobs = [asyncio.ensure_future(engine.generate(prompt, params)) for _ in range(3)]
@@ -89,10 +77,65 @@ def test_weight_swap_drops_the_old_cache(tiny_model_dir, sao_cache, tmp_path):
         out = await asyncio.gather(*jobs)
         await engine.close()
         return prompt, out
+    return asyncio.run(go())
 
-    prompt, generations = asyncio.run(go())
+
+@pytest.fixture(scope="module")
+def changed_weights(tiny_model_dir, sao_cache, tmp_path_factory):
+    from sao_core.models import load_model, load_tokenizer
+
+    new_dir = tmp_path_factory.mktemp("v1")
+    changed = load_model(str(tiny_model_dir), sao_cache)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(0)) * 0.05)
+    changed.save_pretrained(new_dir)
+    load_tokenizer(str(tiny_model_dir), sao_cache).save_pretrained(new_dir)
+    return new_dir
+
+
+def test_weight_swap_keeps_caches_and_records_the_sampling_probabilities(tiny_model_dir, sao_cache, changed_weights):
+    """Default: caches survive a swap (as vLLM keeps in-flight KV). A token sampled after the swap carries the
+    new version and the log-prob it was sampled with: the new weights over the old weights' keys / values of
+    the positions encoded before the swap (reference: the old model encodes those positions, the new model
+    continues from its cache)."""
+    from sao_core.models import load_model
+
+    prompt, generations = _swap_mid_generation(tiny_model_dir, changed_weights, sao_cache)
     old = load_model(str(tiny_model_dir), sao_cache)
-    new = load_model(str(new_dir), sao_cache)
+    new = load_model(str(changed_weights), sao_cache)
+    for g in generations:
+        assert 0 in g.versions and 1 in g.versions and g.versions == sorted(g.versions)
+        before = g.versions.count(0)
+        # Encoded under the old weights: the prompt and the tokens fed before the swap (all but the last
+        # token sampled before it, which the first step after the swap feeds).
+        split = len(prompt) + before - 1
+        ids = torch.tensor([prompt + g.token_ids])
+        with torch.no_grad():
+            past = old(input_ids=ids[:, :split], use_cache=True).past_key_values
+            logits = new(input_ids=ids[:, split:], past_key_values=past, use_cache=True,
+                         position_ids=torch.arange(split, ids.shape[1]).unsqueeze(0)).logits
+            lp_old = token_logprobs(old(input_ids=ids).logits, ids)[0, len(prompt):]
+        # logits[:, i] predicts token split + i + 1.
+        lp_new = torch.log_softmax(logits[0, :-1].float(), -1).gather(1, ids[0, split + 1:].unsqueeze(1)).squeeze(1)
+        recorded = torch.tensor(g.logprobs)
+        assert float((recorded[:before] - lp_old[:before]).abs().max()) < 1e-4
+        assert float((recorded[before:] - lp_new).abs().max()) < 1e-4
+        # ... which is not what the new weights give over the full context (the caches were kept).
+        with torch.no_grad():
+            full_new = token_logprobs(new(input_ids=ids).logits, ids)[0, len(prompt):]
+        assert float((recorded[before:] - full_new[before:]).abs().max()) > 1e-3
+
+
+def test_weight_swap_with_recompute_drops_the_old_cache(tiny_model_dir, sao_cache, changed_weights):
+    """recompute_kv_on_update: tokens sampled after a swap carry the new model's log-prob given the full
+    context: the keys / values of the old weights are not reused."""
+    from sao_core.models import load_model
+
+    prompt, generations = _swap_mid_generation(tiny_model_dir, changed_weights, sao_cache,
+                                               recompute_kv_on_update=True)
+    old = load_model(str(tiny_model_dir), sao_cache)
+    new = load_model(str(changed_weights), sao_cache)
     for g in generations:
         assert 0 in g.versions and 1 in g.versions and g.versions == sorted(g.versions)
         ids = torch.tensor([prompt + g.token_ids])
