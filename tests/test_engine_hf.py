@@ -20,10 +20,12 @@ def _episodes(model_dir, cache, count: int, **engine_options):
     async def go():
         engine = HFEngine(str(model_dir), str(cache), seed=3, **engine_options)
         tasks = tool_arith_tasks(count, seed=11, p_more=0.4, max_ops=5)
-        params = SamplingParams(max_new_tokens=24)
         limits = EpisodeLimits(max_total_tokens=600, max_new_tokens_per_turn=24)
-        runs = [run_episode(t, ToolArithEnv(fixed_turns=True, seed=i), engine, engine.tokenizer, params, limits,
-                            sample_index=0) for i, t in enumerate(tasks)]
+        # A seed per episode: engine-assigned seeds follow the order in which turns arrive, which the
+        # environment threads make vary from run to run.
+        runs = [run_episode(t, ToolArithEnv(fixed_turns=True, seed=i), engine, engine.tokenizer,
+                            SamplingParams(max_new_tokens=24, seed=100 + i), limits, sample_index=0)
+                for i, t in enumerate(tasks)]
         trajectories = await asyncio.gather(*runs)
         stats = engine.stats()
         await engine.close()
@@ -49,10 +51,17 @@ def test_kv_cache_samples_what_reencoding_samples_and_reuses_turns(warm_tool_mod
     plain, plain_stats = _episodes(warm_tool_model, sao_cache, 12, max_batch=5, kv_cache=False)
     assert stats["kv_cache"] and not plain_stats["kv_cache"]
     assert max(t.num_turns for t in cached) >= 3
-    # Same seeds, same weights: the same tokens, log-probs equal within float noise.
+    # Same seeds, same weights: the same tokens, log-probs equal within float noise. (A draw within float
+    # noise of a boundary of the cumulative distribution could pick the neighbouring token: one episode of
+    # twelve may part ways, but not before its log-probs agreed.)
+    parted = 0
     for a, b in zip(cached, plain, strict=True):
-        assert a.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs, strict=True)) < 1e-4
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
+                    min(len(a.token_ids), len(b.token_ids)))
+        parted += a.token_ids != b.token_ids
+        assert max((abs(x - y) for x, y in zip(a.rollout_logprobs[:same], b.rollout_logprobs[:same], strict=True)),
+                   default=0.0) < 1e-4
+    assert parted <= 1
     model = load_model(str(warm_tool_model), sao_cache)
     assert _worst_logprob_error(model, cached) < 1e-4
     # Every turn after the first reused the previous turn's cache: the prefill encoded only the new
