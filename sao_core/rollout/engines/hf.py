@@ -227,7 +227,6 @@ class HFEngine:
         self._busy_seconds = 0.0
         self._steps = 0
         self._positions = 0                  # token positions encoded (fed through the model), summed over steps
-        self._attended = 0                   # key / value positions attended (rows x padded cache width)
         self._prefill_tokens = 0
         self._reused_tokens = 0              # context positions taken from a finished request's cache
         self._started = time.monotonic()
@@ -283,7 +282,7 @@ class HFEngine:
                 "paused": self._paused.is_set(), "tokens_generated": self._tokens_generated,
                 "busy_share": self._busy_seconds / elapsed, "busy_seconds": self._busy_seconds,
                 "uptime_seconds": elapsed, "steps": self._steps, "positions_encoded": self._positions,
-                "positions_attended": self._attended, "kv_cache": self.cache_shape is not None,
+                "kv_cache": self.cache_shape is not None,
                 "prefill_tokens": self._prefill_tokens, "prefix_reused_tokens": self._reused_tokens}
 
     # ------------------------------------------------------------------ engine thread
@@ -341,7 +340,6 @@ class HFEngine:
             ids[row, width - len(context):] = torch.tensor(context)
             mask[row, width - len(context):] = 1
         self._positions += ids.numel()
-        self._attended += ids.numel() * width
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                             position_ids=positions.to(self.device), use_cache=False).logits[:, -1].float().cpu()
@@ -439,7 +437,6 @@ class HFEngine:
             r.kv[:, :, :, r.kv_len:r.kv_len + len(feed)] = ws[:, :, row, :, width + span - len(feed):]
             r.kv_len += len(feed)
         self._positions += sum(len(f) for f in feeds)
-        self._attended += n * span * (width + span)
         return logits
 
     def _sample(self, batch: list[_Request], logits: torch.Tensor) -> None:
