@@ -104,6 +104,16 @@ def write_rl_data(directory: Path, tasks) -> str:
     return str(directory)
 
 
+def process_cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) a process has used: this one, or `pid` read from /proc (Linux).
+    The benchmarks divide it by wall seconds for the cores a stage occupies."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -162,6 +172,10 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user + system, all threads) the service process has used so far."""
+        return process_cpu_seconds(self.proc.pid)
 
     def __enter__(self) -> ServiceProcess:
         return self

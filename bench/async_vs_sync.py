@@ -113,6 +113,9 @@ class _ThreadService:
                                                 engine_options=engine_options or {})).start()
         self.url = self.server.url
 
+    def cpu_seconds(self) -> None:
+        return None     # shares this process: not separable
+
     def stop(self) -> None:
         self.server.stop()
 
@@ -141,6 +144,19 @@ def _engine_stats(client: RolloutClient) -> dict:
     return {"busy_s": float(engine.get("busy_seconds", 0.0)), "steps": int(engine.get("steps", 0)),
             "tokens": int(engine.get("tokens_generated", 0)),
             "positions": int(engine.get("positions_encoded", 0)) if reencodes else 0}
+
+
+def _cpu(service) -> dict:
+    """CPU seconds used so far by the rollout service process and by this process (the learner, or the
+    gen_only consumer), and the time of the reading."""
+    return {"at": time.time(), "service": service.cpu_seconds(), "learner": _setup.process_cpu_seconds()}
+
+
+def _cores(before: dict, after: dict) -> dict:
+    """Cores each process occupied between two `_cpu` readings (CPU seconds / wall seconds); None for a
+    service on a thread of this process."""
+    wall = max(after["at"] - before["at"], 1e-9)
+    return {k: (after[k] - before[k]) / wall if after[k] is not None else None for k in ("service", "learner")}
 
 
 def _engine_delta(before: dict, after: dict, wall: float) -> dict:
@@ -180,12 +196,13 @@ def run_learner(arm: str, s: Settings, model: str, data: str, tail: dict, out: P
     engine_at: dict[int, dict] = {}
     half = s.steps // 2
     try:
-        engine0 = _engine_stats(client)
+        engine0, cpu0 = _engine_stats(client), _cpu(service)
+        cpu_at: dict[int, dict] = {}
 
         def progress(step: int, record: dict) -> None:
             step_end.append(time.time())
             if step in (half, s.steps):
-                engine_at[step] = _engine_stats(client)
+                engine_at[step], cpu_at[step] = _engine_stats(client), _cpu(service)
 
         config = RLConfig(data=data, output=str(run_dir / "run"), method=method, model=model,
                           services=(service.url,), steps=s.steps, batch_size=s.batch_size, group_size=s.group_size,
@@ -214,10 +231,11 @@ def run_learner(arm: str, s: Settings, model: str, data: str, tail: dict, out: P
               "generator_idle_share": max(0.0, 1.0 - _engine_delta(engine_at.get(half, engine0), engine_at[s.steps],
                                                                    window)["busy_share"]),
               "learner_wait_share": sum(m["learner_wait_s"] for m in metrics[half:]) / window, "window_s": window,
-              "trajectories": len(later)}
+              "trajectories": len(later), "cores": _cores(cpu_at.get(half, cpu0), cpu_at[s.steps])}
     return {"arm": arm, "method": method, "in_flight": in_flight, "trajectories": len(trajectories), "steady": steady,
             "wall_s": wall, "trajectories_per_s": len(trajectories) / wall, "tokens_per_s": stats["tokens"] / wall,
             "generator_idle_share": max(0.0, 1.0 - engine["busy_share"]), "engine": engine,
+            "cores": _cores(cpu0, cpu_at[s.steps]),
             "learner_wait_share": sum(m["learner_wait_s"] for m in metrics) / wall,
             "learner_update_share": sum(m["update_s"] for m in metrics) / wall,
             "weight_push_s_mean": statistics.mean(m["weight_push_s"] for m in metrics),
@@ -237,7 +255,7 @@ def run_gen_only(s: Settings, model: str, data: str, tail: dict, out: Path) -> d
     client = RolloutClient(service.url, consumer="bench-gen-only")
     got: list[Trajectory] = []
     try:
-        engine0 = _engine_stats(client)
+        engine0, cpu0 = _engine_stats(client), _cpu(service)
         client.start({"dataset": data, "rollouts_per_prompt": 1, "epochs": 0, "shuffle": True, "seed": s.seed,
                       "max_in_flight": in_flight, "env_options": _env_options(tail),
                       "max_new_tokens_per_turn": s.max_new_tokens_per_turn, "max_total_tokens": s.max_total_tokens})
@@ -247,9 +265,9 @@ def run_gen_only(s: Settings, model: str, data: str, tail: dict, out: Path) -> d
             client.ack([t.id for t in items])
             got += items
             if engine_half is None and len(got) >= s.trajectories // 2:
-                engine_half, half_at, half_n = _engine_stats(client), time.time(), len(got)
+                engine_half, half_at, half_n, cpu_half = _engine_stats(client), time.time(), len(got), _cpu(service)
         end = time.time()
-        engine1 = _engine_stats(client)
+        engine1, cpu1 = _engine_stats(client), _cpu(service)
     finally:
         client.close()
         service.stop()
@@ -262,12 +280,13 @@ def run_gen_only(s: Settings, model: str, data: str, tail: dict, out: Path) -> d
     steady = {"trajectories_per_s": len(later) / window, "tokens_per_s": sum(len(t.token_ids) for t in later) / window,
               "turns_mean": statistics.mean(t.num_turns for t in later) if later else None,
               "generator_idle_share": max(0.0, 1.0 - _engine_delta(engine_half, engine1, window)["busy_share"]),
-              "learner_wait_share": None, "window_s": window, "trajectories": len(later)}
+              "learner_wait_share": None, "window_s": window, "trajectories": len(later),
+              "cores": _cores(cpu_half, cpu1)}
     return {"arm": "gen_only", "method": None, "in_flight": in_flight, "trajectories": len(got), "steady": steady,
             "wall_s": wall,
             "trajectories_per_s": len(got) / wall, "tokens_per_s": stats["tokens"] / wall,
             "generator_idle_share": max(0.0, 1.0 - engine["busy_share"]), "engine": engine,
-            "learner_wait_share": None, **stats,
+            "cores": _cores(cpu0, cpu1), "learner_wait_share": None, **stats,
             "conditions": {"before": load_before, "after": _setup.conditions()}, "run_dir": str(run_dir)}
 
 
@@ -286,10 +305,10 @@ def run_train_only(source_arm: dict, method: str, s: Settings, model: str) -> di
                       group_size=s.group_size, policy_lr=s.policy_lr, critic_lr=s.critic_lr, critic_warmup_steps=0)
     updater = Updater(config, policy, critic)
     scratch = Path(tempfile.mkdtemp(prefix="bench-train-only-"))
-    per_step, padded = [], []
+    per_step, padded, cpu = [], [], 0.0
     try:
         for step, trajectories in enumerate(batches):
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), _setup.process_cpu_seconds()
             batch = collate(trajectories, tokenizer.pad_token_id)
             padded.append(int(batch.input_ids.numel()))
             updater.step(batch, step)
@@ -299,16 +318,18 @@ def run_train_only(source_arm: dict, method: str, s: Settings, model: str) -> di
             tokenizer.save_pretrained(staging)
             storage.publish_checkpoint(staging, str(scratch / f"v{step + 1:06d}"), metadata={"version": step + 1})
             per_step.append(time.perf_counter() - began)
+            cpu += _setup.process_cpu_seconds() - cpu_began
             shutil.rmtree(scratch / f"v{step + 1:06d}", ignore_errors=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     trajectories = [t for b in batches for t in b]
     wall = sum(per_step)
+    cores = {"service": None, "learner": cpu / wall}
     tokens = sum(len(t.token_ids) for t in trajectories)
     return {"arm": f"train_only_{method}", "method": method, "replayed_from": source_arm["arm"],
             "trajectories": len(trajectories), "wall_s": wall, "trajectories_per_s": len(trajectories) / wall,
             "tokens_per_s": tokens / wall, "tokens": tokens, "step_s": per_step, "padded_tokens_per_step": padded,
-            "padding_share": 1 - tokens / sum(padded), "generator_idle_share": None,
+            "padding_share": 1 - tokens / sum(padded), "generator_idle_share": None, "cores": cores,
             "learner_wait_share": 0.0, "conditions": {"before": load_before, "after": _setup.conditions()}}
 
 
@@ -395,7 +416,7 @@ def report(result: dict) -> str:
             ("vs_sync_grpo", "x sync", ".2f"), ("tokens_vs_sync_grpo", "x sync tok", ".2f"),
             ("vs_limit", "x limit", ".2f"), ("vs_shared_bound", "x shared", ".2f"), ("turns", "turns", ".1f"),
             ("staleness_mean", "stale", ".2f"), ("dropped", "drop", ""), ("eng_tps", "eng tok/s", ".0f"),
-            ("wall_s", "wall s", ".0f"),
+            ("svc_cores", "svc cores", ".2f"), ("lrn_cores", "lrn cores", ".2f"), ("wall_s", "wall s", ".0f"),
             ("load", "load1", ".1f")]
     for tail in result["tails"]:
         t = tail["tail_settings"]
@@ -406,6 +427,7 @@ def report(result: dict) -> str:
         rows = []
         for arm, r in tail["arms"].items():
             st = r.get("steady", {})
+            cores = st.get("cores") or r.get("cores") or {}
             rows.append({**r, **steady.get(arm, {}), "arm": arm, "in_flight": r.get("in_flight", "-"),
                          "e2e": r["trajectories_per_s"], "rate": _rate(r, "steady"),
                          "tokens": _rate(r, "steady", "tokens_per_s"),
@@ -414,6 +436,7 @@ def report(result: dict) -> str:
                          "turns": st.get("turns_mean", r.get("turns_mean")),
                          "eng_tps": (r["engine"]["tokens"] / r["engine"]["busy_s"]
                                      if r.get("engine", {}).get("busy_s") else None),
+                         "svc_cores": cores.get("service"), "lrn_cores": cores.get("learner"),
                          "load": r["conditions"]["after"]["loadavg_1_5_15"][0]})
         lines.append(_setup.fmt_table(rows, cols))
         for method in ("sao", "grpo"):
@@ -431,7 +454,8 @@ def report(result: dict) -> str:
                  "(pipeline full; sync runs every step alike); traj/s e2e: from the first episode's start to the last "
                  "step's end. gen idle: 1 - engine busy / wall; lrn wait: learner seconds waiting for trajectories / "
                  "wall; eng tok/s: tokens the engine sampled per busy second (its speed in that arm; lower = more CPU "
-                 "contention); x sync tok: tokens/s over sync_grpo's; x limit: / min(gen_only, train_only); x shared: / "
+                 "contention); svc / lrn cores: CPU seconds per wall second of the rollout service process and of the "
+                 "learner process (the consumer for gen_only); x sync tok: tokens/s over sync_grpo's; x limit: / min(gen_only, train_only); x shared: / "
                  "1/(1/gen + 1/train); turns: mean turns of the trained trajectories (runs with many episodes in "
                  "flight train short ones first and drop stale long ones; compare with the task mean)")
     return "\n".join(lines)

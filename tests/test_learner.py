@@ -361,3 +361,24 @@ def test_each_service_may_hold_a_whole_batch_in_flight():
     assert config.in_flight_cap == 160
     assert [per_service_in_flight(config, n) for n in (1, 2, 4, 8)] == [160, 80, 40, 32]
     assert per_service_in_flight(RLConfig(data="u", output="u", method="grpo", batch_size=16), 4) == 16
+
+
+@pytest.mark.parametrize("method", ["sao", "grpo_async"])
+def test_episodes_the_service_ended_as_stale_are_dropped_with_their_group(method):
+    """A trajectory the rollout service ended early ("stale") is never trained, whatever its version tags
+    say; for the group methods its whole group goes with it. Versions within the bound are kept."""
+    import dataclasses
+
+    from sao_core.learner.loop import Pending
+
+    config = RLConfig(data="u", output="u", method=method, batch_size=2, group_size=2, max_staleness=1)
+    made = {tid: _trajectory(tid, prompt, [1, 2], [3, 4], 1.0, [-0.5, -0.5])
+            for tid, prompt in (("a1", "p"), ("a2", "p"), ("b1", "q"), ("b2", "q"))}
+    made["a2"] = dataclasses.replace(made["a2"], finish_reason="stale")
+    pending = Pending(config)
+    pending.add([(t, 0) for t in made.values()])
+    dropped = pending.drop_stale(version=1)          # every version tag is 0: staleness 1, within the bound
+    expected = ["a1", "a2"] if method == "grpo_async" else ["a2"]
+    assert dropped == {0: expected} and pending.dropped == len(expected)
+    assert sorted(pending.items) == sorted(set(made) - set(expected))
+    assert pending.drop_stale(version=2) == {0: sorted(set(made) - set(expected))}   # now 2 > 1: all go

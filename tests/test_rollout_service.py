@@ -365,3 +365,37 @@ def test_tool_calls_of_all_episodes_in_flight_wait_at_once(service, tmp_path):
     got, _ = _drain(client)
     assert len(got) == 24
     assert most > 12, most
+
+
+def test_episodes_that_can_no_longer_be_trained_end_early_as_stale(service, tmp_path, warm_model):
+    """With abandon_after_versions = 1, an episode whose first token is 2 versions behind the weights ends
+    before its next turn (finish_reason "stale"); the others run to their end."""
+    server, client = service
+    tasks = {t.id: t for t in tool_arith_tasks(12, seed=11, p_more=0.5, max_ops=4)}
+    dataset = _rl_dataset(tmp_path, 12, seed=11)
+    published = []
+    for version in (1, 2):
+        weights = tmp_path / f"weights-v{version}"
+        storage.publish_checkpoint(warm_model, str(weights), metadata={"step": version})
+        published.append((version, str(weights), storage.checkpoint_digest(str(weights))))
+    client.start(_plan(dataset, max_in_flight=12, abandon_after_versions=1,
+                       env_options={"tool_arith": {"latency_median_s": 0.4, "latency_sigma": 0.0,
+                                                   "fixed_turns": True}}))
+    deadline = time.monotonic() + 60
+    while client.status()["engine"]["tokens_generated"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for version, uri, digest in published:
+        client.push_weights(version, uri, digest)
+    got, _ = _drain(client)
+    assert len(got) == 12
+    stale = [t for t in got if t.finish_reason == "stale"]
+    assert stale, [t.finish_reason for t in got]
+    for t in got:
+        needed = tasks[t.prompt_id].metadata["num_ops"] + 1          # fixed_turns: one turn per tool call + 1
+        if t.finish_reason == "stale":
+            assert t.min_version == 0 and t.num_turns < needed and t.reward == 0.0
+        else:
+            assert t.finish_reason == "stop" and t.num_turns == needed
+    assert client.status()["finish_reasons"].get("stale") == len(stale)
+    with pytest.raises(RolloutRequestError, match="422.*abandon_after_versions"):
+        client.start(_plan(dataset, abandon_after_versions=-1))

@@ -230,7 +230,9 @@ class Pending:
         """Remove trajectories (whole groups for the group methods) older than max_staleness."""
         stale_keys = set()
         for trajectory, _ in self.items.values():
-            if trajectory.staleness(version) > self.config.max_staleness:
+            # "stale": ended early by the service for the same reason (its check uses the service's weights
+            # version, never ahead of ours).
+            if trajectory.staleness(version) > self.config.max_staleness or trajectory.finish_reason == "stale":
                 stale_keys.add(self._group_key(trajectory))
         out: dict[int, list[str]] = {}
         for tid in [tid for tid, (t, _) in self.items.items() if self._group_key(t) in stale_keys]:
@@ -429,7 +431,8 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         plan = {"dataset": config.data, "rollouts_per_prompt": config.rollouts_per_prompt, "epochs": 0,
                 "shuffle": True, "seed": config.seed, "max_in_flight": per_service_in_flight(config, len(urls)),
                 "env_options": config.env_options, "max_new_tokens_per_turn": config.max_new_tokens_per_turn,
-                "max_total_tokens": config.max_total_tokens, "training": True, "start_position": data_position}
+                "max_total_tokens": config.max_total_tokens, "training": True, "start_position": data_position,
+                "abandon_after_versions": config.max_staleness}
         services = ServiceSet(urls, consumer, plan, config.service_retry_s)
 
     def publish_weights() -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -56,14 +57,19 @@ def action_text(tokenizer, token_ids: list[int]) -> str:
 
 async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, params: SamplingParams,
                       limits: EpisodeLimits, queued_at: float | None = None, sample_index: int = 0,
-                      trajectory_id: str | None = None, executor: Executor | None = None) -> Trajectory:
+                      trajectory_id: str | None = None, executor: Executor | None = None,
+                      abandon_if: Callable[[int], bool] | None = None) -> Trajectory:
     """Play one episode to the end and return its trajectory (never raises for env or tool failures:
     they end the episode with finish_reason env_error / tool_error).
 
     The environment's reset / step / close run on `executor` (default: the event loop's default executor).
     Tool calls mostly wait (sandboxes, HTTP, sleeps), so callers running many episodes at once pass a pool
     with a thread per episode in flight: asyncio's default pool has only min(32, cores + 4) threads, which
-    would cap the episodes in a tool call at once (6 on 2 cores) whatever the in-flight setting."""
+    would cap the episodes in a tool call at once (6 on 2 cores) whatever the in-flight setting.
+
+    `abandon_if(oldest_version)` is asked before every turn after the first, with the policy version of the
+    episode's first sampled token; True ends the episode there with finish_reason "stale" (a learner with a
+    staleness bound could no longer train it, so its remaining turns would be wasted generation)."""
     loop = asyncio.get_running_loop()
 
     def in_thread(fn, *args):
@@ -93,6 +99,10 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
                 break
             if deadline and time.time() > deadline:
                 finish = "timeout"
+                break
+            oldest = min((v for v in versions if v >= 0), default=None)
+            if abandon_if is not None and oldest is not None and abandon_if(oldest):
+                finish = "stale"
                 break
             turn_params = SamplingParams(**{**params.__dict__,
                                             "max_new_tokens": min(params.max_new_tokens,

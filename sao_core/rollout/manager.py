@@ -53,6 +53,11 @@ class RolloutPlan:
     max_new_tokens_per_turn: int = 256
     max_total_tokens: int = 4096
     episode_timeout_s: float = 0.0
+    # A learner's staleness bound: an episode whose first token is more than this many versions older than
+    # the current weights can no longer be trained (the learner's version is never behind the service's),
+    # so it ends before its next turn with finish_reason "stale" and is delivered for the learner to drop
+    # (with its whole group), as it would have been at the end. None: episodes always run to the end.
+    abandon_after_versions: int | None = None
     training: bool = True                        # training mode refuses non-default sampling
     # The prompt stream is one fixed sequence for a seed: position p = epoch × prompts + index in that
     # epoch's order. Services sharing a run take the positions p ≡ shard (mod num_shards); a plan
@@ -76,6 +81,8 @@ class RolloutPlan:
         if self.start_position < 0 or self.num_shards < 1 or not 0 <= self.shard < self.num_shards:
             raise RolloutError(f"plan needs start_position >= 0 and 0 <= shard < num_shards, got "
                                f"{self.start_position}, {self.shard}, {self.num_shards}")
+        if self.abandon_after_versions is not None and self.abandon_after_versions < 0:
+            raise RolloutError(f"plan.abandon_after_versions must be >= 0, got {self.abandon_after_versions}")
         if any(v < 1 for v in self.env_concurrency.values()):
             raise RolloutError("plan.env_concurrency values must be >= 1")
         try:
@@ -203,9 +210,12 @@ class RolloutManager:
                 return
             limits = EpisodeLimits(plan.max_total_tokens, plan.max_new_tokens_per_turn, plan.episode_timeout_s)
             digest = hashlib.sha256(f"{plan.seed}/{epoch}/{task.id}/{k}".encode()).hexdigest()[:20]
+            bound = plan.abandon_after_versions
             trajectory = await run_episode(task, env, self.engine, self.tokenizer, plan.sampling(), limits,
                                            queued_at=queued, sample_index=k, trajectory_id=f"{digest}-{k}",
-                                           executor=self._env_pool)
+                                           executor=self._env_pool,
+                                           abandon_if=None if bound is None else
+                                           lambda oldest: self.engine.version - oldest > bound)
             trajectory.metadata["epoch"] = epoch
             trajectory.metadata["position"] = position
         except asyncio.CancelledError:

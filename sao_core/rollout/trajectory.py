@@ -12,7 +12,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sao_core.envs.base import FINISH_REASONS
+from sao_core.envs.base import FINISH_REASONS as ENV_FINISH_REASONS
+
+# An environment's reasons, and "stale": the rollout service ended the episode early because a learner's
+# staleness bound would have dropped it anyway (RolloutPlan.abandon_after_versions).
+FINISH_REASONS = (*ENV_FINISH_REASONS, "stale")
 
 
 class TrajectoryError(ValueError):

@@ -120,6 +120,9 @@ class SimConfig:
     train_step_overhead_s: float = 0.0
     padded: bool = True
     push_s: float = 0.0
+    # async: an episode whose start is more than max_staleness versions behind the weights ends before its next
+    # turn (the rollout service's abandon_after_versions, which the learner sets): it would be dropped anyway
+    abandon_stale: bool = True
     trajectories: int = 1024                   # trained trajectories to simulate
     seed: int = 0
 
@@ -419,6 +422,13 @@ def simulate(cfg: SimConfig, workload: Workload) -> dict:
         elif kind == "begin":
             start_decode(ident)
         elif kind == "tool":
+            if cfg.abandon_stale and cfg.method == "async" and \
+                    learner["engine_version"] - episodes[ident]["version"] > cfg.max_staleness:
+                arrive(ident)           # ended early; stale for the learner too (its version is never behind)
+                if cfg.group_size == 1:
+                    drop([ident])
+                try_learn()
+                continue
             episodes[ident]["turn"] += 1
             start_decode(ident)
         elif kind == "trained":
@@ -462,6 +472,7 @@ def simulate(cfg: SimConfig, workload: Workload) -> dict:
         utilisation = sum(e.tokens for e in engines) / (capacity * len(engines) * wall)
     return {"config": asdict(cfg), "wall_s": wall, "trained": learner["trained"], "steps": learner["steps"],
             "rollout_utilisation": utilisation,
+            "decoded_tokens": sum(e.tokens for e in engines),      # all sampled tokens, dropped episodes' too
             "steady_trajectories_per_s": steady,
             "trajectories_per_s": learner["trained"] / wall, "trajectories_per_hour": learner["trained"] / wall * 3600,
             "tokens_per_s": learner["tokens"] / wall, "rollout_busy_share": gen_busy, "rollout_idle_share": rollout_idle,

@@ -53,6 +53,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     generator: torch.Generator
+    uniforms: list[float] = field(default_factory=list)   # draws for its tokens, taken from `generator` 64 at a time
     started: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -115,6 +116,69 @@ def _cache_shape(model) -> _CacheShape | None:
         return _CacheShape(config.num_hidden_layers, kv_heads, head_dim)
     except AttributeError:
         return None
+
+
+class _PrefixStore:
+    """Finished turns' caches, least recently stored dropped first, found by the context that extends them.
+
+    Lookup must not scan every entry (hundreds, once per joining turn): each entry is indexed by a hash chain
+    over its whole blocks of `block` tokens, so a lookup hashes the new context's blocks once and, from its
+    longest block prefix down, checks only entries filed under that prefix (a token-by-token comparison
+    confirms a candidate, so hash collisions cannot give a wrong cache)."""
+
+    def __init__(self, capacity: int, block: int = 16):
+        self.capacity = capacity
+        self.block = block
+        self._entries: OrderedDict[int, tuple[tuple[int, ...], torch.Tensor, int]] = OrderedDict()
+        self._index: dict[int, set[int]] = {}
+        self._next_key = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _chain(self, tokens, blocks: int) -> list[int]:
+        """Hashes of the first 0, 1, ..., `blocks` whole blocks of `tokens`."""
+        chain = [0]
+        for i in range(blocks):
+            chain.append(hash((chain[-1], tuple(tokens[i * self.block:(i + 1) * self.block]))))
+        return chain
+
+    def put(self, tokens: tuple[int, ...], kv: torch.Tensor) -> None:
+        """Store the cache `kv` whose first len(tokens) positions hold `tokens`."""
+        bucket = self._chain(tokens, len(tokens) // self.block)[-1]
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._entries[key] = (tokens, kv, bucket)
+        self._index.setdefault(bucket, set()).add(key)
+        while len(self._entries) > self.capacity:
+            self._remove(next(iter(self._entries)))
+
+    def take(self, context: list[int]) -> tuple[torch.Tensor | None, int]:
+        """Remove and return the cache of the longest stored context that is a prefix of `context` (an episode
+        continues once), with the positions to reuse: all of them, but at most len(context) - 1 (the last
+        context token must be fed to get the next token's logits)."""
+        chain = self._chain(context, len(context) // self.block)
+        for bucket in reversed(chain):
+            best, best_len = None, 0
+            for key in self._index.get(bucket, ()):
+                tokens = self._entries[key][0]
+                if best_len < len(tokens) <= len(context) and tuple(context[:len(tokens)]) == tokens:
+                    best, best_len = key, len(tokens)
+            if best is not None:
+                kv = self._entries[best][1]
+                self._remove(best)
+                return kv, min(best_len, len(context) - 1)
+        return None, 0
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._index.clear()
+
+    def _remove(self, key: int) -> None:
+        _, _, bucket = self._entries.pop(key)
+        members = self._index[bucket]
+        members.discard(key)
+        if not members:
+            del self._index[bucket]
 
 
 def _preallocated_cache(keys: list[torch.Tensor], values: list[torch.Tensor], cached: int):
@@ -209,8 +273,7 @@ class HFEngine:
         self.prefix_cache_entries = prefix_cache_entries or 4 * max_batch
         self.recompute_kv_on_update = bool(recompute_kv_on_update)
         self._kv_epoch = 0                   # bumped when caches are invalidated (recompute_kv_on_update)
-        self._prefix_store: OrderedDict[int, tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()
-        self._store_key = 0
+        self._prefix_store = _PrefixStore(self.prefix_cache_entries)
         self._workspace: torch.Tensor | None = None  # decode / prefill batch buffer, see _workspace_for
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_token_ids = tuple(t for t in {self.tokenizer.eos_token_id} if t is not None)
@@ -362,21 +425,6 @@ class HFEngine:
         return torch.empty((s.layers, 2, s.kv_heads, capacity, s.head_dim), dtype=self.model.dtype,
                            device=self.device)
 
-    def _take_prefix(self, context: list[int]) -> tuple[torch.Tensor | None, int]:
-        """The stored cache of the longest finished context that is a prefix of `context` (removed from
-        the store: an episode continues once), and how many of its positions to use."""
-        best, best_len = None, 0
-        for key, (tokens, _) in self._prefix_store.items():
-            n = min(len(tokens), len(context) - 1)
-            # Cheap checks first: most stored contexts belong to other episodes.
-            if n > best_len and len(tokens) <= len(context) and context[len(tokens) - 1] == tokens[-1] \
-                    and tuple(context[:len(tokens)]) == tokens:
-                best, best_len = key, n
-        if best is None:
-            return None, 0
-        _, kv = self._prefix_store.pop(best)
-        return kv, best_len
-
     def _prepare_prefill(self, request: _Request) -> list[int]:
         """Give the request a cache buffer (a finished turn's cache when its context extends that one, else an
         empty one) big enough for its context and new tokens; returns the context tokens still to encode."""
@@ -384,7 +432,7 @@ class HFEngine:
         needed = len(context) + request.params.max_new_tokens
         kv, reused = (None, 0)
         if request.kv is None:
-            kv, reused = self._take_prefix(context)
+            kv, reused = self._prefix_store.take(context)
         if kv is None or kv.shape[3] < needed:
             fresh = self._new_cache(needed + _CACHE_SLACK)
             if kv is not None and reused:
@@ -425,9 +473,15 @@ class HFEngine:
         ids = torch.tensor([[self.pad_id] * (span - len(f)) + f for f in feeds], dtype=torch.long)
         positions = torch.tensor([[0] * (span - k) + list(range(c, c + k)) for c, k in zip(cached, fed, strict=True)],
                                  dtype=torch.long)
-        column = torch.arange(width + span)
-        cached_t, fed_t = torch.tensor(cached).unsqueeze(1), torch.tensor(fed).unsqueeze(1)
-        mask = (((column >= width - cached_t) & (column < width)) | (column >= width + span - fed_t)).long()
+        # The 4-D attention mask [n, 1, S, W + S] (True = attend), built here: transformers uses a 4-D mask as
+        # given instead of deriving one from a 2-D padding mask at every step. A query of a fed token sees its
+        # row's cache and the fed tokens up to itself; a padding query sees only its own position (finite).
+        column = torch.arange(width + span).view(1, 1, 1, -1)
+        query = torch.arange(span).view(1, 1, -1, 1)
+        cached_t, fed_t = torch.tensor(cached).view(-1, 1, 1, 1), torch.tensor(fed).view(-1, 1, 1, 1)
+        sees_cache = (column >= width - cached_t) & (column < width) & (query >= span - fed_t)
+        sees_feed = (column >= width + span - fed_t) & (column <= width + query)
+        mask = sees_cache | sees_feed | (column == width + query)
         cache = _preallocated_cache([ws[i, 0] for i in range(ws.shape[0])], [ws[i, 1] for i in range(ws.shape[0])],
                                     width)
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
@@ -442,16 +496,20 @@ class HFEngine:
     def _sample(self, batch: list[_Request], logits: torch.Tensor) -> None:
         """Sample one token per request from `logits` [B, V]; finish the requests that stop."""
         logp = torch.log_softmax(logits, dim=-1)
-        probs = torch.stack([logp[row].exp() if _plain(r.params) else _sampling_probs(logits[row], r.params)
-                             for row, r in enumerate(batch)])
-        # Inverse-CDF sampling with one uniform draw from each request's own generator: the same tokens for a
+        probs = logp.exp()
+        for row, r in enumerate(batch):
+            if not _plain(r.params):
+                probs[row] = _sampling_probs(logits[row], r.params)
+        # Inverse-CDF sampling with the request's next uniform draw from its own generator: the same tokens for a
         # request whatever else shares its batch, one batched search instead of a multinomial per row.
+        for r in batch:
+            if len(r.uniforms) <= len(r.tokens):
+                r.uniforms += torch.rand(64, generator=r.generator).tolist()
         cdf = probs.cumsum(dim=-1)
-        draws = torch.cat([torch.rand(1, generator=r.generator) for r in batch]) * cdf[:, -1]
+        draws = torch.tensor([r.uniforms[len(r.tokens)] for r in batch]) * cdf[:, -1]
         tokens = torch.searchsorted(cdf, draws.unsqueeze(1), right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        for row, request in enumerate(batch):
-            token = int(tokens[row])
+        for row, (request, token) in enumerate(zip(batch, tokens.tolist(), strict=True)):
             request.tokens.append(token)
             request.logprobs.append(chosen[row])
             request.versions.append(self.version)
@@ -467,10 +525,7 @@ class HFEngine:
             self._active.remove(request)
         if error is None and request.kv is not None and request.kv_epoch == self._kv_epoch and request.kv_len:
             # Keep the cache for the episode's next turn, whose context starts with this one.
-            self._prefix_store[self._store_key] = (tuple(request.context[:request.kv_len]), request.kv)
-            self._store_key += 1
-            while len(self._prefix_store) > self.prefix_cache_entries:
-                self._prefix_store.popitem(last=False)
+            self._prefix_store.put(tuple(request.context[:request.kv_len]), request.kv)
         request.kv = None
         generation = Generation(request.tokens, request.logprobs, request.versions, reason,
                                 seconds=time.monotonic() - request.started)
