@@ -70,6 +70,8 @@ def test_kv_cache_samples_what_reencoding_samples_and_reuses_turns(warm_tool_mod
     assert stats["prefix_reused_tokens"] > 0 and later_turns > 0
     total = sum(len(t.token_ids) for t in cached)
     assert stats["positions_encoded"] <= total
+    # The engine sampled exactly the tokens it delivered (a finished request never takes another step).
+    assert stats["tokens_generated"] == sum(t.num_action_tokens for t in cached)
     assert plain_stats["positions_encoded"] > 5 * stats["positions_encoded"]
 
 

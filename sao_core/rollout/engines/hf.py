@@ -58,9 +58,8 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    kv: torch.Tensor | None = None     # [layers, 2, kv_heads, capacity, head_dim]
-    kv_len: int = 0                    # positions of prompt + tokens whose keys / values are in `kv`
-    kv_epoch: int = -1                 # engine cache epoch `kv` belongs to (see recompute_kv_on_update)
+    row: int = -1                      # its row of the engine's resident batch while it holds one, else -1
+    kv_len: int = 0                    # positions of prompt + tokens whose keys / values are in that row
 
     @property
     def context(self) -> list[int]:
@@ -181,11 +180,13 @@ class _PrefixStore:
             del self._index[bucket]
 
 
-def _preallocated_cache(keys: list[torch.Tensor], values: list[torch.Tensor], cached: int):
-    """A transformers `Cache` over preallocated per-layer tensors [B, kv_heads, cached + q, head_dim] whose
-    first `cached` positions hold the context; the forward pass writes the q new positions in place
-    (no concatenation, no copy)."""
+def _row_cache(keys: list[torch.Tensor], values: list[torch.Tensor], write_at: torch.Tensor, width: int):
+    """A transformers `Cache` over per-layer tensors [B, kv_heads, capacity, head_dim] (rows of the resident
+    batch): the forward pass writes the keys / values of its q new positions of row b at `write_at[b]` [B, q]
+    (each row its own positions, in place) and attends over the first `width` positions."""
     from transformers.cache_utils import Cache, DynamicLayer
+
+    rows = torch.arange(write_at.shape[0]).unsqueeze(1)
 
     class _Layer(DynamicLayer):
         def __init__(self, k: torch.Tensor, v: torch.Tensor):
@@ -193,17 +194,15 @@ def _preallocated_cache(keys: list[torch.Tensor], values: list[torch.Tensor], ca
             self.keys, self.values = k, v
             self.dtype, self.device = k.dtype, k.device
             self.is_initialized = True
-            self.cached = cached
 
         def update(self, key_states, value_states, *args, **kwargs):
-            q = key_states.shape[-2]
-            self.keys[:, :, self.cached:self.cached + q] = key_states
-            self.values[:, :, self.cached:self.cached + q] = value_states
-            self.cached += q
-            return self.keys[:, :, :self.cached], self.values[:, :, :self.cached]
+            # [B, heads, q, dim] -> rows b, positions write_at[b, i]
+            self.keys[rows, :, write_at] = key_states.transpose(1, 2)
+            self.values[rows, :, write_at] = value_states.transpose(1, 2)
+            return self.keys[:, :, :width], self.values[:, :, :width]
 
         def get_seq_length(self) -> int:
-            return self.cached
+            return width
 
     return Cache(layers=[_Layer(k, v) for k, v in zip(keys, values, strict=True)])
 
@@ -272,9 +271,11 @@ class HFEngine:
                         type(self.model).__name__)
         self.prefix_cache_entries = prefix_cache_entries or 4 * max_batch
         self.recompute_kv_on_update = bool(recompute_kv_on_update)
-        self._kv_epoch = 0                   # bumped when caches are invalidated (recompute_kv_on_update)
         self._prefix_store = _PrefixStore(self.prefix_cache_entries)
-        self._workspace: torch.Tensor | None = None  # decode / prefill batch buffer, see _workspace_for
+        # The resident batch: request i holds row i of `_slots` [layers, 2, rows, kv_heads, capacity, head_dim],
+        # its keys / values left-aligned in positions [0, kv_len). See _step_cached.
+        self._slots: torch.Tensor | None = None
+        self._rows: list[_Request] = []
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_token_ids = tuple(t for t in {self.tokenizer.eos_token_id} if t is not None)
         self.version = 0
@@ -359,20 +360,25 @@ class HFEngine:
                     break
             if self._swap is not None:
                 self._apply_swap()
-            self._active = [r for r in self._active if not r.future.cancelled()]
+            for request in [r for r in self._active if r.future.cancelled()]:
+                self._active.remove(request)
+                self._leave_row(request)
             if self._paused.is_set() or not self._active:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            batch = self._active[: self.max_batch]
-            # Rotate so that more than max_batch requests share the steps fairly.
-            self._active = self._active[self.max_batch:] + batch
+            if self.cache_shape is None:
+                batch = self._active[: self.max_batch]
+                # Rotate so that more than max_batch requests share the steps fairly.
+                self._active = self._active[self.max_batch:] + batch
+            else:
+                batch = list(self._active)    # the resident batch admits up to max_batch, first come first
             began = time.monotonic()
             try:
                 if self.cache_shape is None:
                     self._step_reencode(batch)
                 else:
-                    self._step_cached(batch)
+                    self._step_cached()
             except Exception as err:  # a broken batch must not kill the engine thread
                 log.exception("engine step failed")
                 for request in batch:
@@ -387,10 +393,14 @@ class HFEngine:
         self._swap = None
         self.model = new_model
         self.version = version
-        self._workspace = None      # the new model may have another dtype
-        if self.recompute_kv_on_update:   # keys / values of the old weights must not be reused
+        if self.recompute_kv_on_update or (self._slots is not None and self._slots.dtype != new_model.dtype):
+            # Keys / values of the old weights must not be reused: every request in flight re-encodes its
+            # context with the new weights when it is admitted again.
             self._prefix_store.clear()
-            self._kv_epoch += 1
+            for request in list(self._rows):
+                self._leave_row(request)
+                request.kv_len = 0
+            self._slots = None
         loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
     def _step_reencode(self, batch: list[_Request]) -> None:
@@ -408,87 +418,102 @@ class HFEngine:
                             position_ids=positions.to(self.device), use_cache=False).logits[:, -1].float().cpu()
         self._sample(batch, logits)
 
-    def _step_cached(self, batch: list[_Request]) -> None:
-        """Prefill the requests without a valid cache (one forward for all of them), then decode the others
-        together (one forward, one new token each)."""
-        stale = [r for r in batch if r.kv is None or r.kv_epoch != self._kv_epoch]
-        decode = [r for r in batch if r.kv is not None and r.kv_epoch == self._kv_epoch]
-        if stale:
-            feeds = [self._prepare_prefill(r) for r in stale]
+    def _step_cached(self) -> None:
+        """Decode the resident requests together (one forward, one new token each); then admit waiting requests
+        to free rows (up to max_batch) and prefill them together (one forward over the context tokens their
+        rows do not hold yet; a finished turn's cache is copied in when their context extends it).
+
+        A request keeps its row from admission to the end of its turn, so keys / values are written once, in
+        place, and never copied per step; rows are kept contiguous (the last one moves into a freed row)."""
+        if self._rows:
+            decode = list(self._rows)
+            self._sample(decode, self._forward_rows(0, [[r.tokens[-1]] for r in decode]))
+        # From the live list: requests that finished in the decode above have left it.
+        joining = [r for r in self._active if r.row < 0][:self.max_batch - len(self._rows)]
+        if joining:
+            first = len(self._rows)
+            feeds = [self._admit(r) for r in joining]
             self._prefill_tokens += sum(len(f) for f in feeds)
-            self._sample(stale, self._forward(stale, feeds))
-        if decode:
-            self._sample(decode, self._forward(decode, [[r.tokens[-1]] for r in decode]))
+            self._sample(joining, self._forward_rows(first, feeds))
 
-    def _new_cache(self, capacity: int) -> torch.Tensor:
-        s = self.cache_shape
-        return torch.empty((s.layers, 2, s.kv_heads, capacity, s.head_dim), dtype=self.model.dtype,
-                           device=self.device)
-
-    def _prepare_prefill(self, request: _Request) -> list[int]:
-        """Give the request a cache buffer (a finished turn's cache when its context extends that one, else an
-        empty one) big enough for its context and new tokens; returns the context tokens still to encode."""
+    def _admit(self, request: _Request) -> list[int]:
+        """Give the request the next row, with a finished turn's keys / values when its context extends that
+        turn's; returns the context tokens still to encode."""
         context = request.context
-        needed = len(context) + request.params.max_new_tokens
-        kv, reused = (None, 0)
-        if request.kv is None:
-            kv, reused = self._prefix_store.take(context)
-        if kv is None or kv.shape[3] < needed:
-            fresh = self._new_cache(needed + _CACHE_SLACK)
-            if kv is not None and reused:
-                fresh[:, :, :, :reused] = kv[:, :, :, :reused]
-            kv = fresh
-        request.kv, request.kv_len, request.kv_epoch = kv, reused, self._kv_epoch
+        kv, reused = self._prefix_store.take(context)
+        row = len(self._rows)
+        self._reserve(row + 1, len(context) + 1)
+        if reused:
+            self._slots[:, :, row, :, :reused] = kv[:, :, :, :reused]
+        request.row, request.kv_len = row, reused
+        self._rows.append(request)
         self._reused_tokens += reused
         return context[reused:]
 
-    def _workspace_for(self, rows: int, width: int) -> torch.Tensor:
-        """A [layers, 2, >= rows, kv_heads, >= width, head_dim] buffer reused across steps. Positions a step
-        does not fill keep finite values of earlier steps; the attention mask hides them."""
-        ws = self._workspace
-        if ws is None or ws.shape[2] < rows or ws.shape[4] < width:
-            s = self.cache_shape
-            rows = max(rows, ws.shape[2] if ws is not None else 0)
-            width = max(width + _CACHE_SLACK, ws.shape[4] if ws is not None else 0)
-            ws = self._workspace = torch.zeros((s.layers, 2, rows, s.kv_heads, width, s.head_dim),
-                                               dtype=self.model.dtype, device=self.device)
-        return ws
+    def _reserve(self, rows: int, positions: int) -> None:
+        """Make `_slots` hold at least `rows` rows of `positions` positions (grown geometrically; the rows in
+        use are copied over)."""
+        slots, shape = self._slots, self.cache_shape
+        if slots is not None and slots.shape[2] >= rows and slots.shape[4] >= positions:
+            return
+        have_rows, have_positions = (slots.shape[2], slots.shape[4]) if slots is not None else (0, 0)
+        if rows > have_rows:
+            rows = min(max(rows, 2 * have_rows, 8), max(self.max_batch, rows))
+        if positions > have_positions:
+            positions = max(positions + _CACHE_SLACK, have_positions + have_positions // 2)
+        rows, positions = max(rows, have_rows), max(positions, have_positions)
+        grown = torch.zeros((shape.layers, 2, rows, shape.kv_heads, positions, shape.head_dim),
+                            dtype=self.model.dtype, device=self.device)
+        if slots is not None and self._rows:
+            used = max(r.kv_len for r in self._rows)
+            grown[:, :, :len(self._rows), :, :used] = slots[:, :, :len(self._rows), :, :used]
+        self._slots = grown
 
-    def _forward(self, batch: list[_Request], feeds: list[list[int]]) -> torch.Tensor:
-        """Encode `feeds[i]` (the next context tokens of request i, after its `kv_len` cached ones) for every
-        request in one forward pass; store their keys / values in the requests' caches; logits of the next
-        token [B, V].
+    def _leave_row(self, request: _Request) -> None:
+        """Free the request's row; the last row moves into it (rows stay contiguous)."""
+        row = request.row
+        if row < 0:
+            return
+        last = self._rows.pop()
+        if last is not request:
+            self._slots[:, :, row, :, :last.kv_len] = self._slots[:, :, last.row, :, :last.kv_len]
+            self._rows[row], last.row = last, row
+        request.row = -1
 
-        Layout per row, W = longest cache, S = longest feed: the cache right-aligned in columns [0, W), the
-        feed right-aligned in [W, W + S); the gaps are masked. Decoding is the case S = 1."""
-        n = len(batch)
-        cached = [r.kv_len for r in batch]
-        fed = [len(f) for f in feeds]
-        width, span = max(cached), max(fed)
-        ws = self._workspace_for(n, width + span)[:, :, :n, :, :width + span]
-        for row, r in enumerate(batch):
-            if r.kv_len:
-                ws[:, :, row, :, width - r.kv_len:width] = r.kv[:, :, :, :r.kv_len]
-        # ids, positions and mask built in Python and converted once (per-row tensor ops cost more here).
-        ids = torch.tensor([[self.pad_id] * (span - len(f)) + f for f in feeds], dtype=torch.long)
-        positions = torch.tensor([[0] * (span - k) + list(range(c, c + k)) for c, k in zip(cached, fed, strict=True)],
-                                 dtype=torch.long)
-        # The 4-D attention mask [n, 1, S, W + S] (True = attend), built here: transformers uses a 4-D mask as
-        # given instead of deriving one from a 2-D padding mask at every step. A query of a fed token sees its
-        # row's cache and the fed tokens up to itself; a padding query sees only its own position (finite).
-        column = torch.arange(width + span).view(1, 1, 1, -1)
-        query = torch.arange(span).view(1, 1, -1, 1)
-        cached_t, fed_t = torch.tensor(cached).view(-1, 1, 1, 1), torch.tensor(fed).view(-1, 1, 1, 1)
-        sees_cache = (column >= width - cached_t) & (column < width) & (query >= span - fed_t)
-        sees_feed = (column >= width + span - fed_t) & (column <= width + query)
-        mask = sees_cache | sees_feed | (column == width + query)
-        cache = _preallocated_cache([ws[i, 0] for i in range(ws.shape[0])], [ws[i, 1] for i in range(ws.shape[0])],
-                                    width)
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                            position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
-                            logits_to_keep=1).logits[:, -1].float().cpu()
-        for row, (r, feed) in enumerate(zip(batch, feeds, strict=True)):
-            r.kv[:, :, :, r.kv_len:r.kv_len + len(feed)] = ws[:, :, row, :, width + span - len(feed):]
+    def _forward_rows(self, first: int, feeds: list[list[int]]) -> torch.Tensor:
+        """Encode `feeds[i]` (the next context tokens of the request in row first + i, after its kv_len cached
+        positions) for rows first, first + 1, ... in one forward pass; their keys / values are written into
+        the rows in place. Returns the logits of each request's next token [n, V].
+
+        Feeds are left-padded to the longest, S, so that every row's last column is a real token; a padding
+        token's keys / values go to the row's last position, which no query attends to (capacity >= width + 1)."""
+        n, span = len(feeds), max(len(f) for f in feeds)
+        requests = self._rows[first:first + n]
+        cached = [r.kv_len for r in requests]
+        width = max(c + len(f) for c, f in zip(cached, feeds, strict=True))
+        self._reserve(first + n, width + 1)
+        slots, spare = self._slots, self._slots.shape[4] - 1
+        # ids, positions and write positions built in Python and converted once (per-row tensor ops cost more).
+        ids, positions, write_at = [], [], []
+        for c, feed in zip(cached, feeds, strict=True):
+            pad = span - len(feed)
+            ids.append([self.pad_id] * pad + feed)
+            positions.append([0] * pad + list(range(c, c + len(feed))))
+            write_at.append([spare] * pad + list(range(c, c + len(feed))))
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        # 4-D attention mask [n, 1, S, width] (True = attend), built here: transformers uses a 4-D mask as given
+        # instead of deriving one from a padding mask at every step. A fed token sees its row's positions up to
+        # its own; a padding query sees position 0 only (finite, discarded).
+        column = torch.arange(width).view(1, 1, 1, -1)
+        real = (torch.arange(span).view(1, -1) >= span - torch.tensor([len(f) for f in feeds]).view(-1, 1))
+        mask = torch.where(real.view(n, 1, span, 1), column <= positions_t.view(n, 1, span, 1), column == 0)
+        view = slots[:, :, first:first + n]
+        cache = _row_cache([view[i, 0] for i in range(view.shape[0])], [view[i, 1] for i in range(view.shape[0])],
+                           torch.tensor(write_at, dtype=torch.long, device=self.device), width)
+        logits = self.model(input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+                            attention_mask=mask.to(self.device), position_ids=positions_t.to(self.device),
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float().cpu()
+        for r, feed in zip(requests, feeds, strict=True):
             r.kv_len += len(feed)
         self._positions += sum(len(f) for f in feeds)
         return logits
@@ -523,10 +548,11 @@ class HFEngine:
     def _finish(self, request: _Request, reason: str = "stop", error: Exception | None = None) -> None:
         if request in self._active:
             self._active.remove(request)
-        if error is None and request.kv is not None and request.kv_epoch == self._kv_epoch and request.kv_len:
+        if error is None and request.row >= 0 and request.kv_len:
             # Keep the cache for the episode's next turn, whose context starts with this one.
-            self._prefix_store.put(tuple(request.context[:request.kv_len]), request.kv)
-        request.kv = None
+            kv = self._slots[:, :, request.row, :, :request.kv_len].clone()
+            self._prefix_store.put(tuple(request.context[:request.kv_len]), kv)
+        self._leave_row(request)
         generation = Generation(request.tokens, request.logprobs, request.versions, reason,
                                 seconds=time.monotonic() - request.started)
 
