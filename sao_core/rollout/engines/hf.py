@@ -1,13 +1,15 @@
 """HF transformers engine: continuous step-level batching in one engine thread (CPU or one GPU).
 
-Every step takes up to `max_batch` active requests and samples the next token of each. New requests join
-at the next step and finished ones leave, so a short request never waits for a long one.
+Every step samples the next token of up to `max_batch` requests. New requests join at the next step and
+finished ones leave, so a short request never waits for a long one.
 
-KV cache (default for attention-only decoder models such as Llama / Qwen2 / SmolLM2): each request keeps
-the keys and values of its context in its own buffer. Requests that join are prefilled together over the
-parts of their contexts that are not cached; requests that continue are decoded together, one new token
-each. Both are one forward pass over the requests' caches left-padded into a reused workspace. Multi-turn episodes send the whole
-context again at every turn: the cache of the previous turn (kept in a small LRU store when a request
+KV cache (default for attention-only decoder models such as Llama / Qwen2 / SmolLM2): the engine keeps a
+resident batch, one row of a shared key / value buffer per request from its admission to the end of its
+turn; each forward writes the new keys / values of every row in place at that row's own positions, so no
+cache is copied per step. Each step decodes the resident requests together (one new token each), then
+admits waiting requests to free rows (first come, first served, up to `max_batch`) and prefills them
+together over the parts of their contexts that are not cached. Multi-turn episodes send the whole context
+again at every turn: the cache of the previous turn (copied out to a small LRU store when a request
 finishes) is reused when it is a prefix of the new context, so only the tool's reply and the new turn's
 tokens are encoded. With `kv_cache=False` (or for architectures the cache does not cover, e.g. sliding
 window attention) the whole padded context is re-encoded at every step: simple, exact and slow.
@@ -242,7 +244,8 @@ def _use_gqa_attention(model) -> None:
 class HFEngine:
     """Engine over a `transformers` causal LM. Thread-safe entry points are the async methods.
 
-    `max_batch`: sequences per forward pass (more active requests take turns). `kv_cache`: keep keys /
+    `max_batch`: sequences per forward pass (with the KV cache more requests wait for a free row, first come
+    first served; without it they take turns). `kv_cache`: keep keys /
     values per request and reuse a finished request's cache for a context that extends it (see the
     module docstring); `prefix_cache_entries` finished caches are kept (least recently used dropped);
     `recompute_kv_on_update`: drop the caches at a weight update (see the module docstring).
