@@ -105,13 +105,28 @@ def write_rl_data(directory: Path, tasks) -> str:
 
 
 def process_cpu_seconds(pid: int | None = None) -> float:
-    """CPU seconds (user + system, all threads) a process has used: this one, or `pid` read from /proc (Linux).
-    The benchmarks divide it by wall seconds for the cores a stage occupies."""
+    """CPU seconds (user + system, all threads) used so far by this process, or by process `pid` and every
+    live process below it (read from /proc, Linux: vLLM runs its engine core in a child process). The
+    benchmarks divide it by wall seconds for the cores a stage occupies."""
     if pid is None:
         t = os.times()
         return t.user + t.system
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:          # the process ended while we looked
+                continue
+            stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))   # ppid, utime + stime
+    tree, ticks, frontier = {pid}, 0, [pid]
+    while frontier:
+        parent = frontier.pop()
+        ticks += stats.get(parent, (0, 0))[1]
+        children = [p for p, (ppid, _) in stats.items() if ppid == parent and p not in tree]
+        tree.update(children)
+        frontier += children
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _free_port() -> int:
@@ -174,7 +189,7 @@ class ServiceProcess:
                 self.proc.wait(10)
 
     def cpu_seconds(self) -> float:
-        """CPU seconds (user + system, all threads) the service process has used so far."""
+        """CPU seconds (user + system, all threads) the service process and its children have used so far."""
         return process_cpu_seconds(self.proc.pid)
 
     def __enter__(self) -> ServiceProcess:

@@ -60,6 +60,9 @@ def test_async_vs_sync_smoke_and_simulator_validation(tmp_path, sao_cache, monke
     assert set(arms) == {"sync_grpo", "sao_eqC", "async_grpo", "sao", "gen_only", "train_only_sao",
                          "train_only_grpo"}
     assert all(r["trajectories"] == 8 for r in arms.values())
+    # cores per process: the thread service shares this process (not separable), the learner used some CPU
+    assert arms["sao"]["cores"]["service"] is None and arms["sao"]["cores"]["learner"] > 0
+    assert arms["train_only_sao"]["cores"]["learner"] > 0
     derived = result["tails"][0]["derived"]["steady"]
     assert derived["sync_grpo"]["vs_sync_grpo"] == pytest.approx(1.0) and "limit" in derived["sao"]
     validation = predict_measured(result)
@@ -70,6 +73,27 @@ def test_async_vs_sync_smoke_and_simulator_validation(tmp_path, sao_cache, monke
     written = json.loads((tmp_path / "simulator_validation.json").read_text())
     assert [r["predicted"] for r in written["rows"]] == pytest.approx([r["predicted"] for r in validation["rows"]])
     assert (tmp_path / "simulator_validation.png").stat().st_size > 0
+
+
+def test_process_cpu_seconds_counts_a_service_and_its_children():
+    """A service's CPU includes its live child processes (vLLM runs its engine core in one): a parent that
+    sleeps while its child spins is charged the child's CPU."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import _setup
+
+    spinner = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
+                                "'-c', 'while True: pass']); time.sleep(60)"], start_new_session=True)
+    try:
+        time.sleep(2.0)
+        assert _setup.process_cpu_seconds(spinner.pid) > 0.8
+        assert _setup.process_cpu_seconds() > 0
+    finally:
+        os.killpg(spinner.pid, signal.SIGKILL)
+        spinner.wait()
 
 
 def test_simulator_script_run(tmp_path, capsys):
