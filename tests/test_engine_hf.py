@@ -192,3 +192,24 @@ def test_bad_engine_settings_and_unsupported_architectures(tiny_model_dir, sao_c
                                             num_hidden_layers=3)))
     assert (llama.layers, llama.kv_heads, llama.head_dim) == (3, 2, 16)
     assert _cache_shape(Holder(MistralConfig(sliding_window=128))) is None
+
+
+def test_kv_cache_with_eager_attention_matches_recomputation(warm_tool_model, sao_cache):
+    """Models that do not use SDPA attention get the engine's mask as additive scores: log-probs still equal
+    a recomputation."""
+    from sao_core.models import load_model
+
+    async def go():
+        engine = HFEngine(str(warm_tool_model), str(sao_cache), seed=3, max_batch=4)
+        engine.model.set_attn_implementation("eager")
+        tasks = tool_arith_tasks(4, seed=13, p_more=0.5, max_ops=3)
+        limits = EpisodeLimits(max_total_tokens=400, max_new_tokens_per_turn=24)
+        runs = [run_episode(t, ToolArithEnv(fixed_turns=True, seed=i), engine, engine.tokenizer,
+                            SamplingParams(max_new_tokens=24, seed=200 + i), limits) for i, t in enumerate(tasks)]
+        trajectories = await asyncio.gather(*runs)
+        await engine.close()
+        return trajectories
+
+    trajectories = asyncio.run(go())
+    assert max(t.num_turns for t in trajectories) >= 2
+    assert _worst_logprob_error(load_model(str(warm_tool_model), sao_cache), trajectories) < 1e-4

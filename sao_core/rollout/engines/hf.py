@@ -510,6 +510,9 @@ class HFEngine:
         column = torch.arange(width).view(1, 1, 1, -1)
         real = (torch.arange(span).view(1, -1) >= span - torch.tensor([len(f) for f in feeds]).view(-1, 1))
         mask = torch.where(real.view(n, 1, span, 1), column <= positions_t.view(n, 1, span, 1), column == 0)
+        if getattr(self.model.config, "_attn_implementation", None) != _GQA_ATTENTION:
+            # other attention kernels (eager) add the mask to the scores
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype).masked_fill(~mask, torch.finfo(self.model.dtype).min)
         view = slots[:, :, first:first + n]
         cache = _row_cache([view[i, 0] for i in range(view.shape[0])], [view[i, 1] for i in range(view.shape[0])],
                            torch.tensor(write_at, dtype=torch.long, device=self.device), width)
