@@ -45,9 +45,9 @@ class PlanRequest(_Strict):
     max_new_tokens_per_turn: int = Field(256, ge=1, le=1_000_000)
     max_total_tokens: int = Field(4096, ge=1, le=10_000_000)
     episode_timeout_s: float = Field(0.0, ge=0)
-    abandon_after_versions: int | None = Field(None, ge=0, description="end an episode early once its first "
-                                               "token is this many versions behind the weights (a learner's "
-                                               "max_staleness: it could not be trained any more)")
+    abandon_after_versions: int | None = Field(None, ge=0, description="end an episode before its next turn once "
+                                               "its first token is more than this many versions behind the "
+                                               "weights (a learner's max_staleness: it could not be trained)")
     training: bool = True
     start_position: int = Field(0, ge=0, description="skip prompt slots before this stream position")
     shard: int = Field(0, ge=0, description="this service's share of the prompt stream (0-based)")
