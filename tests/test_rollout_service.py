@@ -399,3 +399,11 @@ def test_episodes_that_can_no_longer_be_trained_end_early_as_stale(service, tmp_
     assert client.status()["finish_reasons"].get("stale") == len(stale)
     with pytest.raises(RolloutRequestError, match="422.*abandon_after_versions"):
         client.start(_plan(dataset, abandon_after_versions=-1))
+
+
+def test_plan_refuses_a_negative_abandon_bound_from_python_too():
+    from sao_core.rollout.manager import RolloutError, RolloutPlan
+
+    with pytest.raises(RolloutError, match="abandon_after_versions must be >= 0, got -1"):
+        RolloutPlan(dataset="unused", abandon_after_versions=-1).validate()
+    RolloutPlan(dataset="unused", abandon_after_versions=0).validate()

@@ -100,10 +100,11 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
             if deadline and time.time() > deadline:
                 finish = "timeout"
                 break
-            oldest = min((v for v in versions if v >= 0), default=None)
-            if abandon_if is not None and oldest is not None and abandon_if(oldest):
-                finish = "stale"
-                break
+            if abandon_if is not None:     # only then: the scan of the versions is per turn
+                oldest = min((v for v in versions if v >= 0), default=None)
+                if oldest is not None and abandon_if(oldest):
+                    finish = "stale"
+                    break
             turn_params = SamplingParams(**{**params.__dict__,
                                             "max_new_tokens": min(params.max_new_tokens,
                                                                   limits.max_new_tokens_per_turn, budget)})

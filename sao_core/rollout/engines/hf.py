@@ -43,8 +43,8 @@ from sao_core.rollout.engines.base import EngineError, Generation, SamplingParam
 
 log = logging.getLogger(__name__)
 
-# Extra cache positions allocated beyond what a request needs, so that the next turn of an episode
-# (tool reply + new tokens) usually fits without reallocating.
+# Extra positions allocated when the resident batch's buffer grows, so that the next tokens and turns usually
+# fit without another reallocation.
 _CACHE_SLACK = 256
 
 
@@ -400,10 +400,9 @@ class HFEngine:
             # Keys / values of the old weights must not be reused: every request in flight re-encodes its
             # context with the new weights when it is admitted again.
             self._prefix_store.clear()
-            for request in list(self._rows):
-                self._leave_row(request)
-                request.kv_len = 0
-            self._slots = None
+            for request in self._rows:
+                request.row, request.kv_len = -1, 0
+            self._rows, self._slots = [], None
         loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
     def _step_reencode(self, batch: list[_Request]) -> None:
