@@ -129,7 +129,9 @@ def start_seaweedfs(timeout_s: float = 60.0, access_key: str = "sao-test-key",
         f"-master.port={ports['master']}", f"-master.port.grpc={ports['master_grpc']}",
         "-master.volumeSizeLimitMB=16", "-master.telemetry=false",
         f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume_grpc']}",
-        "-volume.max=64", "-volume.preStopSeconds=0",
+        # weed refuses new volumes when free disk is under 1 % by default; a CI disk 99 % full with GBs free
+        # is common, and test objects are bytes, so the floor is an absolute 64 MiB instead.
+        "-volume.max=64", "-volume.preStopSeconds=0", "-volume.minFreeSpace=64MiB",
         "-filer", f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer_grpc']}",
         f"-filer.localSocket={workdir / 'filer.sock'}",
         "-s3", f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3_grpc']}",
@@ -159,10 +161,12 @@ def start_seaweedfs(timeout_s: float = 60.0, access_key: str = "sao-test-key",
         _wait_http(server.endpoint_url + "/", deadline)
         _wait_writable(server, deadline, proc)
     except BaseException as exc:
-        tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+        log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        # The disk line comes early and scrolls out of the tail; it is the usual reason for no capacity.
+        disk = "\n".join(line for line in log_text.splitlines() if "disk status" in line or "low disk" in line.lower())
         stop()
         raise RuntimeError(f"SeaweedFS did not become ready within {timeout_s:.0f} s ({exc}); "
-                           f"command: {' '.join(cmd)}\nlog tail:\n{tail}") from exc
+                           f"command: {' '.join(cmd)}\ndisk:\n{disk}\nlog tail:\n{log_text[-3000:]}") from exc
     return server
 
 
