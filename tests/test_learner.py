@@ -20,7 +20,7 @@ from sao_core.data.prepare import PrepareConfig, prepare
 from sao_core.data.synthetic import tool_arith_sft_rows
 from sao_core.envs.tool_arith import tool_arith_tasks
 from sao_core.learner.config import RLConfig
-from sao_core.learner.loop import LearnerError, train_rl
+from sao_core.learner.loop import LearnerError, ServiceSet, train_rl
 from sao_core.rollout.client import RolloutClient, RolloutUnavailable
 from sao_core.rollout.server import RolloutServer, ServeConfig
 from sao_core.training.config import SFTConfig
@@ -271,6 +271,7 @@ def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao
             result["error"] = err
 
     caplog.set_level(logging.INFO, logger="sao_core.learner.loop")
+    caplog.set_level(logging.INFO, logger="sao_core.rollout")  # shown if a replica fails to exit
     thread = threading.Thread(target=run)
     thread.start()
     try:
@@ -304,16 +305,43 @@ def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao
         messages = " ".join(r.getMessage() for r in caplog.records)
         assert "continuing with the other 1" in messages and "is back" in messages
         for server in servers:  # shutdown_services=True: both replicas were told to shut down (graceful, so poll)
-            client = RolloutClient(server.url)
-            deadline = time.monotonic() + 60
-            with pytest.raises(RolloutUnavailable):
-                while time.monotonic() < deadline:
-                    client.status()
-                    time.sleep(0.2)
-            client.close()
+            _wait_unreachable(server.url)
     finally:
         for server in servers:
             server.stop()
+
+
+def _wait_unreachable(url: str, timeout_s: float = 60.0) -> None:
+    """Poll the service's status until it stops answering (a graceful shutdown takes a moment)."""
+    client = RolloutClient(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            try:
+                status = client.status()
+            except RolloutUnavailable:
+                return
+            time.sleep(0.2)
+        pytest.fail(f"rollout service {url} still answers {timeout_s:.0f} s after its shutdown: {status}")
+    finally:
+        client.close()
+
+
+def test_a_replica_is_shut_down_even_when_stopping_its_plan_fails(tiny_model_dir, sao_cache, monkeypatch, caplog):
+    """At the end of a run the learner stops each replica's plan, then shuts it down; a failed stop (here a
+    timeout, injected) must not skip the shutdown, or the replica keeps its TrainJob running."""
+    server = RolloutServer(ServeConfig(model=tiny_model_dir, port=0, cache_dir=str(sao_cache))).start()
+    try:
+        def stop_times_out(self):
+            raise RolloutUnavailable(f"rollout service {self.url} unreachable (ReadTimeout: injected)")
+
+        monkeypatch.setattr(RolloutClient, "stop", stop_times_out)
+        caplog.set_level(logging.WARNING, logger="sao_core.learner.loop")
+        ServiceSet([server.url], consumer="learner", plan={}, retry_s=1).stop(shutdown=True)
+        assert "could not stop the plan of rollout service" in caplog.text
+        _wait_unreachable(server.url)
+    finally:
+        server.stop()
 
 
 def test_fresh_run_with_resume_waits_for_a_service_that_starts_late(rl_data, tmp_path, sao_cache, tiny_model_dir,

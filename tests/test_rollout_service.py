@@ -242,6 +242,23 @@ def test_status_metrics_health_and_shutdown(service, tmp_path):
         client.health()
 
 
+def test_shutdown_exits_even_when_the_graceful_part_fails(service, monkeypatch, caplog):
+    """POST /v1/shutdown: if stopping the manager raises, the error is logged and the process still exits
+    (a replica that stays up keeps its TrainJob from ending)."""
+    server, client = service
+
+    async def broken_shutdown(grace_s=30.0):
+        raise RuntimeError("env pool wedged (injected)")
+
+    monkeypatch.setattr(server.manager, "shutdown", broken_shutdown)
+    assert client.shutdown(grace_s=1)["shutting_down"] is True
+    server._thread.join(15)
+    assert not server._thread.is_alive()
+    assert "graceful shutdown failed; exiting anyway" in caplog.text
+    with pytest.raises(RolloutUnavailable, match="unreachable"):
+        client.health()
+
+
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
                            lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
                            max_leaves=12)

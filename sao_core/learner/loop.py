@@ -199,10 +199,15 @@ class ServiceSet:
         for client in self.clients:
             try:
                 client.stop()
-                if shutdown:
+            except (RolloutUnavailable, RolloutRequestError) as err:
+                log.warning("could not stop the plan of rollout service %s: %s", client.url, err)
+            if shutdown:
+                # Tried even when stop failed: a replica left running keeps its TrainJob from ending.
+                log.info("shutting rollout service %s down", client.url)
+                try:
                     client.shutdown()
-            except (RolloutUnavailable, RolloutRequestError):
-                pass
+                except (RolloutUnavailable, RolloutRequestError) as err:
+                    log.warning("could not shut rollout service %s down: %s", client.url, err)
             client.close()
 
 

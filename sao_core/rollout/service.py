@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -23,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sao_core.rollout.engines.base import SamplingParams
 from sao_core.rollout.manager import ConflictError, RolloutError, RolloutManager, RolloutPlan
+
+log = logging.getLogger(__name__)
 
 
 class _Strict(BaseModel):
@@ -85,6 +88,7 @@ def create_app(manager: RolloutManager, on_shutdown=None) -> FastAPI:
     from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
     app = FastAPI(title="SAO rollout service", version="1")
+    shutdown_tasks: set[asyncio.Task] = set()
     registry = CollectorRegistry()
     gauges = {name: Gauge(f"sao_rollout_{name}", doc, registry=registry) for name, doc in {
         "tokens_generated": "tokens sampled by the engine since start",
@@ -156,11 +160,20 @@ def create_app(manager: RolloutManager, on_shutdown=None) -> FastAPI:
         grace = body.grace_s if body else 30.0
 
         async def finish():
-            await manager.shutdown(grace)
-            if on_shutdown is not None:
-                on_shutdown()
+            log.info("shutdown requested: running episodes get %.0f s to finish", grace)
+            try:
+                await manager.shutdown(grace)
+                log.info("rollout service stopped; exiting")
+            except Exception:  # the process must still exit, or its TrainJob never ends
+                log.exception("graceful shutdown failed; exiting anyway")
+            finally:
+                if on_shutdown is not None:
+                    on_shutdown()
 
-        asyncio.get_running_loop().create_task(finish())
+        # The loop keeps only a weak reference to a task: without this one it can be collected mid-shutdown.
+        task = asyncio.get_running_loop().create_task(finish())
+        shutdown_tasks.add(task)
+        task.add_done_callback(shutdown_tasks.discard)
         return {"shutting_down": True, "grace_s": grace}
 
     @app.post("/v1/generate")
