@@ -305,14 +305,15 @@ def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao
         messages = " ".join(r.getMessage() for r in caplog.records)
         assert "continuing with the other 1" in messages and "is back" in messages
         for server in servers:  # shutdown_services=True: both replicas were told to shut down (graceful, so poll)
-            _wait_unreachable(server.url)
+            _wait_unreachable(server)
     finally:
         for server in servers:
             server.stop()
 
 
-def _wait_unreachable(url: str, timeout_s: float = 60.0) -> None:
+def _wait_unreachable(server: RolloutServer, timeout_s: float = 60.0) -> None:
     """Poll the service's status until it stops answering (a graceful shutdown takes a moment)."""
+    url = server.url
     client = RolloutClient(url)
     deadline = time.monotonic() + timeout_s
     try:
@@ -322,7 +323,10 @@ def _wait_unreachable(url: str, timeout_s: float = 60.0) -> None:
             except RolloutUnavailable:
                 return
             time.sleep(0.2)
-        pytest.fail(f"rollout service {url} still answers {timeout_s:.0f} s after its shutdown: {status}")
+        web = server._server
+        pytest.fail(f"rollout service {url} still answers {timeout_s:.0f} s after its shutdown: {status}; "
+                    f"uvicorn should_exit={web.should_exit} connections={len(web.server_state.connections)} "
+                    f"tasks={len(web.server_state.tasks)}")
     finally:
         client.close()
 
@@ -339,7 +343,7 @@ def test_a_replica_is_shut_down_even_when_stopping_its_plan_fails(tiny_model_dir
         caplog.set_level(logging.WARNING, logger="sao_core.learner.loop")
         ServiceSet([server.url], consumer="learner", plan={}, retry_s=1).stop(shutdown=True)
         assert "could not stop the plan of rollout service" in caplog.text
-        _wait_unreachable(server.url)
+        _wait_unreachable(server)
     finally:
         server.stop()
 

@@ -259,6 +259,36 @@ def test_shutdown_exits_even_when_the_graceful_part_fails(service, monkeypatch, 
         client.health()
 
 
+def test_shutdown_does_not_wait_for_a_long_poll(service):
+    """A take long-polling for 120 s when the shutdown comes is cut off after the HTTP drain bound
+    (HTTP_DRAIN_S), so the process exits instead of serving the poll to its end."""
+    import threading
+
+    from sao_core.rollout.server import HTTP_DRAIN_S
+
+    server, client = service
+    poller = RolloutClient(server.url, consumer="poller", timeout_s=150)
+    outcome: dict = {}
+
+    def long_poll():
+        try:
+            outcome["items"] = poller.take(max_items=1, wait_s=120)
+        except (RolloutUnavailable, RolloutRequestError) as err:  # dropped, or a 500 from the cancelled handler
+            outcome["error"] = err
+
+    thread = threading.Thread(target=long_poll)
+    thread.start()
+    time.sleep(1.0)  # the poll is waiting inside the service
+    began = time.monotonic()
+    client.shutdown(grace_s=0)
+    server._thread.join(HTTP_DRAIN_S + 20)
+    assert not server._thread.is_alive(), "the service kept serving the long poll"
+    assert time.monotonic() - began < HTTP_DRAIN_S + 20
+    thread.join(30)
+    assert "error" in outcome  # the poll was cut off, not answered after its 120 s
+    poller.close()
+
+
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
                            lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
                            max_leaves=12)

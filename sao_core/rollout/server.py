@@ -17,6 +17,12 @@ from sao_core.rollout.service import create_app
 
 log = logging.getLogger(__name__)
 
+# Seconds the HTTP server gives open requests and connections once it is told to exit. Without a bound it
+# waits for every connection to close: a long-poll take runs on for up to its wait_s, and a connection
+# accepted in the instant of the exit is never asked to close, so a client polling on it keeps the process
+# (and its TrainJob) alive indefinitely. The episodes' own grace period comes before this, in the manager.
+HTTP_DRAIN_S = 5.0
+
 
 @dataclass
 class ServeConfig:
@@ -119,7 +125,8 @@ class RolloutServer:
         self.manager, app = self._build()
         if self.plan is not None:
             self.manager.start(self.plan)
-        config = uvicorn.Config(app, host=self.config.host, port=self.port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(app, host=self.config.host, port=self.port, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=HTTP_DRAIN_S)
         self._server = uvicorn.Server(config)
         await self._server.serve()
         await self.manager.shutdown(grace_s=0)
