@@ -5,6 +5,7 @@ delivery with acknowledgements, admission control, training-mode sampling, malfo
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from sao_core.objectives.common import token_logprobs
 from sao_core.rollout.client import RolloutClient, RolloutRequestError, RolloutUnavailable
 from sao_core.rollout.engines.base import SamplingParams
 from sao_core.rollout.episode import EpisodeLimits, observation_tokens, prompt_tokens, run_episode
-from sao_core.rollout.server import RolloutServer, ServeConfig
+from sao_core.rollout.server import HTTP_DRAIN_S, RolloutServer, ServeConfig
 
 
 @pytest.fixture
@@ -262,10 +263,6 @@ def test_shutdown_exits_even_when_the_graceful_part_fails(service, monkeypatch, 
 def test_shutdown_does_not_wait_for_a_long_poll(service):
     """A take long-polling for 120 s when the shutdown comes is cut off after the HTTP drain bound
     (HTTP_DRAIN_S), so the process exits instead of serving the poll to its end."""
-    import threading
-
-    from sao_core.rollout.server import HTTP_DRAIN_S
-
     server, client = service
     poller = RolloutClient(server.url, consumer="poller", timeout_s=150)
     outcome: dict = {}
@@ -395,8 +392,6 @@ def test_vllm_scaling_settings_map_to_engine_arguments_and_are_checked():
 def test_tool_calls_of_all_episodes_in_flight_wait_at_once(service, tmp_path):
     """Environment calls run on a pool with a thread per episode in flight: with 24 episodes waiting on a
     0.5 s tool at the same time, more than asyncio's default pool (min(32, cores + 4) threads) are busy."""
-    import threading
-
     server, client = service
     dataset = _rl_dataset(tmp_path, 24, seed=9)
     client.start(_plan(dataset, max_in_flight=24,
