@@ -123,8 +123,12 @@ def test_micro_batch_tokens_is_validated():
 
 
 # ----------------------------------------------------------------------------------------------- exactness
-def assert_same_step(whole, micro, *, atol: float = 1e-5, moved: float = 5e-4):
-    """Same metrics (rel 1e-4) and weights (abs `atol`); the weights moved by far more than `atol`."""
+def assert_same_step(whole, micro, *, atol: float = 2e-5, moved: float = 5e-4):
+    """Same metrics (rel 1e-4) and weights (abs `atol`); the weights moved by far more than `atol`.
+
+    2e-5 (of a 1e-3 movement): the tied embedding / LM-head weight's gradient is a sum over positions in
+    which large terms cancel; micro-batches sum them in another order, and Adam's normalisation turns that
+    float32 rounding into up to ~1.3e-5 of weight difference after two steps with whitened advantages."""
     (m_whole, p_whole, c_whole, initial), (m_micro, p_micro, c_micro, _) = whole, micro
     for a, b in zip(m_whole, m_micro, strict=True):
         assert set(a) == set(b)

@@ -31,11 +31,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from sao_core.learner.batch import RLBatch, micro_batch_rows
 from sao_core.learner.config import RLConfig
-from sao_core.objectives.common import token_logprobs
 from sao_core.objectives.gae import adaptive_lambda, skip_observation_gae
 from sao_core.objectives.grpo import RunningMeanBaseline, group_advantages, ppo_clip_loss
 from sao_core.objectives.sao import dis_policy_loss, explained_variance, value_loss
 from sao_core.training.distributed import DistContext, all_reduce, broadcast_object
+from sao_core.training.forward import model_logprobs
 
 # Metrics combined over ranks by sum or max instead of the token-weighted mean.
 _SUMMED = {"action_tokens"}
@@ -48,15 +48,13 @@ MicroBatch = tuple[torch.Tensor, RLBatch, bool]
 
 
 def _policy_forward(policy, batch: RLBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Log-probs [B, T] with gradient, plus entropy and |logp − rollout_logp| statistics."""
-    logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp = token_logprobs(logits, batch.input_ids)
+    """Log-probs [B, T] with gradient (float32, 0 off the action tokens), plus entropy and |logp − rollout_logp|
+    statistics. Only action tokens go through the output layer, in chunks (`training.forward`)."""
     mask = batch.action_mask.bool()
+    logp, entropy = model_logprobs(policy, batch.input_ids, batch.attention_mask, positions=mask,
+                                   with_entropy=True)
     with torch.no_grad():
         # Entropy of the next-token distribution at the positions that sampled action tokens.
-        shifted = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        entropy = -(shifted.exp() * shifted).sum(-1)
-        entropy = torch.cat([entropy.new_zeros(entropy.shape[0], 1), entropy], dim=1)
         diff = (logp.detach() - batch.rollout_logprobs).abs()[mask]
         stats = {"entropy": float(entropy[mask].mean()) if mask.any() else 0.0,
                  "logp_diff_mean": float(diff.mean()) if diff.numel() else 0.0,

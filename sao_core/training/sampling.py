@@ -34,7 +34,8 @@ def sample_continuations(model, prompts: list[list[int]], max_new_tokens: int, t
     produced: list[list[int]] = [[] for _ in prompts]
     for _ in range(max_new_tokens):
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, -1].float()
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                       use_cache=False, logits_to_keep=1).logits[:, -1].float()
         probs = torch.softmax(logits / temperature, dim=-1).cpu()
         nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(device)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sao_core.objectives.common import token_logprobs
 from sao_core.objectives.dpo import dpo_loss, sequence_logprobs
 from sao_core.training.chat_batch import EncodedChat, as_messages, encode_response, pad_batch
+from sao_core.training.forward import model_logprobs
 from sao_core.training.methods.base import Method, row_error
 
 
@@ -43,8 +43,8 @@ class DPOMethod(Method):
 
     def _sequence_logprobs(self, model, encoded: list[EncodedChat]) -> torch.Tensor:
         tensors = {k: v.to(self.ctx.device) for k, v in pad_batch(encoded, self.tokenizer.pad_token_id).items()}
-        logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
-        return sequence_logprobs(token_logprobs(logits, tensors["input_ids"]), tensors["loss_mask"])
+        logp, _ = model_logprobs(model, tensors["input_ids"], tensors["attention_mask"], positions=tensors["loss_mask"])
+        return sequence_logprobs(logp, tensors["loss_mask"])
 
     def setup(self, model, examples):
         """Reference log-probs for every example, once (the reference is the initial policy unless

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sao_core.objectives.gkd import generalized_jsd_loss
 from sao_core.training.chat_batch import EncodedChat, encode_response, pad_batch
+from sao_core.training.forward import model_distillation_divergence
 from sao_core.training.methods.base import Method, row_error, row_messages
 from sao_core.training.sampling import sample_continuations
 
@@ -65,11 +65,12 @@ class GKDMethod(Method):
         else:
             encoded = [e.offline for e in batch]
         tensors = {k: v.to(self.ctx.device) for k, v in pad_batch(encoded, self.tokenizer.pad_token_id).items()}
-        student = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
-        with torch.no_grad():
-            teacher = self.teacher(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
         # Logits at position t predict token t + 1: learn where the next token is a response token.
         mask = torch.zeros_like(tensors["loss_mask"])
         mask[:, :-1] = tensors["loss_mask"][:, 1:]
-        return generalized_jsd_loss(student, teacher, mask, beta=self.config.beta,
-                                    temperature=self.config.temperature)
+        # The generalised JSD of `objectives.gkd`, applied chunk by chunk to the two output layers.
+        total, count = model_distillation_divergence(model, self.teacher, tensors["input_ids"],
+                                                     tensors["attention_mask"], mask, self.config.beta,
+                                                     self.config.temperature)
+        loss = total / max(count, 1)
+        return loss, {"loss": float(loss.detach()), "tokens": float(count)}

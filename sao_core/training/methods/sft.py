@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from sao_core.objectives.common import token_logprobs
 from sao_core.objectives.sft import sft_loss
 from sao_core.training.chat_batch import encode_chat, pad_batch
+from sao_core.training.forward import model_logprobs
 from sao_core.training.methods.base import Method, row_error, row_messages
 
 
 def token_nll(model, batch, pad_id: int, device):
     """SFT/CPT loss of a micro-batch of `EncodedChat` examples: (loss, metrics)."""
     tensors = {k: v.to(device) for k, v in pad_batch(batch, pad_id).items()}
-    logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
-    return sft_loss(token_logprobs(logits, tensors["input_ids"]), tensors["loss_mask"])
+    logp, _ = model_logprobs(model, tensors["input_ids"], tensors["attention_mask"], positions=tensors["loss_mask"])
+    return sft_loss(logp, tensors["loss_mask"])
 
 
 class SFTMethod(Method):
