@@ -405,13 +405,39 @@ def publish_checkpoint(local_dir: PathLike, dest_uri: str, metadata: dict | None
     Order: remove any old ``_COMPLETE`` at the destination, copy every file, write ``manifest.json``
     (sha256 and size in bytes of each file), then write ``_COMPLETE`` last. Returns the manifest.
     """
+    try:
+        json.dumps(metadata or {})
+    except (TypeError, ValueError) as exc:  # refused before anything is written
+        raise StorageError(f"checkpoint metadata for {dest_uri} is not JSON-serialisable: {exc}") from exc
+    begin_checkpoint(dest_uri, settings)
+    return complete_checkpoint(dest_uri, upload_checkpoint_files(local_dir, dest_uri, settings), metadata, settings)
+
+
+def begin_checkpoint(dest_uri: str, settings: S3Settings | None = None) -> None:
+    """Mark the checkpoint at ``dest_uri`` incomplete (an overwrite is incomplete until it finishes)."""
+    _delete(join(dest_uri, COMPLETE_MARKER), settings)
+
+
+def upload_checkpoint_files(local_dir: PathLike, dest_uri: str, settings: S3Settings | None = None
+                            ) -> dict[str, dict[str, Any]]:
+    """Copy every file under ``local_dir`` to ``dest_uri`` (same relative paths); returns their manifest
+    entries (sha256, size). Several writers (the ranks of a job, each with its own files) may upload into
+    one checkpoint between `begin_checkpoint` and `complete_checkpoint`."""
     src = _local_path(local_dir)
     if not src.is_dir():
         raise StorageError(f"not found: checkpoint directory {src} (while publishing to {dest_uri})")
     files = [f for f in list_files(str(src)) if f not in (MANIFEST_NAME, COMPLETE_MARKER)]
+    entries = {rel: _file_entry(src / rel) for rel in files}
+    _run_all([lambda r=rel: upload_file(src / r, join(dest_uri, r), settings) for rel in files])
+    return entries
+
+
+def complete_checkpoint(dest_uri: str, entries: dict[str, dict[str, Any]], metadata: dict | None = None,
+                        settings: S3Settings | None = None) -> dict:
+    """Write ``manifest.json`` for the uploaded files ``entries`` and then ``_COMPLETE``; returns the manifest."""
     manifest = {
         "format": _MANIFEST_FORMAT,
-        "files": {rel: _file_entry(src / rel) for rel in files},
+        "files": dict(sorted(entries.items())),
         "created_unix": time.time(),
         "metadata": dict(metadata or {}),
     }
@@ -419,8 +445,6 @@ def publish_checkpoint(local_dir: PathLike, dest_uri: str, metadata: dict | None
         manifest_text = json.dumps(manifest, indent=2, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise StorageError(f"checkpoint metadata for {dest_uri} is not JSON-serialisable: {exc}") from exc
-    _delete(join(dest_uri, COMPLETE_MARKER), settings)  # an overwrite is incomplete until it finishes
-    _run_all([lambda r=rel: upload_file(src / r, join(dest_uri, r), settings) for rel in files])
     write_text(join(dest_uri, MANIFEST_NAME), manifest_text, settings)
     write_text(join(dest_uri, COMPLETE_MARKER), hashlib.sha256(manifest_text.encode()).hexdigest(), settings)
     return manifest

@@ -75,7 +75,7 @@ def run_steps(model_dir: str, method: str, budget: int, whiten: bool = False, ct
     updater = Updater(config, policy, critic, ctx)
     batch = collate(fixed_trajectories(model_dir), tokenizer.pad_token_id)
     metrics = [updater.step(batch, step)[0] for step in range(steps)]
-    state = updater.state_dict()
+    state = updater.full_model_states()
     return metrics, state["policy"], state.get("critic"), initial
 
 

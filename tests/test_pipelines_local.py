@@ -79,7 +79,7 @@ def test_post_training_sao_branch_with_warm_start_and_evaluation(tmp_path, input
     sao = json.loads((run / "sao" / "summary.json").read_text())
     assert sao["method"] == "sao" and sao["steps"] == 2 and sao["critic"]
     # SAO started from the warm-start model, not from the base model.
-    learner = json.loads(storage.read_text(storage.join(sao["checkpoint"], "learner_state.json")))
+    learner = json.loads(storage.read_text(storage.join(sao["checkpoint"], "trainer_state.json")))
     assert learner["config"]["model"] == str(run / "sft" / "model")
     summary = json.loads((run / "report" / "summary.json").read_text())
     assert summary["model"] == model_uri and list(summary["benchmarks"]) == ["imo_answerbench"]

@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from sao_core.training.config import CoreConfig
 
 RL_METHODS = ("sao", "grpo", "grpo_async", "grpo_dis", "running_mean")
 GROUP_METHODS = ("grpo", "grpo_async", "grpo_dis")
 
 
 @dataclass
-class RLConfig:
-    """One RL run. Steps count learner steps (one batch each); lengths are in tokens; lr are constant."""
+class RLConfig(CoreConfig):
+    """One RL run. Steps count learner steps (one batch each); lengths are in tokens.
 
-    data: str                                  # prepared rl dataset (directory, data.jsonl or s3://)
-    output: str                                # run directory: local path or s3:// prefix
+    The training core's fields (model, steps, schedule, warmup_steps, min_lr_ratio, weight_decay, grad_clip,
+    precision, gradient_checkpointing, checkpoint_every, resume, log_every, seed, cache_dir) come from
+    `CoreConfig`, shared with the supervised methods. The schedule applies to both learning rates: the
+    policy's over its policy updates (steps − critic_warmup_steps), the critic's over the learner steps
+    (its K updates of one step share that step's rate). SAO's defaults are the paper's: constant lr, no
+    warm-up, no weight decay. `data` is a prepared rl dataset; `model` the initial policy and critic."""
+
     method: str = "sao"                        # sao | grpo | grpo_async | grpo_dis | running_mean
-    model: str = "embedded:tiny"               # initial policy (and critic) checkpoint
     services: tuple[str, ...] = ()             # rollout service URLs; empty: start one in this process
     engine: str = "hf"                         # engine of the colocated service: hf | vllm
-    steps: int = 100                           # learner steps (SAO critic warm-up steps included)
     batch_size: int = 32                       # trajectories per step (B)
     group_size: int = 8                        # G for the GRPO methods (batch_size must be a multiple)
     max_staleness: int = 4                     # drop trajectories older than this many versions
@@ -39,7 +43,6 @@ class RLConfig:
     gamma: float = 1.0
     whiten_advantages: bool = False
     baseline_window: int = 8                   # running_mean: last rewards per prompt
-    grad_clip: float = 1.0
     micro_batch_tokens: int = 16384            # max rows x width (padded positions) per learner forward/backward, rows grouped by length (padding <= half); 0: one pass
     env_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     max_new_tokens_per_turn: int = 256
@@ -49,12 +52,8 @@ class RLConfig:
     take_wait_s: float = 2.0                   # long-poll wait per request
     service_retry_s: float = 300.0             # how long to wait when no rollout service answers before failing
     shutdown_services: bool = False            # at the end, shut the services down (TrainJob: lets the job end)
-    checkpoint_every: int = 0                  # steps between resumable checkpoints; 0: only at the end
     keep_weight_versions: int = 3              # published weight versions kept (older ones deleted)
-    resume: bool = False
     log_every: int = 1
-    seed: int = 0
-    cache_dir: str = field(default_factory=lambda: str(Path.home() / ".cache" / "sao"))
 
     @property
     def in_flight_cap(self) -> int:
@@ -67,14 +66,14 @@ class RLConfig:
         return self.group_size if self.method in GROUP_METHODS else 1
 
     def validate(self) -> None:
+        super().validate()
         if self.method not in RL_METHODS:
             raise ValueError(f"RLConfig.method must be one of {', '.join(RL_METHODS)}, got {self.method!r}")
-        for key in ("steps", "batch_size", "group_size", "critic_updates", "log_every", "max_new_tokens_per_turn",
+        for key in ("batch_size", "group_size", "critic_updates", "max_new_tokens_per_turn",
                     "max_total_tokens", "rollout_max_batch", "keep_weight_versions"):
             if getattr(self, key) < 1:
                 raise ValueError(f"RLConfig.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("max_staleness", "max_in_flight", "critic_warmup_steps", "checkpoint_every", "value_clip",
-                    "grad_clip", "micro_batch_tokens"):
+        for key in ("max_staleness", "max_in_flight", "critic_warmup_steps", "value_clip", "micro_batch_tokens"):
             if getattr(self, key) < 0:
                 raise ValueError(f"RLConfig.{key} must be >= 0, got {getattr(self, key)}")
         if self.method in GROUP_METHODS and self.batch_size % self.group_size:

@@ -32,8 +32,15 @@ from sao_core.learner.config import GROUP_METHODS, RLConfig
 from sao_core.learner.updates import Updater
 from sao_core.rollout.client import RolloutClient, RolloutRequestError, RolloutUnavailable
 from sao_core.rollout.trajectory import Trajectory
-from sao_core.training.checkpointing import save_full_model, step_name
-from sao_core.training.distributed import DistContext, broadcast_object, init_distributed, shard_model
+from sao_core.training.checkpointing import (
+    STATE_FILE,
+    load_training_checkpoint,
+    save_full_model,
+    save_training_checkpoint,
+    step_name,
+)
+from sao_core.training.core import prepare_model
+from sao_core.training.distributed import DistContext, all_reduce, broadcast_object, init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -375,29 +382,28 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         critic = ValueModel.from_pretrained(initial_dir)
         if config.freeze_critic_attention:
             critic.freeze_attention()
-    policy = shard_model(policy.to(ctx.device), ctx)
+    # The training core's set-up for both models: float32 master weights, activation checkpointing, FSDP2.
+    policy = prepare_model(policy, ctx, config.gradient_checkpointing)
     if critic is not None:
-        critic = shard_model(critic.to(ctx.device), ctx)
+        critic = prepare_model(critic, ctx, config.gradient_checkpointing)
     updater = Updater(config, policy, critic, ctx)
     step, version = 0, 0
     data_position = 0  # first prompt-stream position not yet trained (see RolloutPlan)
     if latest:
-        state: dict[str, Any] = {}
-        learner_state: dict[str, Any] | None = None
-        if ctx.is_main:
-            try:
-                local = storage.fetch_checkpoint(latest, Path(config.cache_dir) / "s3")
-            except storage.StorageError as err:
-                learner_state = {"error": f"cannot resume from {latest}: {err}"}
-            else:
-                learner_state = json.loads((local / "learner_state.json").read_text())
-                state = torch.load(local / "learner.pt", weights_only=False)
-        learner_state = broadcast_object(learner_state, ctx)
-        if "error" in learner_state:
-            raise LearnerError(learner_state["error"])
-        if learner_state["method"] != config.method:
-            raise LearnerError(f"{latest} belongs to a {learner_state['method']!r} run, not {config.method!r}")
-        updater.load_state_dict(state)
+        # Every rank reads its own verified copy (no shared filesystem needed); all agree before loading.
+        local, error = None, ""
+        try:
+            local = storage.fetch_checkpoint(latest, Path(config.cache_dir) / "s3")
+            learner_state = json.loads((local / STATE_FILE).read_text())
+        except (storage.StorageError, OSError, ValueError) as err:
+            error = f"cannot resume from {latest}: {err}"
+        (failed,) = all_reduce([float(bool(error))], ctx)
+        if failed:
+            raise LearnerError(error or f"cannot resume from {latest}: another rank could not read it")
+        if learner_state.get("method") != config.method:
+            raise LearnerError(f"{latest} belongs to a {learner_state.get('method')!r} run, not {config.method!r}")
+        learner_state = load_training_checkpoint(local, updater.checkpoint_parts(), ctx)
+        updater.load_extra_state(learner_state["extra"])
         step, version = learner_state["step"], learner_state["version"]
         data_position = learner_state.get("data_position", 0)
         log.info("resumed from %s (step %d, version %d)", latest, step, version)
@@ -454,22 +460,11 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         return time.monotonic() - began
 
     def checkpoint() -> str:
-        """Resumable learner state (collective); rank 0 publishes it."""
-        uri = storage.join(checkpoints_uri, step_name(step))
-        state = updater.state_dict()
-        if not ctx.is_main:
-            return uri
-        staging = scratch / "checkpoint"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        torch.save(state, staging / "learner.pt")
-        (staging / "learner_state.json").write_text(json.dumps(
-            {"method": config.method, "step": step, "version": version, "world_size": ctx.world_size,
-             "data_position": data_position,
-             "config": asdict(config)}, default=list))
-        storage.publish_checkpoint(staging, uri, metadata={"kind": "learner-state", "step": step,
-                                                           "version": version, "method": config.method})
-        return uri
+        """Resumable learner state in the training core's format (collective)."""
+        return save_training_checkpoint(
+            scratch / "checkpoint", storage.join(checkpoints_uri, step_name(step)), updater.checkpoint_parts(),
+            {"method": config.method, "step": step, "version": version, "data_position": data_position,
+             "extra": updater.extra_state(), "config": json.loads(json.dumps(asdict(config), default=list))}, ctx)
 
     pending = Pending(config, already_trained=replayed_ids)
     metrics_path = scratch / "metrics.jsonl"

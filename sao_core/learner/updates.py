@@ -27,14 +27,15 @@ the token mean over the local batch, and the optimiser steps once per update. Me
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from sao_core.learner.batch import RLBatch, micro_batch_rows
 from sao_core.learner.config import RLConfig
 from sao_core.objectives.gae import adaptive_lambda, skip_observation_gae
 from sao_core.objectives.grpo import RunningMeanBaseline, group_advantages, ppo_clip_loss
 from sao_core.objectives.sao import dis_policy_loss, explained_variance, value_loss
-from sao_core.training.distributed import DistContext, all_reduce, broadcast_object
+from sao_core.training.core import autocast, build_optimizer, build_scheduler, clip_and_step
+from sao_core.training.distributed import DistContext, all_reduce
 from sao_core.training.forward import model_logprobs
 
 # Metrics combined over ranks by sum or max instead of the token-weighted mean.
@@ -80,14 +81,6 @@ def _whiten(adv: torch.Tensor, mask: torch.Tensor, ctx: DistContext) -> torch.Te
     return torch.where(mask.bool(), (adv - mean) / (std + 1e-8), torch.zeros_like(adv))
 
 
-def _step(optimizer, params, clip: float) -> float:
-    norm = torch.nn.utils.clip_grad_norm_(params, clip or float("inf"))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    # FSDP2 parameters are DTensors; their norm is a DTensor of the global norm.
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-
 def share_rows(batch_size: int, ctx: DistContext) -> tuple[int, int]:
     """[start, stop) rows of a batch of `batch_size` trained by this rank (contiguous, sizes differ by ≤ 1)."""
     base, extra = divmod(batch_size, ctx.world_size)
@@ -111,9 +104,15 @@ class Updater:
         self.ctx = ctx or DistContext()
         self.policy = policy
         self.critic = critic
-        self.policy_opt = torch.optim.AdamW(policy.parameters(), lr=config.policy_lr, weight_decay=0.0)
-        self.critic_opt = (torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad],
-                                             lr=config.critic_lr, weight_decay=0.0) if critic is not None else None)
+        # The training core's optimiser and schedule: the policy's over its policy updates, the critic's over the
+        # learner steps (stepped once per step, after its K updates).
+        self.policy_opt = build_optimizer(policy.parameters(), config.policy_lr, config.weight_decay)
+        policy_updates = config.steps - (config.critic_warmup_steps if config.method == "sao" else 0)
+        self.policy_sched = build_scheduler(self.policy_opt, config, policy_updates)
+        self.critic_opt = self.critic_sched = None
+        if critic is not None:
+            self.critic_opt = build_optimizer(critic.parameters(), config.critic_lr, config.weight_decay)
+            self.critic_sched = build_scheduler(self.critic_opt, config, config.steps)
         self.baseline = RunningMeanBaseline(window=config.baseline_window)
 
     def step(self, batch: RLBatch, step_index: int) -> tuple[dict[str, float], bool]:
@@ -141,6 +140,8 @@ class Updater:
         metrics: dict[str, float] = {"action_tokens": n_local}
         if method == "sao":
             advantages = self._critic_phase(batch, micro, metrics, loss_scale)
+            metrics["critic_lr"] = self.critic_sched.get_last_lr()[0]
+            self.critic_sched.step()
             if step_index < self.config.critic_warmup_steps:
                 metrics["critic_warmup"] = 1.0
                 return self._reduce(metrics, n_local, len(batch.trajectories), reward_mean), False
@@ -151,8 +152,9 @@ class Updater:
         self.policy.train()
         parts = []
         for index, mb, real in micro:
-            logp, stats = _policy_forward(self.policy, mb)
-            loss, m = self._policy_loss(logp, mb, advantages[index, :mb.input_ids.shape[1]])
+            with autocast(self.config.precision, self.ctx.device):
+                logp, stats = _policy_forward(self.policy, mb)
+                loss, m = self._policy_loss(logp, mb, advantages[index, :mb.input_ids.shape[1]])
             n_micro = float(mb.action_mask.sum()) if real else 0.0
             # The micro-batch's token mean times n_micro / n_local: its share of the local token mean.
             (loss * (n_micro / max(n_local, 1.0) * loss_scale)).backward()
@@ -160,7 +162,9 @@ class Updater:
                 parts.append((n_micro, {**stats, "policy_loss": float(loss.detach()),
                                         **{f"policy_{k}": v for k, v in m.items() if k not in ("loss", "action_tokens")}}))
         metrics.update(_combine(parts, n_local))
-        metrics["policy_grad_norm"] = _step(self.policy_opt, self.policy.parameters(), self.config.grad_clip)
+        metrics["policy_lr"] = self.policy_sched.get_last_lr()[0]
+        metrics["policy_grad_norm"] = clip_and_step(self.policy_opt, self.policy.parameters(), self.config.grad_clip,
+                                                    self.policy_sched)
         metrics["advantage_mean"] = float(advantages[mask.bool()].mean()) if mask.any() else 0.0
         return self._reduce(metrics, n_local, len(batch.trajectories), reward_mean), True
 
@@ -214,7 +218,7 @@ class Updater:
         # Old values [B_local, T] from the micro-batches (0 on trimmed padding, which no loss reads); GAE is
         # row-wise but runs on the whole local batch at once.
         old_values = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        with torch.no_grad():
+        with torch.no_grad(), autocast(cfg.precision, self.ctx.device):
             for index, mb, real in micro:
                 values = self.critic(mb.input_ids, mb.attention_mask)
                 if real:
@@ -228,20 +232,18 @@ class Updater:
             first_values = torch.zeros_like(old_values) if k == 0 else None
             parts = []
             for index, mb, real in micro:
-                values = self.critic(mb.input_ids, mb.attention_mask)
-                width = values.shape[1]
-                loss, m = value_loss(values, old_values[index, :width], returns[index, :width], mb.action_mask,
-                                     cfg.value_clip)
+                with autocast(cfg.precision, self.ctx.device):
+                    values = self.critic(mb.input_ids, mb.attention_mask)
+                    width = values.shape[1]
+                    loss, m = value_loss(values.float(), old_values[index, :width], returns[index, :width],
+                                         mb.action_mask, cfg.value_clip)
                 n_micro = float(mb.action_mask.sum()) if real else 0.0
                 (loss * (n_micro / max(n_local, 1.0) * loss_scale)).backward()
                 if real:
                     parts.append((n_micro, {"critic_loss": m["value_loss"]}))
                     if first_values is not None:
                         first_values[index, :width] = values.detach().float()
-            # Parameters listed after the backward passes: FSDP2 swaps a module's parameters between sharded and
-            # unsharded tensors around forward, and the optimiser's (sharded) ones hold the gradients.
-            params = [p for p in self.critic.parameters() if p.requires_grad]
-            norm = _step(self.critic_opt, params, cfg.grad_clip)
+            norm = clip_and_step(self.critic_opt, self.critic.parameters(), cfg.grad_clip)
             if k == 0:
                 # Not a token mean: computed once on the whole local batch.
                 metrics["explained_variance"] = explained_variance(first_values, returns, mask)
@@ -251,27 +253,30 @@ class Updater:
         return advantages
 
     # ------------------------------------------------------------------ state for checkpoints
-    def _pairs(self) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
-        pairs = [("policy", self.policy, self.policy_opt)]
+    def checkpoint_parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        """The named (model, optimiser) pairs of the run, for the training core's checkpoint format."""
+        parts = {"policy": (self.policy, self.policy_opt)}
         if self.critic is not None:
-            pairs.append(("critic", self.critic, self.critic_opt))
-        return pairs
+            parts["critic"] = (self.critic, self.critic_opt)
+        return parts
 
-    def state_dict(self) -> dict:
-        """Full (unsharded, CPU) models and optimisers, so a checkpoint resumes on any number of ranks.
-        Collective under torchrun; only rank 0's dict holds the tensors."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = {"baseline": self.baseline.state_dict()}
-        for name, model, optimizer in self._pairs():
-            state[name], state[f"{name}_opt"] = get_state_dict(model, optimizer, options=options)
+    def extra_state(self) -> dict:
+        """JSON-able state beside the tensors: the schedules and the running-mean baseline."""
+        state = {"baseline": self.baseline.state_dict(), "policy_scheduler": self.policy_sched.state_dict()}
+        if self.critic_sched is not None:
+            state["critic_scheduler"] = self.critic_sched.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore from `state_dict()` output. Under torchrun only rank 0 needs `state` (others pass {}):
-        rank 0 broadcasts the tensors."""
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.ctx.distributed)
-        for name, model, optimizer in self._pairs():
-            set_state_dict(model, optimizer, model_state_dict=state.get(name, {}),
-                           optim_state_dict=state.get(f"{name}_opt", {}), options=options)
-        # Every rank computes running-mean advantages itself, so each needs the baseline's history.
-        self.baseline.load_state_dict(broadcast_object(state.get("baseline"), self.ctx))
+    def load_extra_state(self, state: dict) -> None:
+        """Restore `extra_state()` output (every rank passes the same dict)."""
+        self.baseline.load_state_dict(state["baseline"])
+        self.policy_sched.load_state_dict(state["policy_scheduler"])
+        if self.critic_sched is not None:
+            self.critic_sched.load_state_dict(state["critic_scheduler"])
+
+    def full_model_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Full (unsharded, CPU) state dicts of the policy and the critic. Collective under torchrun; only rank
+        0's dicts hold the tensors."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {name: get_model_state_dict(model, options=options)
+                for name, (model, _) in self.checkpoint_parts().items()}

@@ -22,9 +22,10 @@ from sao_core.objectives.gkd import generalized_jsd_loss
 LOGIT_CHUNK_ELEMENTS = 2 ** 25
 
 
-def chunk_rows(vocab_size: int, chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> int:
-    """Positions per chunk so that one chunk of logits holds at most `chunk_elements` floats (at least 1)."""
-    return max(1, chunk_elements // max(1, vocab_size))
+def chunk_rows(vocab_size: int, chunk_elements: int | None = None) -> int:
+    """Positions per chunk so that one chunk of logits holds at most `chunk_elements` floats (None:
+    `LOGIT_CHUNK_ELEMENTS`), at least 1."""
+    return max(1, (chunk_elements or LOGIT_CHUNK_ELEMENTS) // max(1, vocab_size))
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -91,7 +92,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                      compute_dtype: torch.dtype | None = None, with_entropy: bool = False,
-                     chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     chunk_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each target under softmax(hidden @ weightᵀ + bias), in chunks of positions.
 
     Args:
@@ -116,7 +117,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 def chunked_generalized_jsd(student_hidden: torch.Tensor, student_weight: torch.Tensor,
                             teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, beta: float,
                             temperature: float, compute_dtype: torch.dtype | None = None,
-                            chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> torch.Tensor:
+                            chunk_elements: int | None = None) -> torch.Tensor:
     """Sum over positions of the generalised JSD(β) between student and teacher next-token distributions
     (`objectives.gkd.generalized_jsd_loss`, the one definition), one chunk of positions at a time.
 

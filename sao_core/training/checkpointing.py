@@ -1,12 +1,12 @@
-"""Resumable training checkpoints (torch distributed checkpoint) and the final Hugging Face export.
+"""Resumable training checkpoints (torch distributed checkpoint) and the final Hugging Face export: the one
+checkpoint format of every method (sft, cpt, dpo, gkd and the RL learner).
 
-A training checkpoint directory holds ``dcp/`` (model and optimiser, sharded by rank, re-shardable),
-``trainer_state.json`` (step, data cursor, scheduler, method) and ``rng-rank<R>.pt``. It is published
-with `sao_core.storage.publish_checkpoint`, so it is complete only once its ``_COMPLETE`` marker exists
-and every file is verified against the manifest when it is read back.
-
-All ranks write into one staging directory, so the ranks of a job must share a filesystem (one node,
-or a shared volume); the checkpoint then goes to a path or an s3:// prefix.
+A training checkpoint directory holds ``dcp/`` (the named models and their optimisers — ``model`` for the
+supervised methods, ``policy`` and ``critic`` for RL — sharded by rank and re-shardable to another world
+size), ``trainer_state.json`` (step, data cursor or stream position, schedulers, method, config) and
+``rng-rank<R>.pt``. Each rank stages its own files in its own directory and uploads them; rank 0 then
+writes the manifest of all files and the ``_COMPLETE`` marker (`sao_core.storage`), so the ranks need no
+shared filesystem (multi-node jobs publish to s3://) and a reader never sees a partial checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -47,38 +48,67 @@ def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def save_training_checkpoint(staging: Path, dest_uri: str, model, optimizer, trainer_state: dict[str, Any],
+Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
+
+
+def _gather(value, ctx: DistContext) -> list:
+    if not ctx.distributed:
+        return [value]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def save_training_checkpoint(staging: Path, dest_uri: str, parts: Parts, trainer_state: dict[str, Any],
                              ctx: DistContext) -> str:
-    """Write and publish a resumable checkpoint (collective: every rank calls it). Returns `dest_uri`."""
+    """Write and publish a resumable checkpoint of the named (model, optimiser) `parts` (collective: every rank
+    calls it). `staging` is a local scratch directory (each rank uses its own sub-directory). Returns
+    `dest_uri`."""
+    mine = staging / f"rank-{ctx.rank}"
+    shutil.rmtree(mine, ignore_errors=True)
+    mine.mkdir(parents=True)
     if ctx.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        storage.begin_checkpoint(dest_uri)
+    state: dict[str, Any] = {}
+    for name, (model, optimizer) in parts.items():
+        state[name], state[f"{name}_optim"] = get_state_dict(model, optimizer)
     barrier(ctx)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     with _single_process_quiet(ctx):
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging / "dcp"))
+        dcp.save(state, checkpoint_id=str(mine / "dcp"))
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    torch.save(rng, staging / f"rng-rank{ctx.rank}.pt")
-    barrier(ctx)
+    torch.save(rng, mine / f"rng-rank{ctx.rank}.pt")
     if ctx.is_main:
-        (staging / STATE_FILE).write_text(json.dumps({**trainer_state, "world_size": ctx.world_size}, indent=2))
-        storage.publish_checkpoint(staging, dest_uri, metadata={"kind": "training-state",
+        (mine / STATE_FILE).write_text(json.dumps({**trainer_state, "world_size": ctx.world_size}, indent=2))
+    try:
+        entries: dict[str, Any] | str = storage.upload_checkpoint_files(mine, dest_uri)
+    except storage.StorageError as err:
+        entries = f"rank {ctx.rank}: {err}"
+    everyone = _gather(entries, ctx)
+    shutil.rmtree(mine, ignore_errors=True)
+    failed = [e for e in everyone if isinstance(e, str)]
+    if failed:
+        raise storage.StorageError(f"checkpoint {dest_uri} not published: {'; '.join(failed)}")
+    if ctx.is_main:
+        merged = {rel: entry for rank_entries in everyone for rel, entry in rank_entries.items()}
+        storage.complete_checkpoint(dest_uri, merged, metadata={"kind": "training-state",
                                                                 "step": trainer_state["step"],
                                                                 "method": trainer_state["method"]})
-        shutil.rmtree(staging, ignore_errors=True)
     barrier(ctx)
     return dest_uri
 
 
-def load_training_checkpoint(local_dir: Path, model, optimizer, ctx: DistContext) -> dict[str, Any]:
-    """Restore model, optimiser and RNG from a verified local checkpoint; return its trainer state."""
+def load_training_checkpoint(local_dir: Path, parts: Parts, ctx: DistContext) -> dict[str, Any]:
+    """Restore the named models, optimisers and RNG from a verified local copy of a checkpoint (every rank
+    passes its own copy); return its trainer state."""
     state = json.loads((local_dir / STATE_FILE).read_text())
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    loaded = {"model": model_sd, "optim": optim_sd}
+    loaded: dict[str, Any] = {}
+    for name, (model, optimizer) in parts.items():
+        loaded[name], loaded[f"{name}_optim"] = get_state_dict(model, optimizer)
     with _single_process_quiet(ctx):
         dcp.load(loaded, checkpoint_id=str(local_dir / "dcp"))
-    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    for name, (model, optimizer) in parts.items():
+        set_state_dict(model, optimizer, model_state_dict=loaded[name], optim_state_dict=loaded[f"{name}_optim"])
     rng_file = local_dir / f"rng-rank{ctx.rank}.pt"
     if state.get("world_size") == ctx.world_size and rng_file.exists():
         rng = torch.load(rng_file, weights_only=False)

@@ -12,26 +12,25 @@ from pathlib import Path
 
 from sao_core.training.schedule import SCHEDULES
 
+PRECISIONS = ("auto", "float32", "bf16")
+
 
 @dataclass
-class TrainConfig:
-    """Settings every method shares."""
+class CoreConfig:
+    """Settings of the shared training core, used by every method (sft, cpt, dpo, gkd and the RL learner):
+    model, schedule, optimiser, precision, memory and checkpoint settings. One place defines them."""
 
     data: str                               # prepared dataset: directory (or s3:// prefix) holding data.jsonl
     output: str                             # run directory: local path or s3:// prefix
     model: str = "embedded:tiny"            # model reference: embedded:*, directory, s3:// or hub id
-    steps: int = 100                        # optimiser steps in total
-    batch_size: int = 16                    # examples per optimiser step, over all ranks
-    grad_accum: int = 1                     # micro-batches per optimiser step on each rank
-    lr: float = 1e-3
-    schedule: str = "cosine"                # constant | cosine | linear
-    warmup_steps: int = 10
+    steps: int = 100                        # optimiser steps (RL: learner steps) in total
+    schedule: str = "constant"              # constant | cosine | linear, after the warm-up
+    warmup_steps: int = 0                   # linear lr warm-up, in optimiser updates
     min_lr_ratio: float = 0.0               # final lr as a share of lr (cosine, linear)
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0               # AdamW
     grad_clip: float = 1.0                  # max global grad norm; 0 disables
-    max_tokens: int = 512                   # examples are cut (or packed) to this many tokens
-    gradient_checkpointing: bool = False
-    bf16: bool = True                       # bf16 autocast on GPU (ignored on CPU)
+    precision: str = "auto"                 # auto (bf16 on GPU, float32 on CPU) | float32 | bf16 (autocast; master weights and optimiser float32)
+    gradient_checkpointing: bool = False    # recompute decoder-layer activations in the backward pass
     checkpoint_every: int = 0               # steps between resumable checkpoints; 0: only at the end
     resume: bool = False                    # continue from the newest complete checkpoint in output
     log_every: int = 10
@@ -41,18 +40,39 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         name = type(self).__name__
-        for key in ("steps", "batch_size", "grad_accum", "max_tokens", "log_every"):
+        for key in ("steps", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{name}.{key} must be >= 1, got {getattr(self, key)}")
         for key in ("warmup_steps", "checkpoint_every", "grad_clip", "weight_decay"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{name}.{key} must be >= 0, got {getattr(self, key)}")
-        if not self.lr > 0:
-            raise ValueError(f"{name}.lr must be > 0, got {self.lr}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"{name}.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"{name}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"{name}.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+
+@dataclass
+class TrainConfig(CoreConfig):
+    """Settings every supervised method shares (the core's, plus batch, lr and length)."""
+
+    schedule: str = "cosine"
+    warmup_steps: int = 10
+    batch_size: int = 16                    # examples per optimiser step, over all ranks
+    grad_accum: int = 1                     # micro-batches per optimiser step on each rank
+    lr: float = 1e-3
+    max_tokens: int = 512                   # examples are cut (or packed) to this many tokens
+
+    def validate(self) -> None:
+        super().validate()
+        name = type(self).__name__
+        for key in ("batch_size", "grad_accum", "max_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{name}.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.lr > 0:
+            raise ValueError(f"{name}.lr must be > 0, got {self.lr}")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"{name}.batch_size ({self.batch_size}) must be a multiple of grad_accum "
                              f"({self.grad_accum})")

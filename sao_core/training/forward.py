@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from sao_core.objectives.chunked import LOGIT_CHUNK_ELEMENTS, chunked_generalized_jsd, chunked_logprobs
+from sao_core.objectives.chunked import chunked_generalized_jsd, chunked_logprobs
 
 
 def _compute_dtype(device: torch.device, weight: torch.Tensor) -> torch.dtype:
@@ -43,7 +43,7 @@ def _head_as(model, fn: Callable[[torch.Tensor, torch.nn.Module], torch.Tensor])
 
 def model_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    positions: torch.Tensor | None = None, with_entropy: bool = False,
-                   chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   chunk_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (with gradient) and, optionally, entropies (without) of a causal LM.
 
     Args:
@@ -95,7 +95,7 @@ def model_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 def model_distillation_divergence(student, teacher, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                   positions: torch.Tensor, beta: float, temperature: float,
-                                  chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> tuple[torch.Tensor, int]:
+                                  chunk_elements: int | None = None) -> tuple[torch.Tensor, int]:
     """Σ of the generalised JSD(β) between student and teacher at `positions` ([B, T] 1 where the logits at
     position t — the distribution of token t + 1 — are compared), and the number of such positions.
 

@@ -2,14 +2,13 @@
 
 Single process, or FSDP2 under torchrun (gloo on CPU, NCCL on GPU). Per optimiser step: the next
 `batch_size` examples of a seeded, epoch-wise shuffled order (the data cursor is all that is needed to
-resume it), split over ranks and `grad_accum` micro-batches; bf16 autocast on GPU; gradient clipping;
+resume it), split over ranks and `grad_accum` micro-batches; the core's precision (`training.core`); gradient clipping;
 schedule with warm-up. Resumable checkpoints every `checkpoint_every` steps and at the end; the final
 model is exported in Hugging Face format to ``<output>/model``; metrics go to ``<output>/metrics.jsonl``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -29,8 +28,8 @@ from sao_core.training.checkpointing import (
     step_name,
 )
 from sao_core.training.config import METHOD_CONFIGS, TrainConfig
-from sao_core.training.distributed import all_reduce_mean, barrier, init_distributed, shard_model
-from sao_core.training.schedule import lr_factor
+from sao_core.training.core import autocast, build_optimizer, build_scheduler, clip_and_step, prepare_model
+from sao_core.training.distributed import all_reduce_mean, barrier, init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -160,26 +159,21 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
     eval_set, train_set = examples[:n_eval], examples[n_eval:] or examples
 
     model.to(ctx.device)
-    impl.setup(model, examples)
-    if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    model = shard_model(model, ctx)
+    precision = autocast(config.precision, ctx.device)
+    with precision:  # reference log-probs (DPO) in the precision the policy trains in
+        impl.setup(model, examples)
+    model = prepare_model(model, ctx, config.gradient_checkpointing)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, config.steps, config.warmup_steps, config.schedule, config.min_lr_ratio)
-    )
+    optimizer = build_optimizer(model.parameters(), config.lr, config.weight_decay)
+    scheduler = build_scheduler(optimizer, config, config.steps)
     step, cursor = 0, 0
     if local_resume is not None:
-        state = load_training_checkpoint(local_resume, model, optimizer, ctx)
+        state = load_training_checkpoint(local_resume, {"model": (model, optimizer)}, ctx)
         scheduler.load_state_dict(state["scheduler"])
         step, cursor = int(state["step"]), int(state["cursor"])
         if ctx.is_main:
             log.info("resumed from %s at step %d", resume_from, step)
 
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if config.bf16 and ctx.device.type == "cuda"
-                else contextlib.nullcontext())
     local_run = _local_run_dir(config)
     local_run.mkdir(parents=True, exist_ok=True)
     order = DataOrder(len(train_set), config.seed)
@@ -191,7 +185,7 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
             return None
         model.eval()
         total = 0.0
-        with torch.no_grad(), autocast:
+        with torch.no_grad(), precision:
             for start in range(0, len(eval_set), micro):
                 loss, _ = impl.loss(model, eval_set[start:start + micro], step, training=False)
                 total += float(loss) * len(eval_set[start:start + micro])
@@ -204,8 +198,8 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
 
     def checkpoint() -> str:
         return save_training_checkpoint(local_run / ".staging" / step_name(step),
-                                        storage.join(checkpoints_uri, step_name(step)), model, optimizer,
-                                        trainer_state(), ctx)
+                                        storage.join(checkpoints_uri, step_name(step)),
+                                        {"model": (model, optimizer)}, trainer_state(), ctx)
 
     eval_before = evaluate()
     metrics_path = local_run / "metrics.jsonl"
@@ -219,20 +213,18 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
             sums: dict[str, float] = {}
             for i in range(config.grad_accum):
                 batch = [train_set[j] for j in mine[i * micro:(i + 1) * micro]]
-                with autocast:
+                with precision:
                     loss, metrics = impl.loss(model, batch, step, training=True, micro=i)
                 (loss / config.grad_accum).backward()
                 for key, value in {"loss": float(loss.detach()), **metrics}.items():
                     sums[key] = sums.get(key, 0.0) + value / config.grad_accum
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
-            optimizer.step()
-            scheduler.step()
+            lr = scheduler.get_last_lr()[0]
+            grad_norm = clip_and_step(optimizer, model.parameters(), config.grad_clip, scheduler)
             step += 1
             cursor += config.batch_size
             record = all_reduce_mean(sums, ctx)
             tokens_total += record.get("tokens", 0.0) * ctx.world_size
-            record.update(step=step, lr=scheduler.get_last_lr()[0], seconds=time.time() - started,
-                          grad_norm=float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm))
+            record.update(step=step, lr=lr, seconds=time.time() - started, grad_norm=grad_norm)
             first_loss = record["loss"] if first_loss is None else first_loss
             last_loss = record["loss"]
             if ctx.is_main and (step % config.log_every == 0 or step == config.steps):

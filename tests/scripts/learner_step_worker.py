@@ -67,7 +67,7 @@ def main() -> int:
         for step in range(2):
             metrics, changed = updater.step(batch, step)
             results[f"{method}/{step}"] = metrics
-        state = updater.state_dict()  # collective; full tensors on rank 0
+        state = updater.full_model_states()  # collective; full tensors on rank 0
         weights[method] = {k: v for k, v in state["policy"].items()}
         if critic is not None:
             weights["critic"] = {k: v for k, v in state["critic"].items()}
