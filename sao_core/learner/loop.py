@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -307,6 +308,34 @@ def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext) -> b
     return True
 
 
+def prune_weight_versions(weights_uri: str, newest: int, keep: int) -> list[str]:
+    """Delete the published weight versions (``vNNNNNN`` under `weights_uri`) older than the newest `keep`,
+    i.e. every version <= newest - keep, so leftovers from before a resume go too; returns the deleted URIs.
+
+    Call only once `newest` is loaded by every live service. Versions above `newest` are left alone (after a
+    resume the replayed version is never behind a published one; one that was would be overwritten by a later
+    publish). A failure is logged as a warning and never fails the run; the next call tries again.
+    """
+    try:
+        names = storage.list_dirs(weights_uri)
+    except storage.StorageError as err:
+        log.warning("could not list the old weight versions under %s: %s", weights_uri, err)
+        return []
+    deleted = []
+    for name in names:
+        match = re.fullmatch(r"v(\d+)", name)
+        if match is None or int(match.group(1)) > newest - keep:
+            continue
+        uri = storage.join(weights_uri, name)
+        try:
+            storage.delete_checkpoint(uri)
+        except storage.StorageError as err:
+            log.warning("could not delete old weight version %s: %s", uri, err)
+            continue
+        deleted.append(uri)
+    return deleted
+
+
 def per_service_in_flight(config: RLConfig, services: int) -> int:
     """Episodes each service may have in flight (started, not acknowledged): the run's cap shared out, but
     never below one batch, so a single live replica can still fill a batch while the others are down
@@ -448,10 +477,12 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         uri = storage.join(config.output, "weights", f"v{version:06d}")
         storage.publish_checkpoint(scratch / "weights", uri, metadata={"version": version, "step": step})
         services.push(version, uri, storage.checkpoint_digest(uri))
-        old = version - config.keep_weight_versions
-        if old > 0 and not storage.is_s3_uri(config.output):
-            shutil.rmtree(Path(storage.join(config.output, "weights", f"v{old:06d}")), ignore_errors=True)
-        return time.monotonic() - began
+        seconds = time.monotonic() - began
+        # push returned: every live service verified the checksum of `version` and loaded it (a synchronous
+        # POST /v1/weights), and a service that is down is given the newest weights (services.weights)
+        # when it rejoins, so no service will ever load an older version: they can go.
+        prune_weight_versions(storage.join(config.output, "weights"), version, config.keep_weight_versions)
+        return seconds
 
     def checkpoint() -> str:
         """Resumable learner state (collective); rank 0 publishes it."""
