@@ -291,15 +291,44 @@ def test_a_failed_delete_of_old_weights_only_warns(tmp_path, monkeypatch, caplog
 
 def test_an_s3_run_keeps_only_the_newest_weight_versions(moto_s3, rl_data, sao_cache, tiny_model_dir):
     """keep_weight_versions holds on s3:// (real S3 server on 127.0.0.1): after 5 versions only the newest 2
-    are left under weights/, both complete."""
+    are left under weights/, both complete. metrics.jsonl is on S3 while the run runs: at step k it has k lines."""
     out = moto_s3.uri("run")
+    seen: dict[int, list[int]] = {}
+
+    def progress(step, record):
+        seen[step] = [json.loads(x)["step"] for x in storage.read_text(f"{out}/metrics.jsonl").splitlines()]
+
     summary = train_rl(_config(rl_data, out, tiny_model_dir, sao_cache, steps=5, batch_size=8, critic_warmup_steps=0,
-                               keep_weight_versions=2, max_new_tokens_per_turn=12, max_total_tokens=80))
+                               keep_weight_versions=2, max_new_tokens_per_turn=12, max_total_tokens=80),
+                       progress=progress)
     assert summary["version"] == 5
+    assert seen == {k: list(range(1, k + 1)) for k in range(1, 6)}
     pages = moto_s3.client().get_paginator("list_objects_v2").paginate(Bucket=moto_s3.bucket, Prefix="run/weights/")
     keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
     assert {key.split("/")[2] for key in keys} == {"v000004", "v000005"}
     assert all(storage.is_complete_checkpoint(f"{out}/weights/v{v:06d}") for v in (4, 5))
+
+
+def test_a_failing_s3_run_leaves_its_metrics_lines(moto_s3, rl_data, sao_cache, tiny_model_dir,
+                                                  fail_metrics_sync_once, caplog):
+    """The run fails at step 3 (progress raises) right after the sync of step 3 failed (an S3 blip, warned
+    about): leaving the loop syncs again, so the 3 lines are on S3."""
+    out = moto_s3.uri("run")
+    failed = fail_metrics_sync_once(3)
+    caplog.set_level(logging.WARNING, logger="sao_core.training.metrics_log")
+
+    class Stop(Exception):
+        pass
+
+    def progress(step, record):
+        if step == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train_rl(_config(rl_data, out, tiny_model_dir, sao_cache, steps=5, batch_size=8, critic_warmup_steps=1,
+                         max_new_tokens_per_turn=12, max_total_tokens=80), progress=progress)
+    assert failed == [f"{out}/metrics.jsonl"] and "could not update" in caplog.text
+    assert [json.loads(x)["step"] for x in storage.read_text(f"{out}/metrics.jsonl").splitlines()] == [1, 2, 3]
 
 
 def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao_cache, tiny_model_dir, caplog):

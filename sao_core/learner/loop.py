@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -35,6 +34,7 @@ from sao_core.rollout.client import RolloutClient, RolloutRequestError, RolloutU
 from sao_core.rollout.trajectory import Trajectory
 from sao_core.training.checkpointing import save_full_model, step_name
 from sao_core.training.distributed import DistContext, broadcast_object, init_distributed, shard_model
+from sao_core.training.metrics_log import MetricsLog
 
 log = logging.getLogger(__name__)
 
@@ -503,13 +503,8 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         return uri
 
     pending = Pending(config, already_trained=replayed_ids)
-    metrics_path = scratch / "metrics.jsonl"
-    if storage.is_s3_uri(config.output):
-        metrics_uri = storage.join(config.output, "metrics.jsonl")
-        if ctx.is_main and config.resume and storage.exists(metrics_uri):
-            metrics_path.write_text(storage.read_text(metrics_uri))
-    elif ctx.is_main:
-        Path(config.output).mkdir(parents=True, exist_ok=True)
+    metrics_path = scratch / "metrics.jsonl"  # s3:// outputs: MetricsLog copies it to <output>/metrics.jsonl
+    if not storage.is_s3_uri(config.output):
         metrics_path = Path(config.output) / "metrics.jsonl"
     trained_trajectories = trained_tokens = 0
     first_rewards: list[float] = []
@@ -537,8 +532,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                 services.weights = None
             publish_weights()
         _gather_batch(ctx, lambda: services.connect())
-        with (metrics_path.open("a" if config.resume else "w") if ctx.is_main
-              else open(os.devnull, "w")) as metrics_file:
+        with MetricsLog(config.output, metrics_path, resume=config.resume, enabled=ctx.is_main) as metrics_log:
             while step < config.steps:
                 chosen = _gather_batch(ctx, next_batch)
                 trajectories = [t for t, _ in chosen]
@@ -585,8 +579,8 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                           "world_size": ctx.world_size}
                 if ctx.is_main and (step % config.log_every == 0 or step == config.steps):
                     record["generator_idle_share"] = services.idle_share()
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
+                    metrics_log.append(record)
+                    metrics_log.sync()
                 if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
                     checkpoint()
                 if progress and ctx.is_main:
@@ -601,8 +595,6 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
             critic_uri = storage.join(config.output, "critic")
             if _save_critic(critic, initial_dir, scratch / "critic", ctx):
                 storage.publish_checkpoint(scratch / "critic", critic_uri, metadata={"step": step})
-        if ctx.is_main and storage.is_s3_uri(config.output):
-            storage.upload_file(metrics_path, storage.join(config.output, "metrics.jsonl"))
         if ctx.is_main:
             summary = {
                 "method": config.method, "steps": step, "version": version, "replayed_steps": replayed,
