@@ -460,6 +460,27 @@ def _delete(uri: str, settings: S3Settings | None) -> None:
         client.delete_object(Bucket=bucket, Key=_object_key(uri, key))
 
 
+def delete_checkpoint(uri: str, settings: S3Settings | None = None) -> None:
+    """Delete a published checkpoint: a local directory, or every object under an S3 prefix.
+
+    ``_COMPLETE`` goes first, so a checkpoint that is only partly deleted (a crash, a failed request)
+    is incomplete to every reader, never taken for a complete one. A checkpoint that does not exist is
+    not an error; a failure raises StorageError (what is left stays incomplete, delete it again).
+    """
+    if not is_s3_uri(uri):
+        path = _local_path(uri)
+        if path.is_file():
+            raise StorageError(f"{uri} is a file, not a checkpoint directory; not deleted")
+        _delete(join(uri, COMPLETE_MARKER), settings)
+        with _local_errors(uri, "deleting"):
+            if path.exists():
+                shutil.rmtree(path)
+        return
+    _delete(join(uri, COMPLETE_MARKER), settings)
+    files = list_files(uri, settings)  # listed after the marker is gone: nothing is complete any more
+    _run_all([lambda r=rel: _delete(join(uri, r), settings) for rel in files])
+
+
 def is_complete_checkpoint(uri: str, settings: S3Settings | None = None) -> bool:
     """True if the checkpoint at ``uri`` has its ``_COMPLETE`` marker."""
     return exists(join(uri, COMPLETE_MARKER), settings)
@@ -551,8 +572,9 @@ def _is_local_copy_of(root: pathlib.Path, manifest: dict) -> bool:
         return False
 
 
-def _subdirs(root_uri: str, settings: S3Settings | None) -> list[str]:
-    """Names of the immediate sub-directories (local) or common prefixes (S3) of ``root_uri``."""
+def list_dirs(root_uri: str, settings: S3Settings | None = None) -> list[str]:
+    """Sorted names of the immediate sub-directories (local) or common prefixes (S3) of ``root_uri``;
+    ``[]`` if there is none."""
     if not is_s3_uri(root_uri):
         root = _local_path(root_uri)
         return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
@@ -572,7 +594,7 @@ def latest_checkpoint(root_uri: str, settings: S3Settings | None = None) -> str 
     """
     best: tuple[float, float] | None = None
     best_uri = None
-    for name in _subdirs(root_uri, settings):
+    for name in list_dirs(root_uri, settings):
         candidate = join(root_uri, name)
         try:
             manifest = read_manifest(candidate, settings)

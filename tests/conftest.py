@@ -89,3 +89,23 @@ def _seaweed_server() -> Iterator[s3_servers.S3Server]:
 def seaweed_s3(_seaweed_server: s3_servers.S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
     """A fresh bucket on a session-wide SeaweedFS server that checks credentials; AWS_* env set."""
     yield from _bucket_for_test(_seaweed_server, monkeypatch)
+
+
+@pytest.fixture
+def fail_metrics_sync_once(monkeypatch: pytest.MonkeyPatch):
+    """`arm(lines)`: the first upload of a metrics.jsonl holding `lines` lines fails (an S3 blip); returns the
+    list the failed URI is appended to."""
+    def arm(lines: int) -> list[str]:
+        real, failed = storage.upload_file, []
+
+        def upload_file(local_path, uri, settings=None):
+            if (str(uri).endswith("/metrics.jsonl") and not failed
+                    and len(Path(local_path).read_text().splitlines()) == lines):
+                failed.append(uri)
+                raise storage.StorageError(f"injected: S3 did not answer while uploading to {uri}")
+            return real(local_path, uri, settings)
+
+        monkeypatch.setattr(storage, "upload_file", upload_file)
+        return failed
+
+    return arm

@@ -20,7 +20,7 @@ from sao_core.data.prepare import PrepareConfig, prepare
 from sao_core.data.synthetic import tool_arith_sft_rows
 from sao_core.envs.tool_arith import tool_arith_tasks
 from sao_core.learner.config import RLConfig
-from sao_core.learner.loop import LearnerError, ServiceSet, train_rl
+from sao_core.learner.loop import LearnerError, ServiceSet, prune_weight_versions, train_rl
 from sao_core.rollout.client import RolloutClient, RolloutUnavailable
 from sao_core.rollout.server import RolloutServer, ServeConfig
 from sao_core.training.config import SFTConfig
@@ -246,6 +246,89 @@ def test_published_weights_are_verifiable(rl_data, tmp_path, sao_cache, tiny_mod
     latest = storage.latest_checkpoint(str(tmp_path / "run" / "weights"))
     assert latest.endswith("v000002") and storage.verify_checkpoint(latest)
     assert storage.is_complete_checkpoint(summary["model"]) and storage.is_complete_checkpoint(summary["critic"])
+
+
+def _publish_versions(root: str, versions: list[int], tmp_path: Path) -> None:
+    src = tmp_path / "weights-src"
+    src.mkdir(exist_ok=True)
+    (src / "model.safetensors").write_bytes(b"weights")
+    for v in versions:
+        storage.publish_checkpoint(src, storage.join(root, f"v{v:06d}"), metadata={"version": v})
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_old_weight_versions_are_pruned_with_the_leftovers_of_a_crash(where, request, tmp_path):
+    """Versions <= newest - keep go, also older ones a crash left behind (complete or not, e.g. after a resume);
+    other folders and versions above the newest are not touched."""
+    root = str(tmp_path / "weights") if where == "local" else request.getfixturevalue("moto_s3").uri("run/weights")
+    _publish_versions(root, [1, 2, 3, 5, 6, 7, 9], tmp_path)
+    storage._delete(storage.join(root, "v000002", storage.COMPLETE_MARKER), None)  # a publish that died
+    storage.write_text(storage.join(root, "notes", "readme.txt"), "not a version")
+    deleted = prune_weight_versions(root, newest=7, keep=2)
+    assert deleted == [storage.join(root, f"v{v:06d}") for v in (1, 2, 3, 5)]
+    assert storage.list_dirs(root) == ["notes", "v000006", "v000007", "v000009"]
+    assert storage.is_complete_checkpoint(storage.join(root, "v000006"))
+    assert prune_weight_versions(root, newest=7, keep=2) == []
+
+
+def test_a_failed_delete_of_old_weights_only_warns(tmp_path, monkeypatch, caplog):
+    root = str(tmp_path / "weights")
+    _publish_versions(root, [1, 2, 3], tmp_path)
+
+    def fails(uri, settings=None):
+        raise storage.StorageError(f"injected failure deleting {uri}")
+
+    caplog.set_level(logging.WARNING, logger="sao_core.learner.loop")
+    monkeypatch.setattr(storage, "delete_checkpoint", fails)
+    assert prune_weight_versions(root, newest=3, keep=1) == []
+    assert caplog.text.count("could not delete old weight version") == 2
+    monkeypatch.setattr(storage, "list_dirs", fails)
+    assert prune_weight_versions(root, newest=3, keep=1) == []
+    assert "could not list the old weight versions" in caplog.text
+    monkeypatch.undo()
+    assert storage.list_dirs(root) == ["v000001", "v000002", "v000003"]
+
+
+def test_an_s3_run_keeps_only_the_newest_weight_versions(moto_s3, rl_data, sao_cache, tiny_model_dir):
+    """keep_weight_versions holds on s3:// (real S3 server on 127.0.0.1): after 5 versions only the newest 2
+    are left under weights/, both complete. metrics.jsonl is on S3 while the run runs: at step k it has k lines."""
+    out = moto_s3.uri("run")
+    seen: dict[int, list[int]] = {}
+
+    def progress(step, record):
+        seen[step] = [json.loads(x)["step"] for x in storage.read_text(f"{out}/metrics.jsonl").splitlines()]
+
+    summary = train_rl(_config(rl_data, out, tiny_model_dir, sao_cache, steps=5, batch_size=8, critic_warmup_steps=0,
+                               keep_weight_versions=2, max_new_tokens_per_turn=12, max_total_tokens=80),
+                       progress=progress)
+    assert summary["version"] == 5
+    assert seen == {k: list(range(1, k + 1)) for k in range(1, 6)}
+    pages = moto_s3.client().get_paginator("list_objects_v2").paginate(Bucket=moto_s3.bucket, Prefix="run/weights/")
+    keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+    assert {key.split("/")[2] for key in keys} == {"v000004", "v000005"}
+    assert all(storage.is_complete_checkpoint(f"{out}/weights/v{v:06d}") for v in (4, 5))
+
+
+def test_a_failing_s3_run_leaves_its_metrics_lines(moto_s3, rl_data, sao_cache, tiny_model_dir,
+                                                  fail_metrics_sync_once, caplog):
+    """The run fails at step 3 (progress raises) right after the sync of step 3 failed (an S3 blip, warned
+    about): leaving the loop syncs again, so the 3 lines are on S3."""
+    out = moto_s3.uri("run")
+    failed = fail_metrics_sync_once(3)
+    caplog.set_level(logging.WARNING, logger="sao_core.training.metrics_log")
+
+    class Stop(Exception):
+        pass
+
+    def progress(step, record):
+        if step == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train_rl(_config(rl_data, out, tiny_model_dir, sao_cache, steps=5, batch_size=8, critic_warmup_steps=1,
+                         max_new_tokens_per_turn=12, max_total_tokens=80), progress=progress)
+    assert failed == [f"{out}/metrics.jsonl"] and "could not update" in caplog.text
+    assert [json.loads(x)["step"] for x in storage.read_text(f"{out}/metrics.jsonl").splitlines()] == [1, 2, 3]
 
 
 def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao_cache, tiny_model_dir, caplog):

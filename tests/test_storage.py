@@ -216,6 +216,68 @@ def test_incomplete_checkpoints_are_ignored(base, tmp_path):
         storage.fetch_checkpoint(storage.join(base, "step-2"), tmp_path / "cache")
 
 
+def test_delete_checkpoint(base, tmp_path):
+    make_tree(tmp_path / "ckpt")
+    for name, step in (("step-1", 1), ("step-2", 2), ("step-20", 20)):
+        storage.publish_checkpoint(tmp_path / "ckpt", storage.join(base, name), metadata={"step": step})
+    storage.delete_checkpoint(storage.join(base, "step-20"))
+    assert storage.list_files(storage.join(base, "step-20")) == [] and not storage.exists(storage.join(base, "step-20"))
+    assert storage.list_dirs(base) == ["step-1", "step-2"]
+    assert storage.latest_checkpoint(base) == storage.join(base, "step-2")
+    storage.delete_checkpoint(storage.join(base, "step-2"))  # a name that prefixes no other (step-20 is gone)
+    assert storage.list_dirs(base) == ["step-1"] and storage.verify_checkpoint(
+        storage.fetch_checkpoint(storage.join(base, "step-1"), tmp_path / "cache"))
+    storage.delete_checkpoint(storage.join(base, "step-2"))  # already deleted: not an error
+    storage.delete_checkpoint(storage.join(base, "never-published"))
+    assert storage.list_dirs(base) == ["step-1"]
+
+
+def test_delete_checkpoint_keeps_neighbours_with_a_longer_name(base, tmp_path):
+    make_tree(tmp_path / "ckpt")
+    for name in ("v1", "v10"):
+        storage.publish_checkpoint(tmp_path / "ckpt", storage.join(base, name))
+    storage.delete_checkpoint(storage.join(base, "v1"))
+    assert storage.list_dirs(base) == ["v10"] and storage.is_complete_checkpoint(storage.join(base, "v10"))
+
+
+def test_a_half_deleted_checkpoint_is_never_complete(base, tmp_path, monkeypatch):
+    """The marker goes first: a delete that fails half-way leaves an incomplete checkpoint, which readers
+    ignore; deleting again finishes the job."""
+    make_tree(tmp_path / "ckpt")
+    for step in (1, 2):
+        storage.publish_checkpoint(tmp_path / "ckpt", storage.join(base, f"step-{step}"), metadata={"step": step})
+    real_delete = storage._delete
+    calls = []
+
+    def delete_only_markers(uri, settings):
+        calls.append(uri)
+        if not uri.endswith(storage.COMPLETE_MARKER):
+            raise StorageError(f"injected failure deleting {uri}")
+        real_delete(uri, settings)
+
+    def rmtree_fails(path, *args, **kwargs):
+        raise OSError(f"injected failure removing {path}")
+
+    monkeypatch.setattr(storage, "_delete", delete_only_markers)
+    monkeypatch.setattr(storage.shutil, "rmtree", rmtree_fails)
+    with pytest.raises(StorageError, match="injected"):
+        storage.delete_checkpoint(storage.join(base, "step-2"))
+    monkeypatch.undo()
+    half = storage.join(base, "step-2")
+    assert calls[0] == storage.join(half, storage.COMPLETE_MARKER)  # before any other file was touched
+    assert storage.list_files(half) and not storage.is_complete_checkpoint(half)
+    assert storage.latest_checkpoint(base) == storage.join(base, "step-1")
+    storage.delete_checkpoint(half)
+    assert storage.list_files(half) == [] and storage.list_dirs(base) == ["step-1"]
+
+
+def test_delete_checkpoint_refuses_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(StorageError, match="is a file, not a checkpoint directory"):
+        storage.delete_checkpoint(str(tmp_path / "f"))
+    assert (tmp_path / "f").exists()
+
+
 def test_latest_prefers_step_then_time(base, tmp_path):
     make_tree(tmp_path / "ckpt")
     storage.publish_checkpoint(tmp_path / "ckpt", storage.join(base, "b"), metadata={"step": 10})
@@ -303,6 +365,16 @@ def test_seaweedfs_round_trip(seaweed_s3, tmp_path):
     assert storage.latest_checkpoint(seaweed_s3.uri("ckpts")) == dest
     local = storage.fetch_checkpoint(dest, tmp_path / "cache")
     assert storage.verify_checkpoint(local)["metadata"] == {"step": 3}
+
+
+def test_seaweedfs_delete_checkpoint(seaweed_s3, tmp_path):
+    files = make_tree(tmp_path / "ckpt")
+    for name in ("v1", "v10"):
+        storage.publish_checkpoint(tmp_path / "ckpt", seaweed_s3.uri(f"w/{name}"))
+    storage.delete_checkpoint(seaweed_s3.uri("w/v1"))
+    storage.delete_checkpoint(seaweed_s3.uri("w/v1"))  # already deleted: not an error
+    kept = [*files, storage.MANIFEST_NAME, storage.COMPLETE_MARKER]
+    assert storage.list_files(seaweed_s3.uri("w")) == sorted(f"v10/{rel}" for rel in kept)
 
 
 @pytest.mark.parametrize("key_id, secret", [("right", "wrong-secret"), ("nobody", "whatever")])

@@ -4,6 +4,7 @@ and a real 2-process torchrun (FSDP2, gloo) run that checkpoints, resumes and ex
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -180,6 +181,48 @@ def test_train_to_s3(moto_s3, datasets, tmp_path, sao_cache):
     assert storage.latest_checkpoint(f"{out}/checkpoints") == f"{out}/checkpoints/step-000002"
     assert json.loads(storage.read_text(f"{out}/summary.json"))["steps"] == 2
     assert load_model(s["model"], tmp_path / "fresh-cache").config.vocab_size == 512
+
+
+def test_s3_metrics_reach_the_output_while_training(moto_s3, datasets, sao_cache):
+    out = moto_s3.uri("runs/live")
+    seen: dict[int, list[int]] = {}
+
+    def progress(step, metrics):
+        seen[step] = [json.loads(x)["step"] for x in storage.read_text(f"{out}/metrics.jsonl").splitlines()]
+
+    train("sft", SFTConfig(data=datasets["sft"], output=out, steps=4, batch_size=4, log_every=1,
+                           cache_dir=str(sao_cache)), progress=progress)
+    assert seen == {k: list(range(1, k + 1)) for k in range(1, 5)}
+
+
+def test_a_failing_s3_training_run_leaves_its_metrics_lines(moto_s3, datasets, tmp_path, sao_cache,
+                                                            fail_metrics_sync_once, caplog):
+    """The run fails at step 3 right after the sync of step 3 failed (warned about): leaving the loop syncs,
+    so the 3 lines are on S3. A resume from another machine (empty cache) keeps them."""
+    out = moto_s3.uri("runs/fails")
+    failed = fail_metrics_sync_once(3)
+    caplog.set_level(logging.WARNING, logger="sao_core.training.metrics_log")
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_3(step, metrics):
+        if step == 3:
+            raise Stop
+
+    config = SFTConfig(data=datasets["sft"], output=out, steps=5, batch_size=4, log_every=1, checkpoint_every=3,
+                       cache_dir=str(sao_cache))
+    with pytest.raises(Stop):
+        train("sft", config, progress=stop_at_3)
+    assert failed == [f"{out}/metrics.jsonl"] and "could not update" in caplog.text
+
+    def steps() -> list[int]:
+        return [json.loads(x)["step"] for x in storage.read_text(f"{out}/metrics.jsonl").splitlines()]
+
+    assert steps() == [1, 2, 3]
+    config.resume, config.cache_dir = True, str(tmp_path / "other-machine")
+    assert train("sft", config)["resumed_from"] == f"{out}/checkpoints/step-000003"
+    assert steps() == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.slow

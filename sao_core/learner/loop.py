@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
+import re
 import shutil
 import tempfile
 import time
@@ -41,6 +41,7 @@ from sao_core.training.checkpointing import (
 )
 from sao_core.training.core import prepare_model
 from sao_core.training.distributed import DistContext, all_reduce, broadcast_object, init_distributed
+from sao_core.training.metrics_log import MetricsLog
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +315,34 @@ def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext) -> b
     return True
 
 
+def prune_weight_versions(weights_uri: str, newest: int, keep: int) -> list[str]:
+    """Delete the published weight versions (``vNNNNNN`` under `weights_uri`) older than the newest `keep`,
+    i.e. every version <= newest - keep, so leftovers from before a resume go too; returns the deleted URIs.
+
+    Call only once `newest` is loaded by every live service. Versions above `newest` are left alone (after a
+    resume the replayed version is never behind a published one; one that was would be overwritten by a later
+    publish). A failure is logged as a warning and never fails the run; the next call tries again.
+    """
+    try:
+        names = storage.list_dirs(weights_uri)
+    except storage.StorageError as err:
+        log.warning("could not list the old weight versions under %s: %s", weights_uri, err)
+        return []
+    deleted = []
+    for name in names:
+        match = re.fullmatch(r"v(\d+)", name)
+        if match is None or int(match.group(1)) > newest - keep:
+            continue
+        uri = storage.join(weights_uri, name)
+        try:
+            storage.delete_checkpoint(uri)
+        except storage.StorageError as err:
+            log.warning("could not delete old weight version %s: %s", uri, err)
+            continue
+        deleted.append(uri)
+    return deleted
+
+
 def per_service_in_flight(config: RLConfig, services: int) -> int:
     """Episodes each service may have in flight (started, not acknowledged): the run's cap shared out, but
     never below one batch, so a single live replica can still fill a batch while the others are down
@@ -454,10 +483,12 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         uri = storage.join(config.output, "weights", f"v{version:06d}")
         storage.publish_checkpoint(scratch / "weights", uri, metadata={"version": version, "step": step})
         services.push(version, uri, storage.checkpoint_digest(uri))
-        old = version - config.keep_weight_versions
-        if old > 0 and not storage.is_s3_uri(config.output):
-            shutil.rmtree(Path(storage.join(config.output, "weights", f"v{old:06d}")), ignore_errors=True)
-        return time.monotonic() - began
+        seconds = time.monotonic() - began
+        # push returned: every live service verified the checksum of `version` and loaded it (a synchronous
+        # POST /v1/weights), and a service that is down is given the newest weights (services.weights)
+        # when it rejoins, so no service will ever load an older version: they can go.
+        prune_weight_versions(storage.join(config.output, "weights"), version, config.keep_weight_versions)
+        return seconds
 
     def checkpoint() -> str:
         """Resumable learner state in the training core's format (collective)."""
@@ -467,13 +498,8 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
              "extra": updater.extra_state(), "config": json.loads(json.dumps(asdict(config), default=list))}, ctx)
 
     pending = Pending(config, already_trained=replayed_ids)
-    metrics_path = scratch / "metrics.jsonl"
-    if storage.is_s3_uri(config.output):
-        metrics_uri = storage.join(config.output, "metrics.jsonl")
-        if ctx.is_main and config.resume and storage.exists(metrics_uri):
-            metrics_path.write_text(storage.read_text(metrics_uri))
-    elif ctx.is_main:
-        Path(config.output).mkdir(parents=True, exist_ok=True)
+    metrics_path = scratch / "metrics.jsonl"  # s3:// outputs: MetricsLog copies it to <output>/metrics.jsonl
+    if not storage.is_s3_uri(config.output):
         metrics_path = Path(config.output) / "metrics.jsonl"
     trained_trajectories = trained_tokens = 0
     first_rewards: list[float] = []
@@ -501,8 +527,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                 services.weights = None
             publish_weights()
         _gather_batch(ctx, lambda: services.connect())
-        with (metrics_path.open("a" if config.resume else "w") if ctx.is_main
-              else open(os.devnull, "w")) as metrics_file:
+        with MetricsLog(config.output, metrics_path, resume=config.resume, enabled=ctx.is_main) as metrics_log:
             while step < config.steps:
                 chosen = _gather_batch(ctx, next_batch)
                 trajectories = [t for t, _ in chosen]
@@ -549,8 +574,8 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                           "world_size": ctx.world_size}
                 if ctx.is_main and (step % config.log_every == 0 or step == config.steps):
                     record["generator_idle_share"] = services.idle_share()
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
+                    metrics_log.append(record)
+                    metrics_log.sync()
                 if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
                     checkpoint()
                 if progress and ctx.is_main:
@@ -565,8 +590,6 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
             critic_uri = storage.join(config.output, "critic")
             if _save_critic(critic, initial_dir, scratch / "critic", ctx):
                 storage.publish_checkpoint(scratch / "critic", critic_uri, metadata={"step": step})
-        if ctx.is_main and storage.is_s3_uri(config.output):
-            storage.upload_file(metrics_path, storage.join(config.output, "metrics.jsonl"))
         if ctx.is_main:
             summary = {
                 "method": config.method, "steps": step, "version": version, "replayed_steps": replayed,

@@ -30,6 +30,7 @@ from sao_core.training.checkpointing import (
 from sao_core.training.config import METHOD_CONFIGS, TrainConfig
 from sao_core.training.core import autocast, build_optimizer, build_scheduler, clip_and_step, prepare_model
 from sao_core.training.distributed import all_reduce_mean, barrier, init_distributed
+from sao_core.training.metrics_log import MetricsLog
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
     metrics_path = local_run / "metrics.jsonl"
     first_loss = last_loss = None
     tokens_total = 0.0
-    with metrics_path.open("a" if local_resume else "w") as metrics_file:
+    with MetricsLog(config.output, metrics_path, resume=local_resume is not None, enabled=ctx.is_main) as metrics_log:
         while step < config.steps:
             picked = order.take(cursor, config.batch_size)
             mine = picked[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
@@ -228,8 +229,8 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
             first_loss = record["loss"] if first_loss is None else first_loss
             last_loss = record["loss"]
             if ctx.is_main and (step % config.log_every == 0 or step == config.steps):
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
+                metrics_log.append(record)
+                metrics_log.sync()
             if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
                 checkpoint()
             if ctx.is_main and progress:
@@ -249,7 +250,6 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
     if ctx.is_main:
         (local_run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if storage.is_s3_uri(config.output):
-            storage.upload_file(metrics_path, storage.join(config.output, "metrics.jsonl"))
             storage.upload_file(local_run / "summary.json", storage.join(config.output, "summary.json"))
     barrier(ctx)
     return summary

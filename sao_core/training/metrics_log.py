@@ -1,0 +1,76 @@
+"""A run's ``metrics.jsonl``, written as the run goes, that reaches the output while the run runs.
+
+S3 has no append, so for an ``s3://`` output the lines go to a local file and :meth:`MetricsLog.sync`
+replaces ``<output>/metrics.jsonl`` with a copy of it (one PUT of the whole file). For a local output the
+local file is the output file itself and syncing does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import IO, Any
+
+from sao_core import storage
+
+log = logging.getLogger(__name__)
+
+METRICS_NAME = "metrics.jsonl"
+
+
+class MetricsLog:
+    """``with MetricsLog(output, local_path, resume) as metrics: metrics.append(record); metrics.sync()``.
+
+    `local_path` is where lines are written (for a local output: ``<output>/metrics.jsonl``). With `resume`
+    earlier lines are kept: for an s3:// output the object at the output (if any) is downloaded first, then
+    lines are appended; without it the file starts empty. Leaving the ``with`` block syncs, also when an
+    exception is leaving it, so a failed run still shows its lines. A sync that fails while the run goes on
+    logs a warning (the next one sends the whole file again); the final sync of a block left normally
+    raises StorageError. `enabled=False` (ranks other than 0) makes every call a no-op.
+    """
+
+    def __init__(self, output_uri: str, local_path: str | Path, resume: bool, enabled: bool = True):
+        self.uri = storage.join(output_uri, METRICS_NAME)
+        self.remote = storage.is_s3_uri(output_uri)
+        self.path = Path(local_path)
+        self.resume = resume
+        self.enabled = enabled
+        self._file: IO[str] | None = None
+
+    def __enter__(self) -> MetricsLog:
+        if not self.enabled:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.resume and self.remote and storage.exists(self.uri):
+            storage.download_file(self.uri, self.path)
+        self._file = self.path.open("a" if self.resume else "w")
+        return self
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Write one JSON line and flush it to the local file."""
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def sync(self, strict: bool = False) -> bool:
+        """Copy the local file to ``<output>/metrics.jsonl`` (s3:// outputs); False, with a warning, if that
+        failed (`strict`: raise StorageError instead)."""
+        if not self.enabled or not self.remote:
+            return True
+        if self._file is not None:
+            self._file.flush()
+        try:
+            storage.upload_file(self.path, self.uri)
+        except storage.StorageError as err:
+            if strict:
+                raise
+            log.warning("could not update %s (the run goes on; the next sync sends every line): %s", self.uri, err)
+            return False
+        return True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.sync(strict=exc_type is None)  # an error already leaving the block is not masked by this one
