@@ -1,9 +1,10 @@
 """One training step of one method on a model with a real vocabulary (151,936) and a tiny width, in its own
-process; prints {"method", "positions", "base_rss_mb", "peak_rss_mb", "seconds"} as JSON.
+process; prints one JSON line per method: {"method", "positions", "base_rss_mb", "peak_rss_mb", "seconds"}.
 
-    python tests/scripts/memory_step_worker.py METHOD [POSITIONS] [--unchunked]
+    python tests/scripts/memory_step_worker.py METHODS [POSITIONS] [--unchunked]
 
-METHOD: sft | cpt | dpo | gkd | grpo | sao. `--unchunked` sets the chunk budget so high that one chunk holds
+METHODS: comma-separated, of sft | cpt | dpo | gkd | grpo | sao, run one after the other in this process
+(peak_rss_mb is the process's peak so far: a method that materialises [N, V] logits raises it). `--unchunked` sets the chunk budget so high that one chunk holds
 every position (the full [N, V] logits), which shows what the memory bound in the test catches.
 """
 
@@ -102,7 +103,7 @@ def rl_step(method: str, model, rows: int, width: int) -> None:
 
 def main(argv: list[str]) -> int:
     torch.set_num_threads(2)
-    method = argv[0]
+    methods = argv[0].split(",")
     positions = int(argv[1]) if len(argv) > 1 and not argv[1].startswith("--") else 8192
     if "--unchunked" in argv:
         import sao_core.objectives.chunked as chunked
@@ -110,15 +111,18 @@ def main(argv: list[str]) -> int:
         chunked.LOGIT_CHUNK_ELEMENTS = 2 ** 40
     width = 1024
     rows = positions // width
-    model = lm(seed=0)
-    base = rss_mb()
-    began = time.perf_counter()
-    if method in ("sft", "cpt", "dpo", "gkd"):
-        supervised_step(method, model, rows, width)
-    else:
-        rl_step(method, model, rows, width)
-    print(json.dumps({"method": method, "positions": rows * width, "base_rss_mb": round(base, 1),
-                      "peak_rss_mb": round(rss_mb(), 1), "seconds": round(time.perf_counter() - began, 2)}))
+    for method in methods:
+        model = lm(seed=0)
+        base = rss_mb()
+        began = time.perf_counter()
+        if method in ("sft", "cpt", "dpo", "gkd"):
+            supervised_step(method, model, rows, width)
+        else:
+            rl_step(method, model, rows, width)
+        print(json.dumps({"method": method, "positions": rows * width, "base_rss_mb": round(base, 1),
+                          "peak_rss_mb": round(rss_mb(), 1), "seconds": round(time.perf_counter() - began, 2)}),
+              flush=True)
+        del model
     return 0
 
 
