@@ -34,18 +34,28 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-import boto3
-from boto3.exceptions import S3UploadFailedError
-from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    ConnectTimeoutError,
-    EndpointConnectionError,
-    NoCredentialsError,
-    ReadTimeoutError,
-)
+try:
+    import boto3
+    from boto3.exceptions import S3UploadFailedError
+    from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        ReadTimeoutError,
+    )
+except ImportError:  # local paths need no S3 client (e.g. the GPU check kit's bare environment); s3:// does
+    boto3 = None
+
+    class _NoBoto(Exception):
+        """Never raised: stands in for botocore's exception types when boto3 is not installed."""
+
+    S3UploadFailedError = BotoCoreError = ClientError = ConnectTimeoutError = _NoBoto
+    EndpointConnectionError = NoCredentialsError = ReadTimeoutError = _NoBoto
+    TransferConfig = Config = None
 
 MANIFEST_NAME = "manifest.json"
 COMPLETE_MARKER = "_COMPLETE"
@@ -137,6 +147,8 @@ def _clear_client_cache() -> None:
 
 def _client(settings: S3Settings | None) -> Any:
     """A cached boto3 S3 client for ``settings``; S3-compatible servers get path-style addressing."""
+    if boto3 is None:
+        raise StorageError("s3:// URIs need boto3, which is not installed: pip install boto3")
     settings = settings or S3Settings()
     with _CLIENTS_LOCK:
         client = _CLIENTS.get(settings)

@@ -1,0 +1,550 @@
+"""GPU check kit: the project's HF engine and SAO learner step on a real-shaped model, on one CUDA GPU.
+
+    python bench/gpu_check.py --out $OUT/gpu_check.json            # one CUDA GPU, about 3-5 min on an H200
+    python bench/gpu_check.py --smoke --out /tmp/gpu_check.json    # every phase on CPU, tiny model, < 1 min
+
+Needs only this repository's files and torch, transformers, safetensors and tokenizers: no vLLM, no
+network, no installed `sao_core` (the repository root is put on sys.path here). Phases, each timed, with
+its peak GPU memory (`torch.cuda.max_memory_allocated`, reset per phase):
+
+1. build: a randomly initialised model of a real shape (`bench/configs/qwen3-1.7b.json`, Qwen3-1.7B's
+   config.json; seeded), saved in the engine's dtype with a word-level tokenizer over its ids (no real
+   tokenizer is needed: engine and learner work on token ids). The tokenizer's end-of-sequence id lies
+   outside the model's output range, so every sequence runs to its full length.
+2. engine: `sao_core.rollout.engines.hf.HFEngine` (bf16, KV cache, `max_batch` = sequences) samples 64
+   sequences of 1,024 new tokens at temperature 1 from 16-token random prompts; tokens/s over the
+   generation (model loading timed apart).
+3. learner: one SAO `Updater.step` (critic values, K = 2 critic updates, DIS policy update; float32
+   master weights, bf16 autocast, activation checkpointing) on 16 of those sequences cut to 1,024 tokens
+   (16,384 tokens, the engine's log-probs as rollout log-probs), single GPU. Before the step the policy's
+   log-probs are recomputed (`training.forward.model_logprobs` under the learner's autocast) and compared
+   with the engine's: max / mean |engine − learner| on the sampled tokens. A second step gives the
+   steady-state time (the first one allocates the optimiser states).
+4. learner_fsdp: the same step with policy and critic under FSDP2 (`fully_shard` of every decoder layer
+   and the root) in a one-process NCCL group.
+
+MFU = model FLOPs of the step / seconds / peak (`--peak-tflops`, default 989: H200 dense bf16). Model FLOPs:
+forward FLOPs per token = 2 × non-embedding parameters + 2 × layers × sequence length × query width
+(causal attention), plus 2 × vocab × hidden for the output layer on the sampled tokens of the policy;
+the step = 3 × policy forward (forward + backward) + (1 + 3K) × critic forward; recomputation from
+activation checkpointing is not counted.
+
+A phase that fails is recorded (`errors`, the phase's `error`) and the kit goes on; the JSON is rewritten
+after every phase and at the end; the exit code is 1 when a phase failed, 2 without CUDA (and no
+--smoke). A time budget (`--budget-s`, default 420 s) is checked before every phase and every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import types
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                     "OMP_WAIT_POLICY": "PASSIVE", "TQDM_DISABLE": "1"}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch  # noqa: E402
+
+DEFAULT_CONFIG = ROOT / "bench" / "configs" / "qwen3-1.7b.json"
+H200_BF16_TFLOPS = 989.0
+GB = 2 ** 30
+PHASES = ("build", "engine", "learner", "learner_fsdp")
+# Config fields that are bookkeeping, not architecture (the kit sets the dtype itself).
+_NOT_ARCHITECTURE = ("architectures", "transformers_version", "torch_dtype", "dtype")
+# --smoke: the same architecture, tiny.
+SMOKE_MODEL = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+               "max_window_layers": 2, "bos_token_id": None, "eos_token_id": None}
+# (GPU run, --smoke) defaults of the sizes.
+DEFAULTS = {"sequences": (64, 8), "prompt_tokens": (16, 8), "new_tokens": (1024, 32), "learner_sequences": (16, 8),
+            "learner_seq_tokens": (1024, 40), "micro_batch_tokens": (16384, 16384), "learner_steps": (2, 2),
+            "precision": ("bf16", "float32"), "budget_s": (420.0, 120.0)}
+
+
+# ---------------------------------------------------------------------------------------------- model loading
+def model_api() -> tuple[types.ModuleType, str]:
+    """`sao_core.models` (load_model, load_model_and_tokenizer, load_tokenizer) and where it came from. It
+    imports with torch, transformers, safetensors and tokenizers alone (`sao_core.storage` needs boto3 only
+    for s3:// URIs)."""
+    import sao_core.models as models
+
+    return models, "sao_core.models"
+
+
+def save_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer whose ids are the model's: <unk> 0, <t1> ... <t{V-2}>, <pad> V-1, and <eos> V
+    (outside the model's output range, never sampled)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<t{i}>": i for i in range(1, vocab_size - 1)}
+    vocab.update({"<unk>": 0, "<pad>": vocab_size - 1, "<eos>": vocab_size})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>",
+                                   eos_token="<eos>")
+    fast.save_pretrained(str(directory))
+
+
+def fully_shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 every decoder layer, then the root (what `training.distributed.shard_model` does under torchrun;
+    that function is a no-op in a world of one)."""
+    from torch.distributed.fsdp import fully_shard
+
+    inner = getattr(model, "model", None) or getattr(model, "backbone", None) or model
+    for layer in getattr(inner, "layers", None) or []:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def step_flops(shape: dict, tokens: int, action_tokens: int, seq_len: float, critic_updates: int) -> float:
+    """Model FLOPs of one SAO learner step (see the module docstring)."""
+    body = 2 * shape["non_embedding_params"] + 2 * shape["layers"] * seq_len * shape["q_dim"]
+    head = 2 * shape["vocab_size"] * shape["hidden_size"]
+    return 3 * (tokens * body + action_tokens * head) + (1 + 3 * critic_updates) * tokens * body
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+# ---------------------------------------------------------------------------------------------------- the kit
+class Kit:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.smoke = args.smoke
+        self.started = time.monotonic()
+        self.device = torch.device("cpu") if self.smoke else torch.device("cuda", 0)
+        self.cuda = self.device.type == "cuda"
+        self.engine_dtype = "bfloat16" if args.precision == "bf16" else "float32"
+        self.workdir = Path(tempfile.mkdtemp(prefix="gpu_check-", dir=args.workdir))
+        self.model_dir = self.workdir / "model"
+        self.cache_dir = self.workdir / "cache"
+        self.models, loader = model_api()
+        self.generations: list[tuple[list[int], object]] = []
+        self.shape: dict = {}
+        self.pad_id = 0
+        self.report: dict = {
+            "kit": "gpu_check", "format": 1, "smoke": self.smoke, "ok": False,
+            "device": self._device_info(), "python": platform.python_version(),
+            "torch_version": torch.__version__, "transformers_version": _version("transformers"),
+            "safetensors_version": _version("safetensors"), "tokenizers_version": _version("tokenizers"),
+            "model_loader": loader, "config_name": args.config.stem + ("+smoke" if self.smoke else ""),
+            "config_path": str(args.config), "model": {}, "precision": args.precision,
+            "engine_dtype": self.engine_dtype, "activation_checkpointing": True,
+            "peak_tflops": args.peak_tflops,
+            "settings": {k: getattr(args, k) for k in DEFAULTS},
+            "phases": {name: {"ok": False, "skipped": True, "seconds": None, "tokens": None, "tokens_per_s": None,
+                              "peak_gpu_gb": None, "error": None} for name in PHASES},
+            "mfu": {"learner": None, "learner_fsdp": None},
+            "mfu_formula": "model FLOPs / s / peak_tflops; per token forward = 2 x non-embedding params + 2 x "
+                           "layers x seq_len x q_dim (+ 2 x vocab x hidden on sampled tokens, policy); step = "
+                           "3 x policy forward + (1 + 3K) x critic forward; recompute not counted",
+            "logp_diff_max": None, "logp_diff_mean": None,
+            "logp_diff_source": "engine log-probs vs training.forward.model_logprobs of the learner's policy "
+                                "(float32 weights, learner autocast) on the sampled tokens, before the step",
+            "batch_source": None, "errors": {}, "total_seconds": None, "budget_s": args.budget_s,
+        }
+        self.write()
+
+    # -------------------------------------------------------------------------------------------- plumbing
+    def _device_info(self) -> dict:
+        if not self.cuda:
+            return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": 0,
+                    "cpu_threads": torch.get_num_threads()}
+        props = torch.cuda.get_device_properties(self.device)
+        return {"type": "cuda", "name": torch.cuda.get_device_name(self.device), "count": torch.cuda.device_count(),
+                "capability": list(torch.cuda.get_device_capability(self.device)),
+                "total_memory_gb": round(props.total_memory / GB, 2), "cuda_version": torch.version.cuda,
+                "bf16_supported": torch.cuda.is_bf16_supported()}
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def log(self, message: str) -> None:
+        print(f"[gpu_check {self.elapsed():6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    def write(self) -> None:
+        self.report["total_seconds"] = round(self.elapsed(), 2)
+        out = Path(self.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(self.report, indent=2, default=str) + "\n")
+        tmp.replace(out)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def free(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def over_budget(self, reserve: float = 0.0) -> bool:
+        return self.elapsed() + reserve > self.args.budget_s
+
+    def phase(self, name: str, fn) -> None:
+        record = self.report["phases"][name]
+        if self.over_budget():
+            record.update(skipped=True, error=f"skipped: the time budget of {self.args.budget_s:.0f} s is spent")
+            self.report["errors"][name] = record["error"]
+            self.log(f"{name}: {record['error']}")
+            self.write()
+            return
+        record["skipped"] = False
+        self.log(f"{name}: start")
+        self.free()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        began = time.monotonic()
+        try:
+            fn(record)
+            record["ok"] = True
+        except Exception as err:  # a failed phase is recorded and the kit goes on
+            record["error"] = f"{type(err).__name__}: {err}"
+            record["traceback"] = traceback.format_exc()[-4000:]
+            self.report["errors"][name] = record["error"]
+            self.log(f"{name}: FAILED {record['error']}")
+        finally:
+            record["wall_seconds"] = round(time.monotonic() - began, 3)
+            if self.cuda:
+                record["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(self.device) / GB, 3)
+                record["peak_gpu_reserved_gb"] = round(torch.cuda.max_memory_reserved(self.device) / GB, 3)
+            self.free()
+            self.log(f"{name}: {'ok' if record['ok'] else 'failed'} in {record['wall_seconds']:.1f} s"
+                     + (f", tokens/s {record['tokens_per_s']:.0f}" if record.get("tokens_per_s") else "")
+                     + (f", peak {record['peak_gpu_gb']:.1f} GB" if record.get("peak_gpu_gb") is not None else ""))
+            self.write()
+
+    # ----------------------------------------------------------------------------------------------- phases
+    def build(self, record: dict) -> None:
+        began = time.monotonic()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        raw = json.loads(self.args.config.read_text())
+        fields = {k: v for k, v in raw.items() if k not in _NOT_ARCHITECTURE}
+        if self.smoke:
+            fields.update(SMOKE_MODEL)
+        config = AutoConfig.for_model(**fields)
+        dtype = getattr(torch, self.engine_dtype)
+        torch.manual_seed(self.args.seed)
+        try:
+            with torch.device(self.device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            record["init_device"] = str(self.device)
+        except Exception as err:  # some transformers versions refuse a device context: initialise on CPU
+            self.log(f"build: initialising on {self.device} failed ({type(err).__name__}: {err}); on CPU")
+            torch.manual_seed(self.args.seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            record["init_device"] = "cpu"
+        params = {id(p): p.numel() for p in model.parameters()}
+        embed = model.get_input_embeddings().weight
+        head = model.get_output_embeddings().weight
+        total = sum(params.values())
+        embedding = embed.numel() + (head.numel() if head is not embed else 0)
+        self.shape = {"params": total, "non_embedding_params": total - embedding, "layers": config.num_hidden_layers,
+                      "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+                      "q_dim": config.num_attention_heads * (getattr(config, "head_dim", None)
+                                                             or config.hidden_size // config.num_attention_heads),
+                      "kv_heads": config.num_key_value_heads, "intermediate_size": config.intermediate_size,
+                      "tied_embeddings": head is embed, "model_type": config.model_type,
+                      "architecture": type(model).__name__}
+        self.report["model"] = self.shape
+        model.save_pretrained(str(self.model_dir))
+        del model
+        save_tokenizer(self.model_dir, config.vocab_size)
+        tokenizer = self.models.load_tokenizer(str(self.model_dir), str(self.cache_dir))
+        if tokenizer.pad_token_id != config.vocab_size - 1 or tokenizer.eos_token_id != config.vocab_size:
+            raise RuntimeError(f"tokenizer ids: pad {tokenizer.pad_token_id}, eos {tokenizer.eos_token_id}")
+        self.pad_id = tokenizer.pad_token_id
+        record["seconds"] = round(time.monotonic() - began, 3)
+        record["model_dir_gb"] = round(sum(f.stat().st_size for f in self.model_dir.iterdir()) / GB, 3)
+        self.log(f"build: {self.shape['architecture']} {total / 1e6:.2f}M parameters "
+                 f"({self.shape['non_embedding_params'] / 1e6:.2f}M non-embedding), saved {record['model_dir_gb']} GB")
+
+    def engine(self, record: dict) -> None:
+        from sao_core.rollout.engines.base import SamplingParams
+        from sao_core.rollout.engines.hf import HFEngine
+
+        args = self.args
+        vocab = self.shape["vocab_size"]
+        gen = torch.Generator().manual_seed(args.seed + 1)
+        prompts = [torch.randint(1, vocab - 1, (args.prompt_tokens,), generator=gen).tolist()
+                   for _ in range(args.sequences)]
+        timeout = max(30.0, args.budget_s - self.elapsed() - (60 if self.smoke else 150))
+        timing: dict = {}
+
+        async def go():
+            began = time.monotonic()
+            engine = HFEngine(str(self.model_dir), str(self.cache_dir), max_batch=args.sequences,
+                              device=str(self.device), dtype=self.engine_dtype, seed=args.seed)
+            timing["load"] = time.monotonic() - began
+            try:
+                began = time.monotonic()
+                jobs = [engine.generate(p, SamplingParams(max_new_tokens=args.new_tokens, seed=1000 + i))
+                        for i, p in enumerate(prompts)]
+                gathered = asyncio.ensure_future(asyncio.gather(*jobs))
+                while not gathered.done():   # a progress line every 20 s, the time budget enforced
+                    left = began + timeout - time.monotonic()
+                    if left <= 0:
+                        gathered.cancel()
+                        raise TimeoutError(f"generation did not finish within {timeout:.0f} s (time budget); "
+                                           f"{engine.stats()['tokens_generated']} tokens sampled")
+                    await asyncio.wait({gathered}, timeout=min(20.0, left))
+                    if not gathered.done():
+                        self.log(f"engine: {engine.stats()['tokens_generated']} tokens sampled in "
+                                 f"{time.monotonic() - began:.0f} s")
+                out = gathered.result()
+                timing["generate"] = time.monotonic() - began
+                timing["stats"] = engine.stats()
+                return out
+            finally:
+                await engine.close()
+
+        generations = asyncio.run(go())
+        tokens = sum(len(g.token_ids) for g in generations)
+        seconds = timing["generate"]
+        stats = timing["stats"]
+        record.update(seconds=round(seconds, 3), load_seconds=round(timing["load"], 3), tokens=tokens,
+                      tokens_per_s=tokens / seconds, sequences=len(generations),
+                      finish_reasons=dict(Counter(g.finish_reason for g in generations)),
+                      engine_steps=stats["steps"], kv_cache=stats["kv_cache"],
+                      busy_seconds=round(stats["busy_seconds"], 3), max_batch=args.sequences)
+        lengths = {len(g.token_ids) for g in generations}
+        if lengths != {args.new_tokens}:
+            raise RuntimeError(f"expected every sequence to have {args.new_tokens} new tokens, got lengths {lengths}")
+        bad = [lp for g in generations for lp in g.logprobs if not (math.isfinite(lp) and lp <= 1e-4)]
+        if bad:
+            raise RuntimeError(f"{len(bad)} engine log-probs are not finite log-probabilities (e.g. {bad[0]})")
+        self.generations = list(zip(prompts, generations, strict=True))
+
+    def trajectories(self) -> list:
+        """The learner batch: the first `learner_sequences` engine sequences cut to `learner_seq_tokens` tokens
+        (prompt included; the engine's log-probs and versions on the sampled tokens); random tokens with
+        uniform log-probs when the engine phase failed."""
+        from sao_core.rollout.trajectory import Trajectory
+
+        args = self.args
+        rows = []
+        if self.generations:
+            self.report["batch_source"] = "engine"
+            for prompt, g in self.generations[:args.learner_sequences]:
+                keep = max(1, args.learner_seq_tokens - len(prompt))
+                sampled, logprobs, versions = g.token_ids[:keep], g.logprobs[:keep], g.versions[:keep]
+                rows.append((prompt, sampled, logprobs, versions))
+        else:
+            self.report["batch_source"] = "random tokens with uniform log-probs (the engine phase failed)"
+            vocab = self.shape["vocab_size"]
+            gen = torch.Generator().manual_seed(self.args.seed + 2)
+            keep = max(1, args.learner_seq_tokens - args.prompt_tokens)
+            for _ in range(args.learner_sequences):
+                ids = torch.randint(1, vocab - 1, (args.prompt_tokens + keep,), generator=gen).tolist()
+                rows.append((ids[:args.prompt_tokens], ids[args.prompt_tokens:], [-math.log(vocab)] * keep,
+                             [0] * keep))
+        return [Trajectory(id=f"seq{i}", prompt_id=f"p{i}", env="gpu_check", token_ids=prompt + sampled,
+                           action_mask=[0] * len(prompt) + [1] * len(sampled),
+                           rollout_logprobs=[0.0] * len(prompt) + list(logprobs),
+                           versions=[-1] * len(prompt) + list(versions), reward=float(i % 2), num_turns=1,
+                           finish_reason="length", metadata={"epoch": 0})
+                for i, (prompt, sampled, logprobs, versions) in enumerate(rows)]
+
+    def learner(self, record: dict, fsdp: bool) -> None:
+        import torch.distributed as dist
+
+        from sao_core.learner.batch import collate
+        from sao_core.learner.config import RLConfig
+        from sao_core.learner.updates import Updater
+        from sao_core.models.value import ValueModel
+        from sao_core.training.core import autocast, prepare_model
+        from sao_core.training.distributed import DistContext
+        from sao_core.training.forward import model_logprobs
+
+        args = self.args
+        if fsdp:
+            self._init_group()
+        try:
+            ctx = DistContext(rank=0, world_size=1, device=self.device)
+            began = time.monotonic()
+            policy = self.models.load_model(str(self.model_dir), str(self.cache_dir), dtype="float32")
+            critic = ValueModel.from_pretrained(str(self.model_dir))
+            policy = prepare_model(policy, ctx, gradient_checkpointing=True)
+            critic = prepare_model(critic, ctx, gradient_checkpointing=True)
+            if fsdp:
+                policy, critic = fully_shard_model(policy), fully_shard_model(critic)
+                record["fsdp2"] = {"world_size": dist.get_world_size(), "backend": dist.get_backend()}
+            batch = collate(self.trajectories(), self.pad_id)
+            self.sync()
+            record["load_seconds"] = round(time.monotonic() - began, 3)
+            if not fsdp and self.report["batch_source"] == "engine":
+                self._compare_logprobs(policy, batch, autocast, model_logprobs)
+            config = RLConfig(data="unused", output="unused", method="sao", batch_size=len(batch.trajectories),
+                              steps=args.learner_steps, precision=args.precision, gradient_checkpointing=True,
+                              critic_warmup_steps=0, micro_batch_tokens=args.micro_batch_tokens, seed=args.seed,
+                              cache_dir=str(self.cache_dir))
+            config.validate()
+            updater = Updater(config, policy, critic, ctx)
+            tokens = int(batch.attention_mask.sum())
+            action_tokens = int(batch.action_mask.sum())
+            seq_len = tokens / len(batch.trajectories)
+            flops = step_flops(self.shape, tokens, action_tokens, seq_len, config.critic_updates)
+            record.update(tokens=tokens, action_tokens=action_tokens, sequences=len(batch.trajectories),
+                          padded_width=int(batch.input_ids.shape[1]), critic_updates=config.critic_updates,
+                          micro_batch_tokens=config.micro_batch_tokens, model_flops_per_step=flops)
+            step_seconds = []
+            for step in range(args.learner_steps):
+                if step and self.over_budget(reserve=30 if fsdp else 90):
+                    record["steps_skipped"] = args.learner_steps - step
+                    self.log(f"{'learner_fsdp' if fsdp else 'learner'}: budget: skipping the remaining steps")
+                    break
+                self.sync()
+                began = time.monotonic()
+                metrics, changed = updater.step(batch, step)
+                self.sync()
+                step_seconds.append(time.monotonic() - began)
+                self.log(f"{'learner_fsdp' if fsdp else 'learner'}: step {step} {step_seconds[-1]:.2f} s, "
+                         f"logp_diff_max {metrics.get('logp_diff_max', float('nan')):.4g}, "
+                         f"policy_loss {metrics.get('policy_loss', float('nan')):.4g}, "
+                         f"critic_loss {metrics.get('critic_loss', float('nan')):.4g}")
+                if step == 0:
+                    record["metrics"] = metrics
+                    record["policy_changed"] = changed
+                    broken = [k for k in ("policy_loss", "critic_loss", "policy_grad_norm", "critic_grad_norm",
+                                          "logp_diff_max") if not _finite(metrics.get(k))]
+                    if broken or not changed:
+                        raise RuntimeError(f"step 0: not finite or missing: {broken}; policy changed: {changed}")
+            seconds = step_seconds[-1]
+            record.update(seconds=round(seconds, 4), step_seconds=[round(s, 4) for s in step_seconds],
+                          first_step_seconds=round(step_seconds[0], 4), tokens_per_s=tokens / seconds,
+                          mfu=flops / seconds / (args.peak_tflops * 1e12))
+            self.report["mfu"]["learner_fsdp" if fsdp else "learner"] = record["mfu"]
+        finally:
+            if fsdp and dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _compare_logprobs(self, policy, batch, autocast, model_logprobs) -> None:
+        """max / mean |engine log-prob − learner log-prob| on the sampled tokens, before any update."""
+        policy.eval()
+        batch = batch.to(self.device)
+        with torch.no_grad(), autocast(self.args.precision, self.device):
+            logp, _ = model_logprobs(policy, batch.input_ids, batch.attention_mask, positions=batch.action_mask)
+        mask = batch.action_mask.bool()
+        diff = (logp.float() - batch.rollout_logprobs.float()).abs()[mask]
+        self.report["logp_diff_max"] = float(diff.max())
+        self.report["logp_diff_mean"] = float(diff.mean())
+        self.report["learner_logp_mean"] = float(logp[mask].mean())
+        self.log(f"learner: |engine - learner| log-prob max {self.report['logp_diff_max']:.4g}, "
+                 f"mean {self.report['logp_diff_mean']:.4g} over {int(mask.sum())} tokens")
+        policy.train()
+
+    def _init_group(self) -> None:
+        """A one-process group: NCCL on the GPU, gloo on CPU (--smoke)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          LOCAL_WORLD_SIZE="1")
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        dist.init_process_group("nccl" if self.cuda else "gloo", rank=0, world_size=1)
+
+    def run(self) -> int:
+        self.log(f"device {self.report['device']['name']}, torch {torch.__version__}, transformers "
+                 f"{self.report['transformers_version']}, loader: {self.report['model_loader']}")
+        self.phase("build", self.build)
+        if self.report["phases"]["build"]["ok"]:
+            self.phase("engine", self.engine)
+            self.phase("learner", lambda r: self.learner(r, fsdp=False))
+            self.phase("learner_fsdp", lambda r: self.learner(r, fsdp=True))
+        else:
+            for name in PHASES[1:]:
+                self.report["phases"][name]["error"] = "skipped: the build phase failed"
+                self.report["errors"][name] = "skipped: the build phase failed"
+        self.report["ok"] = all(self.report["phases"][name]["ok"] for name in PHASES)
+        self.write()
+        if not self.args.keep_workdir:
+            import shutil
+
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        summary = {name: (p["tokens_per_s"], p["peak_gpu_gb"]) for name, p in self.report["phases"].items()}
+        self.log(f"done in {self.elapsed():.1f} s, ok={self.report['ok']}: tokens/s and peak GB {summary}, "
+                 f"mfu {self.report['mfu']}, logp_diff_max {self.report['logp_diff_max']}; wrote {self.args.out}")
+        return 0 if self.report["ok"] else 1
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="the JSON to write")
+    parser.add_argument("--smoke", action="store_true", help="every phase on CPU with a tiny model (gloo)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="a Hugging Face config.json")
+    parser.add_argument("--sequences", type=int, help="engine sequences (and max_batch); 64, smoke 8")
+    parser.add_argument("--prompt-tokens", type=int, help="random prompt tokens per sequence; 16, smoke 8")
+    parser.add_argument("--new-tokens", type=int, help="tokens sampled per sequence; 1024, smoke 32")
+    parser.add_argument("--learner-sequences", type=int, help="sequences in the learner batch; 16, smoke 8")
+    parser.add_argument("--learner-seq-tokens", type=int, help="learner sequence length, prompt included; 1024")
+    parser.add_argument("--micro-batch-tokens", type=int, help="RLConfig.micro_batch_tokens; 16384")
+    parser.add_argument("--learner-steps", type=int, help="learner steps per learner phase (the last is timed); 2")
+    parser.add_argument("--precision", choices=("bf16", "float32"),
+                        help="learner precision, and the engine's dtype; bf16, smoke float32")
+    parser.add_argument("--budget-s", type=float, help="time budget in seconds; 420, smoke 120")
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
+                        help="peak dense bf16 TFLOPs of the GPU for the MFU (default: H200, 989)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", default=None, help="where the temporary model directory goes (default: TMPDIR)")
+    parser.add_argument("--keep-workdir", action="store_true")
+    args = parser.parse_args(argv)
+    for key, (gpu, smoke) in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, smoke if args.smoke else gpu)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        message = ("gpu_check: no CUDA device (torch.cuda.is_available() is False; torch "
+                   f"{torch.__version__}, CUDA build {torch.version.cuda}); run on a CUDA machine, or pass --smoke "
+                   "for the CPU run")
+        print(message, file=sys.stderr)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"kit": "gpu_check", "format": 1, "ok": False, "smoke": False,
+                                   "errors": {"device": message}}, indent=2) + "\n")
+        return 2
+    if args.smoke:
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    return Kit(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
