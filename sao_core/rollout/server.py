@@ -42,7 +42,7 @@ class ServeConfig:
     data_parallel_size: int = 1             # engine replicas inside this service (one per TP group of GPUs)
     gpu_memory_utilization: float = 0.0     # share of GPU memory vLLM may take (weights + KV cache); 0: 0.5
     max_num_seqs: int = 0                   # concurrent sequences per engine step
-    max_model_len: int = 0                  # context length in tokens; 0: 2048
+    max_model_len: int = 0                  # context length in tokens; 0: the model's (config.json)
     prefix_caching: bool = True             # reuse the KV cache of shared prompt prefixes
 
     def validate(self) -> None:
