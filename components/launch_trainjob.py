@@ -57,7 +57,7 @@ def launch_trainjob(
     gpu_memory_utilization: float = 0.9,
     max_num_seqs: int = 256,
     enable_prefix_caching: bool = True,
-    max_model_len: int = 32768,
+    max_model_len: int = 0,
     accelerator_type: str = "nvidia.com/gpu",
     node_selector: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
     tolerations: Optional[list] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
@@ -103,7 +103,7 @@ def launch_trainjob(
         gpu_memory_utilization: vLLM: share of each GPU's memory the engine may use.
         max_num_seqs: vLLM: sequences scheduled concurrently.
         enable_prefix_caching: vLLM: reuse the KV cache of shared prefixes.
-        max_model_len: vLLM: longest context in tokens.
+        max_model_len: vLLM: context in tokens; 0: the run's max_total_tokens.
         accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
         node_selector: Node labels every pod of the TrainJob requires.
         tolerations: Tolerations of every pod of the TrainJob.

@@ -92,6 +92,17 @@ def test_errors_are_one_clear_line(argv, message, capsys, tmp_path, monkeypatch)
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "ServeConfig.port must be in [0, 65535], got 70000"),
+    (["--max-batch", "0"], "ServeConfig.max_batch must be >= 1, got 0"),
+    (["--lease-seconds", "-1"], "ServeConfig.lease_seconds must be > 0, got -1"),
+])
+def test_rollout_serve_bad_settings_are_one_line_before_anything_loads(flags, message, capsys, sao_cache):
+    code = main(["--quiet", "--cache-dir", str(sao_cache), "rollout", "serve", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("sao rollout: error: ") and message in err[0], err
+
+
 def test_build_model_and_checkpoint_commands(tmp_path, capsys, sao_cache):
     assert main(["--quiet", "--cache-dir", str(sao_cache), "build-model"]) == 0
     model_dir = capsys.readouterr().out.strip()

@@ -55,6 +55,30 @@ def test_runtimes_and_trainjobs_of_many_shapes_validate():
     assert schema.validate(ambient) == [] and "env" not in ambient["spec"]["trainer"]
 
 
+def _run_options(job) -> dict:
+    patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    env = {e["name"]: e.get("value") for e in patch["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    return json.loads(env[manifests.ENV_RUN_OPTIONS])
+
+
+def test_the_replicas_context_is_the_runs_max_total_tokens_unless_set():
+    runtime, job = launcher.render_launch(launch_config(rl_options={"max_total_tokens": 16384}), "team-a")
+    assert _run_options(job)["max_model_len"] == 16384
+    shape = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "containers"][0]["env"]
+    assert "max_model_len" not in json.loads(next(e["value"] for e in shape if e["name"] == names.ENV_ENGINE_OPTIONS))
+    _, job = launcher.render_launch(launch_config(max_model_len=32768, rl_options={"max_total_tokens": 16384}), "t")
+    assert _run_options(job)["max_model_len"] == 32768
+    _, job = launcher.render_launch(launch_config(engine="hf", rollout_gpus=0, rl_options={"max_total_tokens": 512}), "t")
+    assert "max_model_len" not in _run_options(job)      # hf: the model's context
+    assert "max_model_len" not in spec().run_engine_options()   # a runtime alone: the model's context
+    with pytest.raises(ClusterConfigError, match=r"max_total_tokens 16384 \(rl_options\) exceeds the rollout engine's "
+                                                 r"context of 8192 tokens \(max_model_len\)"):
+        launch_config(max_model_len=8192, rl_options={"max_total_tokens": 16384}).validate()
+    with pytest.raises(ClusterConfigError, match="max_model_len must be 0 .* or >= 16, got 8"):
+        spec(max_model_len=8).validate()
+
+
 def test_the_trainjob_carries_the_learner_the_rollout_settings_and_the_kueue_label():
     cfg = launch_config(queue_name="team-a-gpu", num_nodes=4, gpus_per_node=8, rollout_replicas=8, rollout_gpus=2,
                         tensor_parallel_size=2, max_num_seqs=512, enable_prefix_caching=True, gpu_memory_utilization=0.85,
@@ -84,8 +108,8 @@ def test_the_trainjob_carries_the_learner_the_rollout_settings_and_the_kueue_lab
                ["replicatedJobs"]}
     rollout_env = {e["name"]: e for e in patches["rollout"]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert rollout_env["SAO_MODEL"]["value"] == cfg.model
-    assert json.loads(rollout_env["SAO_ROLLOUT_RUN_OPTIONS"]["value"]) == {
-        "gpu_memory_utilization": 0.85, "max_num_seqs": 512, "enable_prefix_caching": True, "max_model_len": 32768,
+    assert json.loads(rollout_env["SAO_ROLLOUT_RUN_OPTIONS"]["value"]) == {   # max_model_len: max_total_tokens
+        "gpu_memory_utilization": 0.85, "max_num_seqs": 512, "enable_prefix_caching": True, "max_model_len": 4096,
         "dtype": "bfloat16"}
     assert "AWS_SECRET_ACCESS_KEY" in rollout_env
     jobs = {j["name"]: j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"]}

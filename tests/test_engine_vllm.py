@@ -116,6 +116,20 @@ def test_engine_identity(engine, tokenizer):
     assert stats["engine"] == "vllm" and stats["version"] == 0 and stats["active"] == 0
 
 
+def test_dtype_auto_is_float32_on_cpu_and_plans_above_max_model_len_are_refused(engine, tmp_path):
+    import torch
+
+    from sao_core.rollout.manager import RolloutError, RolloutManager, RolloutPlan
+
+    # dtype left at "auto": vLLM's own "auto" would run this float32 checkpoint in bfloat16 on CPU
+    assert engine.dtype == "float32" and engine._llm.model_config.dtype == torch.float32
+    assert engine.max_model_len == engine.context_length == engine.stats()["context_length"] == 1024
+    manager = RolloutManager(engine, engine.tokenizer, str(tmp_path))
+    with pytest.raises(RolloutError, match=r"^plan max_total_tokens 2048 exceeds the engine's context of 1024 tokens "
+                                           r"\(max_model_len\); raise max_model_len or lower max_total_tokens$"):
+        manager.start(RolloutPlan(dataset=str(tmp_path / "unused"), max_total_tokens=2048))
+
+
 def test_concurrent_generation_token_in_token_out(batch, tokenizer):
     _, limits, generations = batch
     reasons = set()
@@ -321,12 +335,21 @@ def test_rollout_service_with_the_vllm_engine(tmp_path, sao_cache):
     raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer}) + "\n"
                            for t in tasks))
     prepare(PrepareConfig(source=str(raw), kind="rl", output=str(tmp_path / "rl")))
+    from sao_core.rollout.client import RolloutRequestError
+    from sao_core.rollout.manager import RolloutPlan
+
+    # engine defaults: max_model_len is the model's context (4096), at least the default plan budget
     server = RolloutServer(ServeConfig(model=MODEL, engine="vllm", port=0, cache_dir=str(sao_cache),
-                                       engine_options={"max_model_len": 1024, "kv_cache_memory_bytes": 64 << 20}))
+                                       engine_options={"kv_cache_memory_bytes": 64 << 20}))
     server.start(timeout_s=300)
     try:
         client = RolloutClient(server.url)
-        assert client.status()["engine"]["engine"] == "vllm"
+        engine = client.status()["engine"]
+        assert engine["engine"] == "vllm" and engine["dtype"] == "float32"
+        assert engine["context_length"] == 4096 >= RolloutPlan(dataset="x").max_total_tokens
+        with pytest.raises(RolloutRequestError, match=r"-> 400: plan max_total_tokens 8192 exceeds the engine's "
+                                                      r"context of 4096 tokens \(max_model_len\)"):
+            client.start({"dataset": str(tmp_path / "rl"), "max_total_tokens": 8192})
         client.start({"dataset": str(tmp_path / "rl"), "max_new_tokens_per_turn": 16, "max_total_tokens": 96})
         got = []
         deadline = time.monotonic() + 240

@@ -357,8 +357,10 @@ class _NeverCalled:
         raise AssertionError("the engine must not be asked")
 
 def test_bad_inputs_stop_with_clear_messages(tmp_path, sao_cache):
+    # max_total_tokens within the embedded model's context (4096; the default 32768 is refused, see
+    # tests/test_context_and_dtype.py)
     base = dict(model="embedded:tiny", output=str(tmp_path / "out"), benchmarks=["imo_answerbench"], k=1, limit=1,
-                cache_dir=str(sao_cache))
+                max_new_tokens=8, max_total_tokens=1024, cache_dir=str(sao_cache))
     cases = [
         ({"benchmarks": ["imo_answerbench", "aime"]}, "unknown benchmark 'aime'; choose from"),
         ({"k": 0}, "k must be an integer >= 1, got 0"),

@@ -389,6 +389,33 @@ def test_vllm_scaling_settings_map_to_engine_arguments_and_are_checked():
         ServeConfig(engine="vllm", gpu_memory_utilization=1.5).validate()
 
 
+def test_plan_above_the_engine_context_is_refused_over_http(service, tmp_path):
+    server, client = service
+    dataset = _rl_dataset(tmp_path, 2)
+    assert client.status()["engine"]["context_length"] == 4096          # the embedded model's max_position_embeddings
+    response = httpx.post(f"{server.url}/v1/rollouts/start", json=_plan(dataset, max_total_tokens=8192))
+    assert response.status_code == 400
+    assert response.json()["detail"] == ("plan max_total_tokens 8192 exceeds the engine's context of 4096 tokens "
+                                         "(the model's max_position_embeddings); lower max_total_tokens")
+    assert client.status()["plan"] is None
+    assert client.start(_plan(dataset, max_total_tokens=4096))["prompts"] == 2   # the whole context is allowed
+    client.stop()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"port": 99999}, r"ServeConfig.port must be in \[0, 65535\], got 99999"),
+    ({"port": -1}, r"ServeConfig.port must be in \[0, 65535\], got -1"),
+    ({"max_batch": 0}, "ServeConfig.max_batch must be >= 1, got 0"),
+    ({"lease_seconds": -1}, "ServeConfig.lease_seconds must be > 0, got -1"),
+    ({"lease_seconds": 0}, "ServeConfig.lease_seconds must be > 0, got 0"),
+])
+def test_serve_config_checks_port_batch_and_lease(changes, message):
+    ServeConfig(port=0).validate()
+    ServeConfig(port=65535).validate()
+    with pytest.raises(ValueError, match=message):
+        ServeConfig(**changes).validate()
+
+
 def test_tool_calls_of_all_episodes_in_flight_wait_at_once(service, tmp_path):
     """Environment calls run on a pool with a thread per episode in flight: with 24 episodes waiting on a
     0.5 s tool at the same time, more than asyncio's default pool (min(32, cores + 4) threads) are busy."""

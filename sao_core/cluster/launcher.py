@@ -163,7 +163,12 @@ class LaunchConfig(RuntimeSpec):
         manifests.check_node_selector(self.node_selector)
         manifests.check_tolerations(self.tolerations)
         self.trainjob_name()
-        self.rl_config()
+        rl = self.rl_config()
+        chosen = self.engine_options.get("max_model_len") or self.max_model_len
+        if self.engine == "vllm" and chosen and chosen < rl.max_total_tokens:
+            raise ClusterConfigError(f"max_total_tokens {rl.max_total_tokens} (rl_options) exceeds the rollout engine's "
+                                     f"context of {chosen} tokens (max_model_len); raise max_model_len (or leave it at "
+                                     "0: the run's max_total_tokens) or lower max_total_tokens")
 
     def trainjob_name(self) -> str:
         name = self.name or names.trainjob_name(self.run_id, self.stage)
@@ -183,6 +188,11 @@ class LaunchConfig(RuntimeSpec):
             return build_config(RLConfig, self.rl_values(), source="launch rl_options")
         except ConfigError as err:
             raise ClusterConfigError(str(err)) from None
+
+    def context_tokens(self) -> int:
+        """The replicas' max_model_len: `max_model_len` when set, else the run's max_total_tokens (the longest
+        episode its plan asks for)."""
+        return self.max_model_len or self.rl_config().max_total_tokens
 
     def runtime_spec(self) -> RuntimeSpec:
         return RuntimeSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RuntimeSpec)})

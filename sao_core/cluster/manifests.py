@@ -90,7 +90,7 @@ class RuntimeSpec:
     gpu_memory_utilization: float = 0.9      # vllm: share of each GPU's memory the engine may use (0, 1]
     max_num_seqs: int = 256                  # vllm: sequences scheduled concurrently per engine
     enable_prefix_caching: bool = True       # vllm: reuse the KV cache of shared prefixes (multi-turn episodes)
-    max_model_len: int = 32768               # vllm: longest context in tokens (prompt + every turn)
+    max_model_len: int = 0                   # vllm: context in tokens (prompt + every turn); 0: a TrainJob's max_total_tokens (a runtime alone: the model's)
     rollout_dtype: str = "bfloat16"          # vllm weights and activations: auto, bfloat16, float16, float32
     engine_options: dict = field(default_factory=dict)  # other engine settings (vLLM AsyncEngineArgs names), e.g. {"enforce_eager": true}
     model: str = "embedded:tiny"             # default model of the rollout replicas (a TrainJob sets its own)
@@ -110,7 +110,10 @@ class RuntimeSpec:
         _int("rollout_port", self.rollout_port, 1, 65535)
         _int("rollout_backoff_limit", self.rollout_backoff_limit, 0, 10_000)
         _int("max_num_seqs", self.max_num_seqs, 1)
-        _int("max_model_len", self.max_model_len, 16)
+        _int("max_model_len", self.max_model_len, 0)
+        if 0 < self.max_model_len < 16:
+            raise ClusterConfigError(f"max_model_len must be 0 (the run's max_total_tokens) or >= 16, got "
+                                     f"{self.max_model_len}")
         _int("max_restarts", self.max_restarts, 0, 1000)
         if self.engine not in ENGINES:
             raise ClusterConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
@@ -161,10 +164,17 @@ class RuntimeSpec:
         options: dict[str, Any] = {}
         if self.engine == "vllm":
             options = {"gpu_memory_utilization": float(self.gpu_memory_utilization), "max_num_seqs": self.max_num_seqs,
-                       "enable_prefix_caching": bool(self.enable_prefix_caching), "max_model_len": self.max_model_len,
-                       "dtype": self.rollout_dtype}
+                       "enable_prefix_caching": bool(self.enable_prefix_caching)}
+            if self.context_tokens():
+                options["max_model_len"] = self.context_tokens()
+            options["dtype"] = self.rollout_dtype
         options.update(self.engine_options)
         return options
+
+    def context_tokens(self) -> int:
+        """vLLM's max_model_len for the replicas: `max_model_len`, 0 (leave it to the model's context) when
+        unset; a run (LaunchConfig) derives it from its max_total_tokens."""
+        return self.max_model_len
 
     def processes_per_node(self) -> int:
         """torchrun processes per learner node: one per GPU, one when the nodes have no GPU."""

@@ -33,7 +33,7 @@ class EvalConfig:
     k: int = 4                                  # samples per problem
     limit: int | None = None                    # evaluate only the first N problems of each benchmark
     engine: str = "hf"                          # hf | vllm
-    engine_options: dict = field(default_factory=dict)   # extra engine settings, e.g. {"max_model_len": 32768}
+    engine_options: dict = field(default_factory=dict)   # extra engine settings, e.g. {"max_batch": 16}; vllm max_model_len defaults to max_total_tokens
     max_new_tokens: int = 4096                  # tokens per model turn
     max_total_tokens: int = 32768               # tokens of a whole episode (prompt, turns, observations)
     temperature: float = 1.0

@@ -393,6 +393,8 @@ def _make_engine(config: EvalConfig) -> Any:
 
     options = dict(config.engine_options)
     options.setdefault("seed", config.seed)
+    if config.engine == "vllm" and not options.get("max_model_len"):
+        options["max_model_len"] = config.max_total_tokens   # the context the run needs (checked by _check_context)
     try:
         return make_engine(config.engine, config.model, config.cache_dir, **options)
     except ModelLoadError as err:
@@ -450,6 +452,25 @@ async def _generate(config: EvalConfig, loaded: list[LoadedBenchmark], todo: lis
     return finished
 
 
+def _check_context(config: EvalConfig, engine: Any) -> None:
+    """max_total_tokens must fit a given engine's context, or else (before an engine starts) the model's and a
+    vllm max_model_len set in engine_options."""
+    from sao_core.models import check_model_context
+    from sao_core.rollout.engines import check_context
+
+    try:
+        if engine is not None:
+            check_context(engine, config.max_total_tokens, "max_total_tokens")
+            return
+        check_model_context(config.model, config.cache_dir, config.max_total_tokens)
+    except ValueError as err:
+        raise EvalError(str(err)) from err
+    chosen = config.engine_options.get("max_model_len") if config.engine == "vllm" else None
+    if chosen and chosen < config.max_total_tokens:
+        raise EvalError(f"max_total_tokens {config.max_total_tokens} exceeds the engine's context of {chosen} tokens "
+                        "(engine_options max_model_len); raise max_model_len or lower max_total_tokens")
+
+
 def _check_swe_settings(config: EvalConfig) -> None:
     options = swe_env_options(config)
     kind = options.get("sandbox_kind", "local")
@@ -503,6 +524,7 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
     specs = [get_benchmark(name) for name in config.benchmark_list]
     if any(spec.env == "swe" for spec in specs):
         _check_swe_settings(config)
+    _check_context(config, engine)
     output = _Output(config.output)
     try:
         previous = load_summary(config.previous_summary) if config.previous_summary else None

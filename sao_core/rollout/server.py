@@ -42,12 +42,18 @@ class ServeConfig:
     data_parallel_size: int = 1             # engine replicas inside this service (one per TP group of GPUs)
     gpu_memory_utilization: float = 0.0     # share of GPU memory vLLM may take (weights + KV cache); 0: 0.5
     max_num_seqs: int = 0                   # concurrent sequences per engine step
-    max_model_len: int = 0                  # context length in tokens; 0: 2048
+    max_model_len: int = 0                  # context length in tokens; 0: the model's (config.json)
     prefix_caching: bool = True             # reuse the KV cache of shared prompt prefixes
 
     def validate(self) -> None:
         if self.engine not in ("hf", "vllm"):
             raise ValueError(f"ServeConfig.engine must be hf or vllm, got {self.engine!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServeConfig.port must be in [0, 65535], got {self.port}")
+        if self.max_batch < 1:
+            raise ValueError(f"ServeConfig.max_batch must be >= 1, got {self.max_batch}")
+        if not self.lease_seconds > 0:
+            raise ValueError(f"ServeConfig.lease_seconds must be > 0, got {self.lease_seconds}")
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -75,10 +81,6 @@ class ServeConfig:
         if not self.prefix_caching:
             options["enable_prefix_caching"] = False
         return options
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"ServeConfig.port must be in [0, 65535], got {self.port}")
-        if self.max_batch < 1 or self.lease_seconds <= 0:
-            raise ValueError("ServeConfig.max_batch must be >= 1 and lease_seconds > 0")
 
 
 def _free_port(host: str) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +27,28 @@ class DistContext:
         return self.world_size > 1
 
 
+def local_device_index(environ: Mapping[str, str], device_count: int) -> int:
+    """The GPU index of this process under torchrun: its ``LOCAL_RANK`` (torchrun sets it to 0 .. processes on
+    this node - 1). The global rank modulo the GPU count picks the wrong GPU when nodes run different numbers
+    of processes. Raises ValueError when LOCAL_RANK is missing, not an integer, or has no GPU on this node."""
+    raw = (environ.get("LOCAL_RANK") or "").strip()
+    if not raw:
+        raise ValueError("LOCAL_RANK is not set: under torchrun it chooses this process's GPU (torchrun sets it; "
+                         "another launcher must set it to the process's index on its node)")
+    try:
+        local = int(raw)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK must be an integer, got {raw!r}") from None
+    if not 0 <= local < device_count:
+        raise ValueError(f"LOCAL_RANK {local} has no GPU: this node sees {device_count} GPU(s); start at most "
+                         f"{device_count} processes per node (torchrun --nproc-per-node) or check "
+                         "CUDA_VISIBLE_DEVICES")
+    return local
+
+
 def init_distributed() -> DistContext:
-    """Join the torchrun process group (NCCL on GPU, gloo on CPU), or return a single-process context."""
+    """Join the torchrun process group (NCCL on GPU, gloo on CPU), or return a single-process context.
+    On GPU each process uses the GPU of its LOCAL_RANK (`local_device_index`)."""
     if not dist.is_torchelastic_launched():
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         return DistContext(device=device)
@@ -35,7 +57,7 @@ def init_distributed() -> DistContext:
         dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if torch.cuda.is_available():
-        local = rank % torch.cuda.device_count()
+        local = local_device_index(os.environ, torch.cuda.device_count())
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:

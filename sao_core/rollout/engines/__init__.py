@@ -5,10 +5,12 @@ from sao_core.rollout.engines.base import (
     EngineError,
     Generation,
     SamplingParams,
+    check_context,
     check_training_sampling,
 )
 
-__all__ = ["Engine", "EngineError", "Generation", "SamplingParams", "check_training_sampling", "make_engine"]
+__all__ = ["Engine", "EngineError", "Generation", "SamplingParams", "check_context", "check_training_sampling",
+           "make_engine"]
 
 
 def make_engine(kind: str, model: str, cache_dir: str, **options) -> Engine:

@@ -42,6 +42,18 @@ def check_training_sampling(params: SamplingParams) -> None:
         )
 
 
+def check_context(engine, max_total_tokens: int, what: str = "plan max_total_tokens") -> None:
+    """Raise ValueError when a budget of `max_total_tokens` tokens (a whole episode: prompt, turns,
+    observations) does not fit the engine's context, `engine.context_length` (an engine without one, e.g.
+    a test double, is not checked)."""
+    limit = getattr(engine, "context_length", None)
+    if limit is None or max_total_tokens <= limit:
+        return
+    source = getattr(engine, "context_source", "max_model_len")
+    fix = "raise max_model_len or lower max_total_tokens" if source == "max_model_len" else "lower max_total_tokens"
+    raise ValueError(f"{what} {max_total_tokens} exceeds the engine's context of {limit} tokens ({source}); {fix}")
+
+
 @dataclass
 class Generation:
     """One sampled continuation. Lists are aligned: `logprobs[i]` and `versions[i]` belong to
@@ -56,10 +68,14 @@ class Generation:
 
 
 class Engine(Protocol):
-    """An inference engine. `version` is the policy version of the weights in use."""
+    """An inference engine. `version` is the policy version of the weights in use. `context_length` is the
+    most tokens one sequence may hold (prompt and generation; None: unknown) and `context_source` the setting
+    that fixes it (vLLM: "max_model_len"; HF: the model's max_position_embeddings)."""
 
     version: int
     eos_token_ids: tuple[int, ...]
+    context_length: int | None
+    context_source: str
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
 

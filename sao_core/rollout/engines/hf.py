@@ -249,12 +249,18 @@ class HFEngine:
     values per request and reuse a finished request's cache for a context that extends it (see the
     module docstring); `prefix_cache_entries` finished caches are kept (least recently used dropped);
     `recompute_kv_on_update`: drop the caches at a weight update (see the module docstring).
+    `dtype` "auto" (the default): bfloat16 on a CUDA device, float32 on CPU (`sao_core.models.resolve_dtype`);
+    float32, bfloat16 and float16 are used as given. `context_length` is the model's context
+    (`max_position_embeddings` in its config): the rollout manager refuses plans whose `max_total_tokens`
+    exceed it.
     """
 
+    context_source = "the model's max_position_embeddings"
+
     def __init__(self, model: str, cache_dir: str, max_batch: int = 32, device: str = "cpu",
-                 dtype: str = "float32", seed: int = 0, kv_cache: bool = True, prefix_cache_entries: int = 0,
+                 dtype: str = "auto", seed: int = 0, kv_cache: bool = True, prefix_cache_entries: int = 0,
                  recompute_kv_on_update: bool = False):
-        from sao_core.models import load_model_and_tokenizer
+        from sao_core.models import context_length_of, load_model_and_tokenizer, resolve_dtype
 
         if max_batch < 1:
             raise EngineError(f"max_batch must be >= 1, got {max_batch}")
@@ -263,10 +269,14 @@ class HFEngine:
         self.model_ref = model
         self.cache_dir = cache_dir
         self.device = torch.device(device)
-        self.dtype = dtype
+        try:
+            self.dtype = resolve_dtype(dtype, self.device)
+        except ValueError as err:
+            raise EngineError(str(err)) from err
         self.max_batch = max_batch
-        self.model, self.tokenizer = load_model_and_tokenizer(model, cache_dir, dtype=dtype)
+        self.model, self.tokenizer = load_model_and_tokenizer(model, cache_dir, dtype=self.dtype)
         self.model.to(self.device)
+        self.context_length = context_length_of(self.model.config.to_dict())
         _use_gqa_attention(self.model)
         self.cache_shape = _cache_shape(self.model) if kv_cache else None
         if kv_cache and self.cache_shape is None:
@@ -345,7 +355,8 @@ class HFEngine:
 
     def stats(self) -> dict:
         elapsed = max(time.monotonic() - self._started, 1e-9)
-        return {"engine": "hf", "model": self.model_ref, "version": self.version, "active": len(self._active),
+        return {"engine": "hf", "model": self.model_ref, "version": self.version, "dtype": self.dtype,
+                "context_length": self.context_length, "active": len(self._active),
                 "paused": self._paused.is_set(), "tokens_generated": self._tokens_generated,
                 "busy_share": self._busy_seconds / elapsed, "busy_seconds": self._busy_seconds,
                 "uptime_seconds": elapsed, "steps": self._steps, "positions_encoded": self._positions,

@@ -121,17 +121,35 @@ class VLLMWorkerExtension:
 class VLLMEngine:
     """Engine over vLLM's AsyncLLM. The async methods must be awaited on one event loop."""
 
-    def __init__(self, model: str, cache_dir: str, max_model_len: int = 2048, gpu_memory_utilization: float = 0.5,
-                 dtype: str = "float32", seed: int = 0, **engine_kwargs):
+    context_source = "max_model_len"
+
+    def __init__(self, model: str, cache_dir: str, max_model_len: int = 0, gpu_memory_utilization: float = 0.5,
+                 dtype: str = "auto", seed: int = 0, **engine_kwargs):
         """`model` is a model reference (see `sao_core.models`); `engine_kwargs` go to vLLM's
         `AsyncEngineArgs` (e.g. `kv_cache_memory_bytes`, `enforce_eager`, `tensor_parallel_size`).
         On CPU `gpu_memory_utilization` is the share of the memory node vLLM reserves; give
         `kv_cache_memory_bytes` to size the KV cache explicitly instead. `enforce_eager` defaults to True
-        on CPU (torch.compile takes minutes there)."""
+        on CPU (torch.compile takes minutes there).
+
+        `max_model_len`: the context in tokens (prompt and every turn); 0: the model's own context, as vLLM
+        derives it from config.json (`max_position_embeddings`, RoPE scaling). Callers that know the work set
+        it to the largest `max_total_tokens` they will send (the colocated learner service and the evaluator
+        do). After start `max_model_len` / `context_length` hold the value vLLM uses; the rollout manager
+        refuses plans above it. `dtype` "auto" (the default) is resolved by `sao_core.models.resolve_dtype`:
+        bfloat16 on CUDA, float32 without CUDA (vLLM's own "auto" would run a float32 checkpoint in bfloat16 on
+        CPU); explicit names go to vLLM as given."""
         VSamplingParams, TokensPrompt, AsyncEngineArgs, RequestOutputKind, AsyncLLM = _import_vllm()
+        import torch
         from vllm.platforms import current_platform
 
-        from sao_core.models import ModelLoadError, load_tokenizer, resolve_model
+        from sao_core.models import ModelLoadError, load_tokenizer, resolve_dtype, resolve_model
+
+        try:
+            dtype = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
+        except ValueError as err:
+            raise EngineError(str(err)) from err
+        if max_model_len < 0:
+            raise EngineError(f"max_model_len must be >= 0 (0: the model's context), got {max_model_len}")
 
         self._VSamplingParams = VSamplingParams
         self._TokensPrompt = TokensPrompt
@@ -147,7 +165,7 @@ class VLLMEngine:
         self.model_ref = model
         self.cache_dir = cache_dir
         self.model_dir = resolved.path
-        self.max_model_len = max_model_len
+        self.dtype = dtype
         self.eos_token_ids = _eos_ids(resolved.path, self.tokenizer)
         self._arch = {k: v for k, v in _read_config(resolved.path).items() if k in _ARCH_FIELDS} \
             if Path(resolved.path).is_dir() else None
@@ -155,7 +173,7 @@ class VLLMEngine:
         if current_platform.is_cpu():
             engine_kwargs.setdefault("enforce_eager", True)
         args = AsyncEngineArgs(
-            model=resolved.path, tokenizer=resolved.path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            model=resolved.path, tokenizer=resolved.path, dtype=dtype, seed=seed, max_model_len=max_model_len or None,
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="raw_logprobs",
             worker_extension_cls=f"{__name__}.VLLMWorkerExtension", disable_log_stats=True, **engine_kwargs,
         )
@@ -163,6 +181,8 @@ class VLLMEngine:
             self._llm = AsyncLLM.from_engine_args(args)
         except Exception as err:
             raise EngineError(f"vLLM failed to start on {resolved.path}: {type(err).__name__}: {err}") from err
+        self.max_model_len = int(self._llm.model_config.max_model_len)   # what vLLM settled on
+        self.context_length = self.max_model_len
 
         self.version = 0                    # vLLM labels the initial weights "default"
         self._ids = itertools.count()
@@ -366,7 +386,8 @@ class VLLMEngine:
         now = time.monotonic()
         elapsed = max(now - self._started, 1e-9)
         busy = self._busy_seconds + (now - self._busy_since if self._busy_since is not None else 0.0)
-        return {"engine": "vllm", "model": self.model_ref, "version": self.version, "active": len(self._active),
+        return {"engine": "vllm", "model": self.model_ref, "version": self.version, "dtype": self.dtype,
+                "context_length": self.context_length, "active": len(self._active),
                 "paused": self._paused, "closed": self._closed, "tokens_generated": self._tokens_generated,
                 "weight_loads": self._weight_loads, "busy_share": busy / elapsed,
                 "busy_seconds": busy, "uptime_seconds": elapsed}
