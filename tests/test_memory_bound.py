@@ -1,7 +1,7 @@
 """No method materialises full-vocabulary logits: one training step of each of sft, cpt, dpo, gkd, grpo and sao
-on a model with the real vocabulary of 151,936 tokens (width 32, one layer) and 8,192 positions stays under a
-resident-memory bound in its own process. One float32 [8192, 151936] tensor alone is 4.98 GB; the chunked
-output layer holds one chunk of 2^25 logits (128 MiB) at a time."""
+on a model with the real vocabulary of 151,936 tokens (width 32, one layer) and 8,192 positions (half of them
+scored) stays under a resident-memory bound in its own process. One float32 [8192, 151936] tensor alone is
+4.98 GB, [4096, 151936] 2.49 GB; the chunked output layer holds one chunk of 2^25 logits (128 MiB) at a time."""
 
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ process; prints one JSON line per method: {"method", "positions", "base_rss_mb",
 METHODS: comma-separated, of sft | cpt | dpo | gkd | grpo | sao, run one after the other in this process
 (peak_rss_mb is the process's peak so far: a method that materialises [N, V] logits raises it). `--unchunked` sets the chunk budget so high that one chunk holds
 every position (the full [N, V] logits), which shows what the memory bound in the test catches.
+
+Every row is 1,024 tokens whose second half is scored (loss / action tokens): the forward runs over all
+positions, the output layer over half of them (4,096 x 151,936 float32 logits would still be 2.5 GB).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def supervised_step(method: str, model, rows: int, width: int) -> None:
 
     def chat() -> EncodedChat:
         ids = torch.randint(2, VOCAB, (width,), generator=g).tolist()
-        return EncodedChat(ids, [0] * 8 + [1] * (width - 8))
+        return EncodedChat(ids, [0] * (width // 2) + [1] * (width - width // 2))
 
     extra = {"teacher_model": "unused", "on_policy_fraction": 0.0} if method == "gkd" else {}
     config = METHOD_CONFIGS[method](data="unused", output="unused", batch_size=rows, **extra)
@@ -91,7 +94,7 @@ def rl_step(method: str, model, rows: int, width: int) -> None:
     trajectories = []
     for i in range(rows):
         ids = torch.randint(2, VOCAB, (width,), generator=g).tolist()
-        mask = [0] * 8 + [1] * (width - 8)
+        mask = [0] * (width // 2) + [1] * (width - width // 2)
         trajectories.append(Trajectory(
             id=f"t{i}", prompt_id=f"p{i // 2}", env="tool_arith", token_ids=ids, action_mask=mask,
             rollout_logprobs=[-11.9 if m else 0.0 for m in mask], versions=[0 if m else -1 for m in mask],

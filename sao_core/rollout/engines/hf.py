@@ -30,6 +30,7 @@ leave time for (measured: 24x slower on 80 tool episodes of 20 turns).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import queue
 import threading
@@ -427,8 +428,11 @@ class HFEngine:
             mask[row, width - len(context):] = 1
         self._positions += ids.numel()
         positions = (mask.cumsum(1) - 1).clamp(min=0)
+        # Only the last position's logits: [B, V], not [B, T, V] (at a 152k vocabulary and long contexts the
+        # full tensor is gigabytes), where the architecture's forward takes `logits_to_keep`.
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                            position_ids=positions.to(self.device), use_cache=False).logits[:, -1].float().cpu()
+                            position_ids=positions.to(self.device), use_cache=False, **keep).logits[:, -1].float().cpu()
         self._sample(batch, logits)
 
     def _step_cached(self) -> None:
