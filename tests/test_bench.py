@@ -136,13 +136,10 @@ def test_learner_memory_smoke(tmp_path):
     import subprocess
 
     out = tmp_path / "learner_memory.json"
-    done = subprocess.run([sys.executable, str(BENCH / "learner_memory.py"), "--tokens", "1024,2048", "--vocabs",
-                           "1000", "--threads", "1", "--max-logits-gb", "0.005", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(BENCH / "learner_memory.py"), "--tokens", "1024", "--vocabs", "1000",
+                           "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
-    rows = {(r["mode"], r["action_tokens"]): r for r in report["results"]}
-    assert set(rows) == {("before", 1024), ("after", 1024), ("before", 2048), ("after", 2048)}
-    assert "skipped" in rows[("before", 2048)]          # 2,112 x 1,000 float32 logits > 5 MB
-    assert rows[("after", 2048)]["peak_rss_mb"] > 0 and rows[("before", 1024)]["step_over_bare"] > 0
-    assert "1000" in report["after_mb_per_1k_tokens"]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"before", "after"} and rows["before"]["action_tokens"] == 1024
+    assert rows["after"]["peak_rss_mb"] > 0 and rows["before"]["step_over_bare"] > 0
+    assert rows["before"]["entropy"] == pytest.approx(rows["after"]["entropy"], rel=1e-4)   # same statistic

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from sao_core.objectives.gkd import generalized_jsd_loss
 
 # Floats of one chunk of logits ([rows, V]); 2**25 is 128 MiB in float32 (~220 positions at V = 151,936).
 LOGIT_CHUNK_ELEMENTS = 2 ** 25
+GKD_CHUNK_DIVISOR = 8
 
 
 def chunk_rows(vocab_size: int, chunk_elements: int | None = None) -> int:
@@ -114,6 +114,52 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return logp, entropy if with_entropy else None
 
 
+def _jsd_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float
+             ) -> torch.Tensor:
+    """Σ over the rows of one chunk ([n, V] float32 logits each) of `generalized_jsd_loss`'s divergence."""
+    ones = torch.ones(1, student_logits.shape[0], device=student_logits.device)
+    loss, _ = generalized_jsd_loss(student_logits[None], teacher_logits[None], ones, beta=beta, temperature=temperature)
+    return loss * student_logits.shape[0]
+
+
+class _ChunkedJSD(torch.autograd.Function):
+    """Σ of the generalised JSD over positions; the backward recomputes one chunk at a time and differentiates
+    the divergence with respect to that chunk's student logits only, so no chunk's tensors outlive it."""
+
+    @staticmethod
+    def forward(ctx, h_s, w_s, h_t, w_t, beta, temperature, rows, compute_dtype):
+        ws, wt = w_s.to(compute_dtype), w_t.to(compute_dtype)
+        total = torch.zeros((), dtype=torch.float32, device=h_s.device)
+        with torch.no_grad():
+            for s in range(0, h_s.shape[0], rows):
+                total += _jsd_sum(_logits(h_s[s:s + rows].to(compute_dtype), ws, None),
+                                  _logits(h_t[s:s + rows].to(compute_dtype), wt, None), beta, temperature)
+        ctx.save_for_backward(h_s, w_s, h_t, w_t)
+        ctx.settings = (beta, temperature, rows, compute_dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        h_s, w_s, h_t, w_t = ctx.saved_tensors
+        beta, temperature, rows, compute_dtype = ctx.settings
+        ws, wt = w_s.to(compute_dtype), w_t.to(compute_dtype)
+        grad_h = torch.empty_like(h_s) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device) if ctx.needs_input_grad[1] else None
+        for s in range(0, h_s.shape[0], rows):
+            h = h_s[s:s + rows].to(compute_dtype)
+            with torch.enable_grad():
+                student = _logits(h, ws, None).detach().requires_grad_(True)
+                teacher = _logits(h_t[s:s + rows].to(compute_dtype), wt, None)
+                (grad_logits,) = torch.autograd.grad(_jsd_sum(student, teacher, beta, temperature), student)
+            grad_logits = grad_logits.mul_(grad_total.float())
+            if grad_h is not None:
+                grad_h[s:s + rows] = (grad_logits.to(compute_dtype) @ ws).to(h_s.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(grad_logits.t(), h.float())
+            del student, teacher, grad_logits
+        return (grad_h, grad_w.to(w_s.dtype) if grad_w is not None else None, None, None, None, None, None, None)
+
+
 def chunked_generalized_jsd(student_hidden: torch.Tensor, student_weight: torch.Tensor,
                             teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, beta: float,
                             temperature: float, compute_dtype: torch.dtype | None = None,
@@ -127,28 +173,16 @@ def chunked_generalized_jsd(student_hidden: torch.Tensor, student_weight: torch.
 
     Returns:
         Scalar float32: Σ over the N positions of the per-position divergence (divide by N for the mean).
-        Each chunk's logits are recomputed in the backward pass (activation checkpointing), so at most one
-        chunk of [rows, V] tensors is alive at a time.
+        The backward pass recomputes each chunk's logits, so at most one chunk of [rows, V] tensors is alive.
     """
     if student_hidden.shape[0] != teacher_hidden.shape[0]:
         raise ValueError(f"student and teacher positions differ: {student_hidden.shape[0]} vs {teacher_hidden.shape[0]}")
     if student_weight.shape[0] != teacher_weight.shape[0]:
         raise ValueError(f"student and teacher vocabularies differ: {student_weight.shape[0]} vs "
                          f"{teacher_weight.shape[0]}")
-    dtype = compute_dtype or student_weight.dtype
-    rows = chunk_rows(student_weight.shape[0], chunk_elements)
-    teacher_w = teacher_weight.detach().to(dtype)
-
-    def chunk_sum(h_s: torch.Tensor, w_s: torch.Tensor, h_t: torch.Tensor) -> torch.Tensor:
-        student = F.linear(h_s.to(dtype), w_s.to(dtype)).float()
-        with torch.no_grad():
-            teacher = F.linear(h_t.to(dtype), teacher_w).float()
-        ones = torch.ones(1, h_s.shape[0], device=h_s.device)
-        loss, _ = generalized_jsd_loss(student[None], teacher[None], ones, beta=beta, temperature=temperature)
-        return loss * h_s.shape[0]
-
-    total = student_hidden.new_zeros((), dtype=torch.float32)
-    for s in range(0, student_hidden.shape[0], rows):
-        total = total + checkpoint(chunk_sum, student_hidden[s:s + rows], student_weight,
-                                   teacher_hidden[s:s + rows].detach(), use_reentrant=False)
-    return total
+    # The divergence keeps about a dozen [rows, V] float32 tensors alive per chunk (both log-softmaxes, the
+    # mixture, the KL terms and their gradients): chunks of an eighth of the log-prob budget keep its peak near
+    # that of `chunked_logprobs`.
+    rows = chunk_rows(student_weight.shape[0], chunk_elements or LOGIT_CHUNK_ELEMENTS // GKD_CHUNK_DIVISOR)
+    return _ChunkedJSD.apply(student_hidden, student_weight, teacher_hidden.detach(), teacher_weight.detach(),
+                             beta, temperature, rows, compute_dtype or student_weight.dtype)

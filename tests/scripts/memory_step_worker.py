@@ -7,8 +7,9 @@ METHODS: comma-separated, of sft | cpt | dpo | gkd | grpo | sao, run one after t
 (peak_rss_mb is the process's peak so far: a method that materialises [N, V] logits raises it). `--unchunked` sets the chunk budget so high that one chunk holds
 every position (the full [N, V] logits), which shows what the memory bound in the test catches.
 
-Every row is 1,024 tokens whose second half is scored (loss / action tokens): the forward runs over all
-positions, the output layer over half of them (4,096 x 151,936 float32 logits would still be 2.5 GB).
+Every row is 1,024 tokens whose last 256 are scored (loss / action tokens): the forward runs over all 8,192
+positions, the output layer over 2,048 of them (2,048 x 151,936 float32 logits would still be 1.24 GB, all
+8,192 positions 4.98 GB).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import torch
 
 VOCAB = 151_936
+SCORED = 256        # of each 1,024-token row: loss / action tokens (the output layer runs on these only)
 
 
 def rss_mb() -> float:
@@ -56,7 +58,7 @@ def supervised_step(method: str, model, rows: int, width: int) -> None:
 
     def chat() -> EncodedChat:
         ids = torch.randint(2, VOCAB, (width,), generator=g).tolist()
-        return EncodedChat(ids, [0] * (width // 2) + [1] * (width - width // 2))
+        return EncodedChat(ids, [0] * (width - SCORED) + [1] * SCORED)
 
     extra = {"teacher_model": "unused", "on_policy_fraction": 0.0} if method == "gkd" else {}
     config = METHOD_CONFIGS[method](data="unused", output="unused", batch_size=rows, **extra)
@@ -94,7 +96,7 @@ def rl_step(method: str, model, rows: int, width: int) -> None:
     trajectories = []
     for i in range(rows):
         ids = torch.randint(2, VOCAB, (width,), generator=g).tolist()
-        mask = [0] * (width // 2) + [1] * (width - width // 2)
+        mask = [0] * (width - SCORED) + [1] * SCORED
         trajectories.append(Trajectory(
             id=f"t{i}", prompt_id=f"p{i // 2}", env="tool_arith", token_ids=ids, action_mask=mask,
             rollout_logprobs=[-11.9 if m else 0.0 for m in mask], versions=[0 if m else -1 for m in mask],
