@@ -8,6 +8,10 @@ grpo_async    group advantages; PPO clip against the rollout engine's log-probs.
 grpo_dis      group advantages; DIS against the rollout log-probs.
 running_mean  one rollout per prompt; advantage = R − mean of the prompt's last rewards; DIS.
 
+The training core (`sao_core/training/core.py`) supplies the optimisers, schedules, clipped steps and the
+precision region (bf16 autocast when `precision` asks for it; float32 master weights); log-probs and entropies
+come from the chunked output layer (`training/forward.py`), over the action tokens only.
+
 Data parallel (torchrun, FSDP2): every rank receives the whole batch, computes the scalar advantages of
 the whole batch (group statistics and the running-mean baseline stay identical on all ranks), then trains
 on its own contiguous share of the rows. Each rank's loss is a token mean over its rows; multiplying it by
