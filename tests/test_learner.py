@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from sao_core import storage
 from sao_core.data.prepare import PrepareConfig, prepare
@@ -492,8 +493,79 @@ def test_episodes_the_service_ended_as_stale_are_dropped_with_their_group(method
     made["a2"] = dataclasses.replace(made["a2"], finish_reason="stale")
     pending = Pending(config)
     pending.add([(t, 0) for t in made.values()])
-    dropped = pending.drop_stale(version=1)          # every version tag is 0: staleness 1, within the bound
+    dropped = pending.drop_unusable(version=1)          # every version tag is 0: staleness 1, within the bound
     expected = ["a1", "a2"] if method == "grpo_async" else ["a2"]
     assert dropped == {0: expected} and pending.dropped == len(expected)
     assert sorted(pending.items) == sorted(set(made) - set(expected))
-    assert pending.drop_stale(version=2) == {0: sorted(set(made) - set(expected))}   # now 2 > 1: all go
+    assert pending.drop_unusable(version=2) == {0: sorted(set(made) - set(expected))}   # now 2 > 1: all go
+
+
+@pytest.mark.parametrize("method", ["sao", "grpo_async"])
+def test_failed_episodes_are_dropped_with_their_reason_or_trained_with_the_configured_reward(method):
+    """Episodes ended by an engine/environment error or a timeout are not trained as reward 0: dropped and
+    counted under their reason (their group's other members under "group"); with failed_episodes="train" they
+    are trained with failed_reward. Answers that earned 0 (stop) and tool errors are trained as they are."""
+    import dataclasses
+
+    from sao_core.learner.loop import Pending
+
+    made = {tid: _trajectory(tid, prompt, [1, 2], [3, 4], 1.0, [-0.5, -0.5])
+            for tid, prompt in (("a1", "p"), ("a2", "p"), ("b1", "q"), ("b2", "q"), ("c1", "r"), ("c2", "r"))}
+    made["a2"] = dataclasses.replace(made["a2"], finish_reason="env_error", reward=0.0)
+    made["b1"] = dataclasses.replace(made["b1"], finish_reason="timeout", reward=0.0)
+    made["c1"] = dataclasses.replace(made["c1"], finish_reason="tool_error", reward=0.0)
+    config = RLConfig(data="u", output="u", method=method, batch_size=2, group_size=2)
+    pending = Pending(config)
+    pending.add([(t, 0) for t in made.values()])
+    dropped = pending.drop_unusable(version=0)
+    if method == "sao":
+        assert dropped == {0: ["a2", "b1"]} and pending.dropped_by_reason == {"env_error": 1, "timeout": 1}
+    else:
+        assert dropped == {0: ["a1", "a2", "b1", "b2"]}
+        assert pending.dropped_by_reason == {"env_error": 1, "timeout": 1, "group": 2}
+    assert pending.dropped == sum(pending.dropped_by_reason.values())
+    assert {"c1", "c2"} <= set(pending.items) and pending.items["c1"][0].reward == 0.0
+
+    keep = Pending(RLConfig(data="u", output="u", method=method, batch_size=2, group_size=2,
+                            failed_episodes="train", failed_reward=-0.5))
+    keep.add([(t, 0) for t in made.values()])
+    assert keep.drop_unusable(version=0) == {} and keep.dropped == 0
+    assert {tid: t.reward for tid, (t, _) in keep.items.items()} == {
+        "a1": 1.0, "a2": -0.5, "b1": -0.5, "b2": 1.0, "c1": 0.0, "c2": 1.0}
+    with pytest.raises(ValueError, match="RLConfig.failed_episodes must be drop or train"):
+        RLConfig(data="u", output="u", failed_episodes="keep").validate()
+    with pytest.raises(ValueError, match="RLConfig.failed_reward must be a finite number"):
+        RLConfig(data="u", output="u", failed_reward=float("nan")).validate()
+
+
+def test_replay_after_a_crash_reproduces_the_published_weights(rl_data, tmp_path, sao_cache, rl_warm_model):
+    """The learner fails right after step 5 (its weights v5 published, its batch journaled); the resumed run
+    loads the step-3 checkpoint (the training core's DCP format), replays steps 4 and 5 from the journal and
+    republishes v5: equal to the v5 published before the crash. Then it finishes."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    # The early-stopped SFT model earns rewards (~0.25), so every step moves the weights.
+    common = dict(steps=7, batch_size=8, critic_warmup_steps=0, checkpoint_every=3, keep_weight_versions=10)
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_5(step, record):
+        if step == 5:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train_rl(_config(rl_data, out, rl_warm_model, sao_cache, **common), progress=crash_after_5)
+    before = load_file(str(out / "weights" / "v000005" / "model.safetensors"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003"]
+    summary = train_rl(_config(rl_data, out, rl_warm_model, sao_cache, resume=True, **common))
+    assert summary["resumed_from"].endswith("step-000003") and summary["replayed_steps"] == 2
+    assert summary["steps"] == 7 and summary["version"] == 7
+    after = load_file(str(out / "weights" / "v000005" / "model.safetensors"))
+    assert before.keys() == after.keys()
+    moved = max(float((after[k] - load_file(str(out / "weights" / "v000003" / "model.safetensors"))[k]).abs().max())
+                for k in after)
+    assert moved > 1e-4                                   # steps 4 and 5 changed the weights
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], rtol=0, atol=1e-6)

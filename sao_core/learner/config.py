@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,8 @@ class RLConfig(CoreConfig):
     take_wait_s: float = 2.0                   # long-poll wait per request
     service_retry_s: float = 300.0             # how long to wait when no rollout service answers before failing
     shutdown_services: bool = False            # at the end, shut the services down (TrainJob: lets the job end)
+    failed_episodes: str = "drop"              # drop | train: episodes ended by an engine/environment error or a timeout
+    failed_reward: float = 0.0                 # the reward they are trained with when failed_episodes is train
     keep_weight_versions: int = 3              # published weight versions kept (older ones deleted)
     log_every: int = 1
 
@@ -85,5 +88,9 @@ class RLConfig(CoreConfig):
             raise ValueError("RLConfig.policy_lr and critic_lr must be > 0")
         if not 0 <= self.eps_low <= 1 or self.eps_high < 0:
             raise ValueError("RLConfig needs 0 <= eps_low <= 1 and eps_high >= 0")
+        if self.failed_episodes not in ("drop", "train"):
+            raise ValueError(f"RLConfig.failed_episodes must be drop or train, got {self.failed_episodes!r}")
+        if not math.isfinite(self.failed_reward):
+            raise ValueError(f"RLConfig.failed_reward must be a finite number, got {self.failed_reward}")
         if self.engine not in ("hf", "vllm"):
             raise ValueError(f"RLConfig.engine must be hf or vllm, got {self.engine!r}")

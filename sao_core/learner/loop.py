@@ -11,6 +11,7 @@ trajectory is lost and none is trained twice in the resulting run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -219,39 +220,58 @@ class ServiceSet:
             client.close()
 
 
+# Episodes that ended through no doing of the policy: an engine or environment error (both reported as
+# env_error by the episode runner) or the episode's timeout. Their reward says nothing about the actions.
+FAILED_REASONS = ("env_error", "timeout")
+
+
 class Pending:
-    """Trajectories taken and not yet trained, in arrival order, with staleness and group handling."""
+    """Trajectories taken and not yet trained, in arrival order, with staleness, failure and group handling."""
 
     def __init__(self, config: RLConfig, already_trained: set[str] | None = None):
         self.config = config
         self.items: OrderedDict[str, tuple[Trajectory, int]] = OrderedDict()
-        self.dropped = 0
+        self.dropped_by_reason: Counter = Counter()
         self.already_trained = already_trained or set()
+
+    @property
+    def dropped(self) -> int:
+        return sum(self.dropped_by_reason.values())
 
     def add(self, items: list[tuple[Trajectory, int]]) -> dict[int, list[str]]:
         """Queue new arrivals; returns those already trained (journaled before a crash, never acknowledged),
-        which must only be acknowledged."""
+        which must only be acknowledged. With `failed_episodes="train"` a failed episode is queued with the
+        reward `failed_reward` instead of its own."""
         trained: dict[int, list[str]] = {}
         for trajectory, index in items:
             if trajectory.id in self.already_trained:
                 trained.setdefault(index, []).append(trajectory.id)
-            else:
-                self.items.setdefault(trajectory.id, (trajectory, index))
+                continue
+            if trajectory.finish_reason in FAILED_REASONS and self.config.failed_episodes == "train":
+                trajectory = dataclasses.replace(trajectory, reward=self.config.failed_reward)
+            self.items.setdefault(trajectory.id, (trajectory, index))
         return trained
 
-    def drop_stale(self, version: int) -> dict[int, list[str]]:
-        """Remove trajectories (whole groups for the group methods) older than max_staleness."""
-        stale_keys = set()
-        for trajectory, _ in self.items.values():
-            # "stale": ended early by the service for the same reason (its check uses the service's weights
-            # version, never ahead of ours).
-            if trajectory.staleness(version) > self.config.max_staleness or trajectory.finish_reason == "stale":
-                stale_keys.add(self._group_key(trajectory))
+    def _reason(self, trajectory: Trajectory, version: int) -> str | None:
+        """Why this trajectory must not be trained, or None."""
+        # "stale": ended early by the service for the same reason (its check uses the service's weights
+        # version, never ahead of ours).
+        if trajectory.staleness(version) > self.config.max_staleness or trajectory.finish_reason == "stale":
+            return "stale"
+        if trajectory.finish_reason in FAILED_REASONS and self.config.failed_episodes == "drop":
+            return trajectory.finish_reason
+        return None
+
+    def drop_unusable(self, version: int) -> dict[int, list[str]]:
+        """Remove the trajectories that must not be trained, whole groups for the group methods: older than
+        max_staleness, ended early by the service as "stale", or (unless `failed_episodes="train"`) failed.
+        Each is counted under its own reason; the other members of such a group under "group"."""
+        unusable = {self._group_key(t) for t, _ in self.items.values() if self._reason(t, version)}
         out: dict[int, list[str]] = {}
-        for tid in [tid for tid, (t, _) in self.items.items() if self._group_key(t) in stale_keys]:
+        for tid in [tid for tid, (t, _) in self.items.items() if self._group_key(t) in unusable]:
             trajectory, index = self.items.pop(tid)
             out.setdefault(index, []).append(tid)
-            self.dropped += 1
+            self.dropped_by_reason[self._reason(trajectory, version) or "group"] += 1
         return out
 
     def _group_key(self, t: Trajectory) -> tuple:
@@ -537,7 +557,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         wait_began = time.monotonic()
         chosen = None
         while chosen is None:
-            services.ack({}, pending.drop_stale(version))
+            services.ack({}, pending.drop_unusable(version))
             chosen = pending.batch()
             if chosen is None:
                 services.ack(pending.add(services.take(config.batch_size, config.take_wait_s)))
@@ -592,7 +612,8 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                 elapsed = time.time() - started
                 record = {"step": step, "version": version, **metrics,
                           "staleness": {str(k): v for k, v in sorted(staleness.items())},
-                          "dropped_total": pending.dropped, "learner_wait_s": waited,
+                          "dropped_total": pending.dropped, "dropped_by_reason": dict(pending.dropped_by_reason),
+                          "learner_wait_s": waited,
                           "update_s": time.monotonic() - step_began, "weight_push_s": push_seconds,
                           "trajectories_per_s": trained_trajectories / elapsed,
                           "tokens_per_s": trained_tokens / elapsed, "seconds": elapsed,
@@ -619,6 +640,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
             summary = {
                 "method": config.method, "steps": step, "version": version, "replayed_steps": replayed,
                 "trained_trajectories": trained_trajectories, "dropped": pending.dropped,
+                "dropped_by_reason": dict(pending.dropped_by_reason),
                 "reward_first": sum(first_rewards) / max(1, len(first_rewards)),
                 "reward_last": sum(last_rewards) / max(1, len(last_rewards)),
                 "seconds": time.time() - started, "checkpoint": last_checkpoint, "model": model_uri,

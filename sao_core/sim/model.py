@@ -316,7 +316,7 @@ def simulate(cfg: SimConfig, workload: Workload) -> dict:
 
     def take_batch() -> list[int] | None:
         # Drop stale trajectories first (all pending members of their group for grouped methods); staleness only
-        # changes with the version, so one full scan per version, as the learner's drop_stale at each take.
+        # changes with the version, so one full scan per version, as the learner's drop_unusable at each take.
         if cfg.method == "async" and scanned_version[0] != learner["version"]:
             scanned_version[0] = learner["version"]
             stale = [e for e in ready if is_stale(e)]
