@@ -103,18 +103,6 @@ def save_tokenizer(directory: Path, vocab_size: int) -> None:
     fast.save_pretrained(str(directory))
 
 
-def fully_shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2 every decoder layer, then the root (what `training.distributed.shard_model` does under torchrun;
-    that function is a no-op in a world of one)."""
-    from torch.distributed.fsdp import fully_shard
-
-    inner = getattr(model, "model", None) or getattr(model, "backbone", None) or model
-    for layer in getattr(inner, "layers", None) or []:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
-
-
 def step_flops(shape: dict, tokens: int, action_tokens: int, seq_len: float, critic_updates: int) -> float:
     """Model FLOPs of one SAO learner step (see the module docstring)."""
     body = 2 * shape["non_embedding_params"] + 2 * shape["layers"] * seq_len * shape["q_dim"]
@@ -382,7 +370,7 @@ class Kit:
         from sao_core.learner.updates import Updater
         from sao_core.models.value import ValueModel
         from sao_core.training.core import autocast, prepare_model
-        from sao_core.training.distributed import DistContext
+        from sao_core.training.distributed import DistContext, fully_shard_layers
         from sao_core.training.forward import model_logprobs
 
         args = self.args
@@ -396,7 +384,7 @@ class Kit:
             policy = prepare_model(policy, ctx, gradient_checkpointing=True)
             critic = prepare_model(critic, ctx, gradient_checkpointing=True)
             if fsdp:
-                policy, critic = fully_shard_model(policy), fully_shard_model(critic)
+                policy, critic = fully_shard_layers(policy), fully_shard_layers(critic)
                 record["fsdp2"] = {"world_size": dist.get_world_size(), "backend": dist.get_backend()}
             batch = collate(self.trajectories(), self.pad_id)
             self.sync()

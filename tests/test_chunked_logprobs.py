@@ -140,3 +140,11 @@ def test_bf16_logprobs_are_float32_and_close_to_float32():
     low.sum().backward()
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
                for p in model.parameters() if p.grad is not None)
+
+
+def test_distillation_refuses_a_biased_head():
+    student, teacher = small_lm(0), small_lm(5)
+    teacher.lm_head.bias = torch.nn.Parameter(torch.zeros(VOCAB))
+    ids, attention, positions = batch()
+    with pytest.raises(ValueError, match="the GKD teacher LlamaForCausalLM has a bias in its output layer"):
+        model_distillation_divergence(student, teacher, ids, attention, positions, 0.5, 1.0)

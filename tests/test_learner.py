@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import StopRun, stop_at
 
 from sao_core import storage
 from sao_core.data.prepare import PrepareConfig, prepare
@@ -318,16 +319,9 @@ def test_a_failing_s3_run_leaves_its_metrics_lines(moto_s3, rl_data, sao_cache, 
     failed = fail_metrics_sync_once(3)
     caplog.set_level(logging.WARNING, logger="sao_core.training.metrics_log")
 
-    class Stop(Exception):
-        pass
-
-    def progress(step, record):
-        if step == 3:
-            raise Stop
-
-    with pytest.raises(Stop):
+    with pytest.raises(StopRun):
         train_rl(_config(rl_data, out, tiny_model_dir, sao_cache, steps=5, batch_size=8, critic_warmup_steps=1,
-                         max_new_tokens_per_turn=12, max_total_tokens=80), progress=progress)
+                         max_new_tokens_per_turn=12, max_total_tokens=80), progress=stop_at(3))
     assert failed == [f"{out}/metrics.jsonl"] and "could not update" in caplog.text
     assert [json.loads(x)["step"] for x in storage.read_text(f"{out}/metrics.jsonl").splitlines()] == [1, 2, 3]
 
@@ -548,15 +542,8 @@ def test_replay_after_a_crash_reproduces_the_published_weights(rl_data, tmp_path
     # The early-stopped SFT model earns rewards (~0.25), so every step moves the weights.
     common = dict(steps=7, batch_size=8, critic_warmup_steps=0, checkpoint_every=3, keep_weight_versions=10)
 
-    class Crash(Exception):
-        pass
-
-    def crash_after_5(step, record):
-        if step == 5:
-            raise Crash
-
-    with pytest.raises(Crash):
-        train_rl(_config(rl_data, out, rl_warm_model, sao_cache, **common), progress=crash_after_5)
+    with pytest.raises(StopRun):
+        train_rl(_config(rl_data, out, rl_warm_model, sao_cache, **common), progress=stop_at(5))
     before = load_file(str(out / "weights" / "v000005" / "model.safetensors"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003"]
     summary = train_rl(_config(rl_data, out, rl_warm_model, sao_cache, resume=True, **common))

@@ -392,3 +392,20 @@ def test_seaweedfs_wrong_credentials(seaweed_s3, monkeypatch, tmp_path, key_id, 
                  lambda: storage.upload_file(tmp_path / "f", seaweed_s3.uri("k3.txt"))):
         with pytest.raises(StorageError, match=rejected):
             call()
+
+
+def test_local_storage_works_without_boto3_and_s3_says_what_is_missing(tmp_path):
+    """The GPU check kit's environment has no boto3: local checkpoints still publish and verify; an s3:// URI
+    fails with one clear StorageError."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nsys.modules['boto3'] = None\n"
+            "from pathlib import Path\nfrom sao_core import storage\n"
+            f"src = Path({str(tmp_path / 'src')!r}); src.mkdir(); (src / 'w.bin').write_bytes(b'x')\n"
+            f"storage.publish_checkpoint(src, {str(tmp_path / 'pub')!r})\n"
+            f"storage.verify_checkpoint({str(tmp_path / 'pub')!r})\n"
+            "try:\n    storage.exists('s3://bucket/key')\nexcept storage.StorageError as err:\n    print('ERR', err)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "ERR s3:// URIs need boto3, which is not installed: pip install boto3" in done.stdout

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import StopRun, stop_at
 from safetensors.torch import load_file
 
 from sao_core import storage
@@ -203,17 +204,10 @@ def test_a_failing_s3_training_run_leaves_its_metrics_lines(moto_s3, datasets, t
     failed = fail_metrics_sync_once(3)
     caplog.set_level(logging.WARNING, logger="sao_core.training.metrics_log")
 
-    class Stop(Exception):
-        pass
-
-    def stop_at_3(step, metrics):
-        if step == 3:
-            raise Stop
-
     config = SFTConfig(data=datasets["sft"], output=out, steps=5, batch_size=4, log_every=1, checkpoint_every=3,
                        cache_dir=str(sao_cache))
-    with pytest.raises(Stop):
-        train("sft", config, progress=stop_at_3)
+    with pytest.raises(StopRun):
+        train("sft", config, progress=stop_at(3))
     assert failed == [f"{out}/metrics.jsonl"] and "could not update" in caplog.text
 
     def steps() -> list[int]:

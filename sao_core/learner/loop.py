@@ -375,10 +375,8 @@ def colocated_serve_config(config: RLConfig):
     GPU split on one machine is `rollout_options={"gpu_memory_utilization": ...}` with the vllm engine.
 
     Context: a vllm engine gets `max_model_len = max_total_tokens` unless rollout_options set one (which must
-    not be smaller); a `max_total_tokens` above the model's context (`max_position_embeddings` in its
-    config.json) is refused here, before any model is loaded."""
+    not be smaller). (`train_rl` checks the budget against the model's own context first.)"""
     from sao_core.config import ConfigError, build_config
-    from sao_core.models import check_model_context
     from sao_core.rollout.server import ServeConfig
 
     fixed = {"model": config.model, "engine": config.engine, "port": 0, "cache_dir": config.cache_dir,
@@ -400,10 +398,6 @@ def colocated_serve_config(config: RLConfig):
         raise LearnerError(f"max_total_tokens {config.max_total_tokens} exceeds the rollout engine's context of "
                            f"{engine_len} tokens (rollout_options max_model_len); raise max_model_len or lower "
                            "max_total_tokens")
-    try:
-        check_model_context(config.model, config.cache_dir, config.max_total_tokens)
-    except ValueError as err:
-        raise LearnerError(str(err)) from err
     return serve
 
 
@@ -422,15 +416,14 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         config.validate()
     except ValueError as err:
         raise LearnerError(str(err)) from err
-    if not config.services:
-        colocated_serve_config(config)  # bad rollout options (and a budget above the context) fail before loading
-    else:
-        from sao_core.models import check_model_context
+    from sao_core.models import check_model_context
 
-        try:  # the services refuse such a plan too, but only once the learner has loaded its model
-            check_model_context(config.model, config.cache_dir, config.max_total_tokens)
-        except ValueError as err:
-            raise LearnerError(str(err)) from err
+    try:  # the services would refuse such a plan too, but only after the model is loaded
+        check_model_context(config.model, config.cache_dir, config.max_total_tokens)
+    except ValueError as err:
+        raise LearnerError(str(err)) from err
+    if not config.services:
+        colocated_serve_config(config)  # bad rollout options fail before any model is loaded
     ctx = init_distributed()
     if config.batch_size < ctx.world_size:
         raise LearnerError(f"batch_size {config.batch_size} is smaller than the {ctx.world_size} ranks; every "

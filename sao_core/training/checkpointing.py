@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from sao_core import storage
-from sao_core.training.distributed import DistContext, barrier
+from sao_core.training.distributed import DistContext, all_gather_object, barrier
 
 STATE_FILE = "trainer_state.json"
 
@@ -49,14 +48,6 @@ def step_name(step: int) -> str:
 
 
 Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
-
-
-def _gather(value, ctx: DistContext) -> list:
-    if not ctx.distributed:
-        return [value]
-    out = [None] * ctx.world_size
-    dist.all_gather_object(out, value)
-    return out
 
 
 def save_training_checkpoint(staging: Path, dest_uri: str, parts: Parts, trainer_state: dict[str, Any],
@@ -84,7 +75,7 @@ def save_training_checkpoint(staging: Path, dest_uri: str, parts: Parts, trainer
         entries: dict[str, Any] | str = storage.upload_checkpoint_files(mine, dest_uri)
     except storage.StorageError as err:
         entries = f"rank {ctx.rank}: {err}"
-    everyone = _gather(entries, ctx)
+    everyone = all_gather_object(entries, ctx)
     shutil.rmtree(mine, ignore_errors=True)
     failed = [e for e in everyone if isinstance(e, str)]
     if failed:

@@ -69,6 +69,11 @@ def shard_model(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     """FSDP2 (`fully_shard`) each decoder layer, then the root; a no-op in a single process."""
     if not ctx.distributed:
         return model
+    return fully_shard_layers(model)
+
+
+def fully_shard_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """`fully_shard` each decoder layer, then the root, in the current process group (also a group of one)."""
     from torch.distributed.fsdp import fully_shard
 
     # Causal LMs keep their decoder layers at model.model.layers, the critic at model.backbone.layers.
@@ -91,6 +96,15 @@ def broadcast_object(value, ctx: DistContext):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather_object(value, ctx: DistContext) -> list:
+    """Every rank's `value` (any picklable object), in rank order, on every rank; [value] in one process."""
+    if not ctx.distributed:
+        return [value]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, value)
+    return out
 
 
 def all_reduce_mean(values: dict[str, float], ctx: DistContext) -> dict[str, float]:

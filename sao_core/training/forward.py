@@ -103,6 +103,10 @@ def model_distillation_divergence(student, teacher, input_ids: torch.Tensor, att
     """
     selected = positions.to(device=input_ids.device, dtype=torch.bool)
     teacher_head = teacher.get_output_embeddings()
+    for role, model in (("student", student), ("teacher", teacher)):
+        if getattr(model.get_output_embeddings(), "bias", None) is not None:
+            raise ValueError(f"the GKD {role} {type(model).__name__} has a bias in its output layer; the chunked "
+                             "distillation path supports bias-free LM heads only")
     with torch.no_grad():
         teacher_hidden = model_hidden_states(teacher, input_ids, attention_mask)[selected]
 

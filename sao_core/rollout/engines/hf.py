@@ -30,6 +30,7 @@ leave time for (measured: 24x slower on 80 tool episodes of 20 turns).
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import queue
@@ -242,6 +243,12 @@ def _use_gqa_attention(model) -> None:
     model.set_attn_implementation(_GQA_ATTENTION)
 
 
+@functools.cache
+def _takes_logits_to_keep(model_class: type) -> bool:
+    """Whether an architecture's forward takes `logits_to_keep` (looked up once per class)."""
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
 class HFEngine:
     """Engine over a `transformers` causal LM. Thread-safe entry points are the async methods.
 
@@ -430,7 +437,7 @@ class HFEngine:
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         # Only the last position's logits: [B, V], not [B, T, V] (at a 152k vocabulary and long contexts the
         # full tensor is gigabytes), where the architecture's forward takes `logits_to_keep`.
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        keep = {"logits_to_keep": 1} if _takes_logits_to_keep(type(self.model)) else {}
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                             position_ids=positions.to(self.device), use_cache=False, **keep).logits[:, -1].float().cpu()
         self._sample(batch, logits)
