@@ -63,7 +63,18 @@ def _trajectory(tid, prompt_id, prompt, action, reward, logprobs):
     return Trajectory(id=tid, prompt_id=prompt_id, env="tool_arith", token_ids=prompt + action,
                       action_mask=[0] * len(prompt) + [1] * len(action),
                       rollout_logprobs=[0.0] * len(prompt) + logprobs, versions=[-1] * len(prompt) + [0] * len(action),
-                      reward=reward, num_turns=1, finish_reason="stop", metadata={"epoch": 0})
+                      reward=reward, num_turns=1, finish_reason="stop",
+                      metadata={"epoch": 0, "position": POSITIONS.get(prompt_id, 0)})
+
+
+POSITIONS = {"p": 0, "q": 1, "r": 2}   # the stream position of each prompt of the Pending tests
+
+
+def _dropped_ids(drops) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for d in drops:
+        out.setdefault(d.service, []).append(d.trajectory.id)
+    return out
 
 
 @pytest.mark.parametrize("method", ["sao", "grpo", "grpo_async", "grpo_dis", "running_mean"])
@@ -479,19 +490,22 @@ def test_episodes_the_service_ended_as_stale_are_dropped_with_their_group(method
     say; for the group methods its whole group goes with it. Versions within the bound are kept."""
     import dataclasses
 
+    from sao_core.learner.ledger import StreamLedger
     from sao_core.learner.loop import Pending
 
     config = RLConfig(data="u", output="u", method=method, batch_size=2, group_size=2, max_staleness=1)
     made = {tid: _trajectory(tid, prompt, [1, 2], [3, 4], 1.0, [-0.5, -0.5])
             for tid, prompt in (("a1", "p"), ("a2", "p"), ("b1", "q"), ("b2", "q"))}
     made["a2"] = dataclasses.replace(made["a2"], finish_reason="stale")
-    pending = Pending(config)
+    if method == "sao":  # one rollout per position
+        made = {tid: dataclasses.replace(t, metadata={"position": i}) for i, (tid, t) in enumerate(made.items())}
+    pending = Pending(config, StreamLedger())
     pending.add([(t, 0) for t in made.values()])
-    dropped = pending.drop_unusable(version=1)          # every version tag is 0: staleness 1, within the bound
+    dropped = _dropped_ids(pending.drop_unusable(version=1))   # every version tag is 0: staleness 1, within bound
     expected = ["a1", "a2"] if method == "grpo_async" else ["a2"]
     assert dropped == {0: expected} and pending.dropped == len(expected)
     assert sorted(pending.items) == sorted(set(made) - set(expected))
-    assert pending.drop_unusable(version=2) == {0: sorted(set(made) - set(expected))}   # now 2 > 1: all go
+    assert _dropped_ids(pending.drop_unusable(version=2)) == {0: sorted(set(made) - set(expected))}  # 2 > 1: all
 
 
 @pytest.mark.parametrize("method", ["sao", "grpo_async"])
@@ -501,17 +515,20 @@ def test_failed_episodes_are_dropped_with_their_reason_or_trained_with_the_confi
     are trained with failed_reward. Answers that earned 0 (stop) and tool errors are trained as they are."""
     import dataclasses
 
+    from sao_core.learner.ledger import StreamLedger
     from sao_core.learner.loop import Pending
 
     made = {tid: _trajectory(tid, prompt, [1, 2], [3, 4], 1.0, [-0.5, -0.5])
             for tid, prompt in (("a1", "p"), ("a2", "p"), ("b1", "q"), ("b2", "q"), ("c1", "r"), ("c2", "r"))}
+    if method == "sao":  # one rollout per position
+        made = {tid: dataclasses.replace(t, metadata={"position": i}) for i, (tid, t) in enumerate(made.items())}
     made["a2"] = dataclasses.replace(made["a2"], finish_reason="env_error", reward=0.0)
     made["b1"] = dataclasses.replace(made["b1"], finish_reason="timeout", reward=0.0)
     made["c1"] = dataclasses.replace(made["c1"], finish_reason="tool_error", reward=0.0)
     config = RLConfig(data="u", output="u", method=method, batch_size=2, group_size=2)
-    pending = Pending(config)
+    pending = Pending(config, StreamLedger())
     pending.add([(t, 0) for t in made.values()])
-    dropped = pending.drop_unusable(version=0)
+    dropped = _dropped_ids(pending.drop_unusable(version=0))
     if method == "sao":
         assert dropped == {0: ["a2", "b1"]} and pending.dropped_by_reason == {"env_error": 1, "timeout": 1}
     else:
@@ -521,9 +538,9 @@ def test_failed_episodes_are_dropped_with_their_reason_or_trained_with_the_confi
     assert {"c1", "c2"} <= set(pending.items) and pending.items["c1"][0].reward == 0.0
 
     keep = Pending(RLConfig(data="u", output="u", method=method, batch_size=2, group_size=2,
-                            failed_episodes="train", failed_reward=-0.5))
+                            failed_episodes="train", failed_reward=-0.5), StreamLedger())
     keep.add([(t, 0) for t in made.values()])
-    assert keep.drop_unusable(version=0) == {} and keep.dropped == 0
+    assert keep.drop_unusable(version=0) == [] and keep.dropped == 0
     assert {tid: t.reward for tid, (t, _) in keep.items.items()} == {
         "a1": 1.0, "a2": -0.5, "b1": -0.5, "b2": 1.0, "c1": 0.0, "c2": 1.0}
     with pytest.raises(ValueError, match="RLConfig.failed_episodes must be drop or train"):

@@ -10,6 +10,7 @@ from sao_core.training.config import CoreConfig
 
 RL_METHODS = ("sao", "grpo", "grpo_async", "grpo_dis", "running_mean")
 GROUP_METHODS = ("grpo", "grpo_async", "grpo_dis")
+ADMISSION_RULES = ("window", "version_order", "requeue")
 
 
 @dataclass
@@ -53,6 +54,12 @@ class RLConfig(CoreConfig):
     take_wait_s: float = 2.0                   # long-poll wait per request
     service_retry_s: float = 300.0             # how long to wait when no rollout service answers before failing
     shutdown_services: bool = False            # at the end, shut the services down (TrainJob: lets the job end)
+    # How the run keeps generation ahead of training without starving long episodes (README "Admission"):
+    # window: up to max_in_flight episodes in flight, trained in arrival order (stale ones dropped);
+    # version_order: the same window, but a batch takes the oldest admission versions first and never an
+    # episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped
+    # as stale is rolled out once more with fresh weights.
+    admission: str = "window"
     failed_episodes: str = "drop"              # drop | train: episodes ended by an engine/environment error or a timeout
     failed_reward: float = 0.0                 # the reward they are trained with when failed_episodes is train
     keep_weight_versions: int = 3              # published weight versions kept (older ones deleted)
@@ -88,6 +95,8 @@ class RLConfig(CoreConfig):
             raise ValueError("RLConfig.policy_lr and critic_lr must be > 0")
         if not 0 <= self.eps_low <= 1 or self.eps_high < 0:
             raise ValueError("RLConfig needs 0 <= eps_low <= 1 and eps_high >= 0")
+        if self.admission not in ADMISSION_RULES:
+            raise ValueError(f"RLConfig.admission must be one of {', '.join(ADMISSION_RULES)}, got {self.admission!r}")
         if self.failed_episodes not in ("drop", "train"):
             raise ValueError(f"RLConfig.failed_episodes must be drop or train, got {self.failed_episodes!r}")
         if not math.isfinite(self.failed_reward):

@@ -1,17 +1,18 @@
 """The learner loop: take finished trajectories from rollout services, train, push weights.
 
 Lossless protocol. A learner step (1) trains on a batch, (2) writes the batch to the journal
-(``<output>/journal/step-NNNNNN.json``), (3) acknowledges its trajectories, (4) publishes and pushes the
-new weights. A resumable checkpoint (models, optimisers, version, baseline state) is published every
-`checkpoint_every` steps. After a crash, `resume` loads the newest checkpoint and replays the journal
-steps after it (the updates are deterministic, so the weights come back exactly); trajectories that
-were taken but not acknowledged are handed back by the services on reconnect. No acknowledged
-trajectory is lost and none is trained twice in the resulting run.
+(``<output>/journal/step-NNNNNN.json``), (3) publishes and pushes the new weights, (4) acknowledges its
+trajectories. Trajectories it drops are journaled too (``drop-NNNNNN-MMM.json``) before they are
+acknowledged. A resumable checkpoint (models, optimisers, version, baseline state, the stream ledger) is
+published every `checkpoint_every` steps. After a crash, `resume` loads the newest checkpoint and replays
+the journal after it (the updates are deterministic, so the weights come back exactly). The stream ledger
+(`ledger.py`) then knows every prompt-stream position that is trained or dropped; the others are owed: a
+service whose plan survived hands back what was taken but not acknowledged on reconnect, and a plan that
+is (re)started rolls out exactly the owed positions. No position is skipped and none is trained twice.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -28,8 +29,11 @@ from typing import Any
 import torch
 
 from sao_core import storage
+from sao_core.learner import journal
 from sao_core.learner.batch import collate
-from sao_core.learner.config import GROUP_METHODS, RLConfig
+from sao_core.learner.config import RLConfig
+from sao_core.learner.ledger import TRAINED, StreamLedger
+from sao_core.learner.pending import FAILED_REASONS, Drop, Pending, position_of
 from sao_core.learner.updates import Updater
 from sao_core.rollout.client import RolloutClient, RolloutRequestError, RolloutUnavailable
 from sao_core.rollout.trajectory import Trajectory
@@ -40,6 +44,8 @@ from sao_core.training.checkpointing import (
     save_training_checkpoint,
     step_name,
 )
+
+__all__ = ["FAILED_REASONS", "LearnerError", "Pending", "ServiceSet", "train_rl"]
 from sao_core.training.core import prepare_model
 from sao_core.training.distributed import DistContext, all_reduce, broadcast_object, init_distributed
 from sao_core.training.metrics_log import MetricsLog
@@ -60,17 +66,25 @@ class ServiceSet:
     `probe_s` seconds and, once back, re-synced (current weights pushed, the plan restarted after the
     last trained stream position if it lost it, acknowledgements that failed while it was away re-sent)
     and rejoins. Only when every service is down does the learner wait, up to `retry_s`, then fail.
+
+    `plan_for(index, num_shards)` gives the stream fields of a plan (re)started on service `index` (the owed
+    positions of its shard, from the ledger); `on_restart(index)` is told when a service had lost its plan,
+    so what it delivered earlier and was not trained is rolled out again rather than held twice.
     """
 
-    def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float, probe_s: float = 2.0):
+    def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float, probe_s: float = 2.0,
+                 plan_for: Callable[[int, int], dict] | None = None,
+                 on_restart: Callable[[int], None] | None = None):
         self.clients = [RolloutClient(url, consumer=consumer) for url in urls]
         self.plan = plan
+        self.plan_for = plan_for
+        self.on_restart = on_restart
         self.retry_s = retry_s
         self.probe_s = probe_s
         self.down: dict[int, float] = {}                   # index -> monotonic time of the next probe
         self.weights: tuple[int, str, str] | None = None   # version, uri, digest currently wanted
         self.reconnecting: set[int] = set()
-        self.unacked: dict[int, tuple[list[str], list[str]]] = {}  # acks that failed while a service was down
+        self.unacked: dict[int, tuple[list[str], list[str], list[str]]] = {}  # acks that failed (service down)
         self._next = 0
 
     @property
@@ -85,12 +99,17 @@ class ServiceSet:
             if status["version"] < version:
                 client.push_weights(version, uri, digest)
         if status.get("plan") is None:
-            client.start({**self.plan, "shard": index, "num_shards": len(self.clients)})
+            n = len(self.clients)
+            stream = self.plan_for(index, n) if self.plan_for else {}
+            client.start({**self.plan, "shard": index, "num_shards": n, **stream})
+            self.unacked.pop(index, None)   # ids of its previous plan mean nothing to the new one
+            if self.on_restart:
+                self.on_restart(index)
         else:  # its plan survived (learner restart, network blip): take back what we took but did not ack
             self.reconnecting.add(index)
-        ids, gone = self.unacked.pop(index, ([], []))
-        if ids or gone:
-            client.ack(ids, gone)
+        ids, gone, again = self.unacked.pop(index, ([], [], []))
+        if ids or gone or again:
+            client.ack(ids, gone, again)
 
     def _mark_down(self, index: int, err: Exception) -> None:
         if index not in self.down:
@@ -166,15 +185,29 @@ class ServiceSet:
             self._wait_for_any()
         return out
 
-    def ack(self, by_service: dict[int, list[str]], dropped: dict[int, list[str]] | None = None) -> None:
-        dropped = dropped or {}
-        for index in set(by_service) | set(dropped):
-            ids, gone = by_service.get(index, []), dropped.get(index, [])
-            ok, _ = self._try(index, lambda c, ids=ids, gone=gone: c.ack(ids, gone))
+    def ack(self, by_service: dict[int, list[str]], dropped: dict[int, list[str]] | None = None,
+            requeue: dict[int, list[str]] | None = None) -> None:
+        dropped, requeue = dropped or {}, requeue or {}
+        for index in set(by_service) | set(dropped) | set(requeue):
+            ids, gone, again = by_service.get(index, []), dropped.get(index, []), requeue.get(index, [])
+            ok, _ = self._try(index, lambda c, ids=ids, gone=gone, again=again: c.ack(ids, gone, again))
             if not ok:
-                old_ids, old_gone = self.unacked.setdefault(index, ([], []))
+                old_ids, old_gone, old_again = self.unacked.setdefault(index, ([], [], []))
                 old_ids += ids
                 old_gone += gone
+                old_again += again
+
+    def oldest_unfinished_version(self) -> tuple[bool, int | None]:
+        """(True, the oldest admission version of an episode still running or not yet taken on any live
+        service, None if there is none), or (False, None) when a service did not answer (ask again)."""
+        oldest: list[int] = []
+        for index in self.live:
+            ok, status = self._try(index, lambda c: c.status())
+            if not ok:
+                return False, None
+            if status.get("oldest_unfinished_version") is not None:
+                oldest.append(status["oldest_unfinished_version"])
+        return True, min(oldest, default=None)
 
     def push(self, version: int, uri: str, digest: str) -> None:
         self.weights = (version, uri, digest)
@@ -218,87 +251,6 @@ class ServiceSet:
                 except (RolloutUnavailable, RolloutRequestError) as err:
                     log.warning("could not shut rollout service %s down: %s", client.url, err)
             client.close()
-
-
-# Episodes that ended through no doing of the policy: an engine or environment error (both reported as
-# env_error by the episode runner) or the episode's timeout. Their reward says nothing about the actions.
-FAILED_REASONS = ("env_error", "timeout")
-
-
-class Pending:
-    """Trajectories taken and not yet trained, in arrival order, with staleness, failure and group handling."""
-
-    def __init__(self, config: RLConfig, already_trained: set[str] | None = None):
-        self.config = config
-        self.items: OrderedDict[str, tuple[Trajectory, int]] = OrderedDict()
-        self.dropped_by_reason: Counter = Counter()
-        self.already_trained = already_trained or set()
-
-    @property
-    def dropped(self) -> int:
-        return sum(self.dropped_by_reason.values())
-
-    def add(self, items: list[tuple[Trajectory, int]]) -> dict[int, list[str]]:
-        """Queue new arrivals; returns those already trained (journaled before a crash, never acknowledged),
-        which must only be acknowledged. With `failed_episodes="train"` a failed episode is queued with the
-        reward `failed_reward` instead of its own."""
-        trained: dict[int, list[str]] = {}
-        for trajectory, index in items:
-            if trajectory.id in self.already_trained:
-                trained.setdefault(index, []).append(trajectory.id)
-                continue
-            if trajectory.finish_reason in FAILED_REASONS and self.config.failed_episodes == "train":
-                trajectory = dataclasses.replace(trajectory, reward=self.config.failed_reward)
-            self.items.setdefault(trajectory.id, (trajectory, index))
-        return trained
-
-    def _reason(self, trajectory: Trajectory, version: int) -> str | None:
-        """Why this trajectory must not be trained, or None."""
-        # "stale": ended early by the service for the same reason (its check uses the service's weights
-        # version, never ahead of ours).
-        if trajectory.staleness(version) > self.config.max_staleness or trajectory.finish_reason == "stale":
-            return "stale"
-        if trajectory.finish_reason in FAILED_REASONS and self.config.failed_episodes == "drop":
-            return trajectory.finish_reason
-        return None
-
-    def drop_unusable(self, version: int) -> dict[int, list[str]]:
-        """Remove the trajectories that must not be trained, whole groups for the group methods: older than
-        max_staleness, ended early by the service as "stale", or (unless `failed_episodes="train"`) failed.
-        Each is counted under its own reason; the other members of such a group under "group"."""
-        unusable = {self._group_key(t) for t, _ in self.items.values() if self._reason(t, version)}
-        out: dict[int, list[str]] = {}
-        for tid in [tid for tid, (t, _) in self.items.items() if self._group_key(t) in unusable]:
-            trajectory, index = self.items.pop(tid)
-            out.setdefault(index, []).append(tid)
-            self.dropped_by_reason[self._reason(trajectory, version) or "group"] += 1
-        return out
-
-    def _group_key(self, t: Trajectory) -> tuple:
-        if self.config.method in GROUP_METHODS:
-            return (t.prompt_id, t.metadata.get("epoch", 0))
-        return (t.id,)
-
-    def batch(self) -> list[tuple[Trajectory, int]] | None:
-        """The next batch if one is complete: the first B trajectories, or the first B/G whole groups."""
-        size = self.config.batch_size
-        if self.config.method not in GROUP_METHODS:
-            if len(self.items) < size:
-                return None
-            chosen = list(self.items)[:size]
-        else:
-            groups: OrderedDict[tuple, list[str]] = OrderedDict()
-            for tid, (t, _) in self.items.items():
-                groups.setdefault(self._group_key(t), []).append(tid)
-            complete = [ids for ids in groups.values() if len(ids) == self.config.group_size]
-            if len(complete) * self.config.group_size < size:
-                return None
-            chosen = [tid for ids in complete[: size // self.config.group_size] for tid in ids]
-        return [self.items.pop(tid) for tid in chosen]
-
-
-def _journal_uri(config: RLConfig, step: int) -> str:
-    return storage.join(config.output, "journal", f"{step_name(step)}.json")
 
 
 def _gather_batch(ctx: DistContext, fetch: Callable[[], list[Trajectory] | None]) -> list[Trajectory] | None:
@@ -455,7 +407,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         critic = prepare_model(critic, ctx, config.gradient_checkpointing)
     updater = Updater(config, policy, critic, ctx)
     step, version = 0, 0
-    data_position = 0  # first prompt-stream position not yet trained (see RolloutPlan)
+    ledger = StreamLedger()  # which prompt-stream positions are trained, dropped or owed (rank 0 keeps it)
     if latest:
         # Every rank reads its own verified copy (no shared filesystem needed); all agree before loading.
         local, error = None, ""
@@ -472,27 +424,48 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         learner_state = load_training_checkpoint(local, updater.checkpoint_parts(), ctx)
         updater.load_extra_state(learner_state["extra"])
         step, version = learner_state["step"], learner_state["version"]
-        data_position = learner_state.get("data_position", 0)
+        try:
+            ledger = (StreamLedger.from_state(learner_state["stream"]) if "stream" in learner_state
+                      else StreamLedger.from_position(learner_state.get("data_position", 0)))
+        except ValueError as err:
+            raise LearnerError(f"{latest}: {err}") from err
         log.info("resumed from %s (step %d, version %d)", latest, step, version)
+
+    drop_records = 0  # drop records written after the current step (their file index)
+
+    def replay_drops(after_step: int) -> None:
+        nonlocal drop_records
+        records = journal.read_drops(config.output, after_step) if ctx.is_main else []
+        for record in records:
+            settle_drops(record)
+        drop_records = len(records)
+
+    def settle_drops(records: list[dict]) -> None:
+        """Settle the positions of journaled drops (a re-queued one stays owed), a group with its own reason."""
+        by_position: dict[int, str] = {}
+        for r in records:
+            if not r.get("requeue") and by_position.get(r["position"], "group") == "group":
+                by_position[r["position"]] = r["reason"]
+        for position, reason in by_position.items():
+            ledger.settle(position, reason)
 
     # Replay journal steps written after the checkpoint (deterministic, so the weights come back exactly).
     replayed = 0
-    replayed_ids: set[str] = set()
+    if config.resume:
+        replay_drops(step)
     while config.resume:
-        def next_entry(step=step):
-            uri = _journal_uri(config, step + 1)
-            return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
-        entry = broadcast_object(next_entry() if ctx.is_main else None, ctx)
+        entry = broadcast_object(journal.read_step(config.output, step + 1) if ctx.is_main else None, ctx)
         if entry is None:
             break
-        replayed_ids.update(entry["ids"])
         replay = [Trajectory.from_dict(t) for t in entry["trajectories"]]
-        data_position = max([data_position] + [t.metadata.get("position", -1) + 1 for t in replay])
+        for t in replay:
+            ledger.settle(position_of(t), TRAINED)
         batch = collate(replay, tokenizer.pad_token_id)
         _, changed = updater.step(batch, step)
         step += 1
         version += int(changed)
         replayed += 1
+        replay_drops(step)
     if replayed:
         log.info("replayed %d journal steps; now at step %d, version %d", replayed, step, version)
 
@@ -509,9 +482,11 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         plan = {"dataset": config.data, "rollouts_per_prompt": config.rollouts_per_prompt, "epochs": 0,
                 "shuffle": True, "seed": config.seed, "max_in_flight": per_service_in_flight(config, len(urls)),
                 "env_options": config.env_options, "max_new_tokens_per_turn": config.max_new_tokens_per_turn,
-                "max_total_tokens": config.max_total_tokens, "training": True, "start_position": data_position,
-                "abandon_after_versions": config.max_staleness}
-        services = ServiceSet(urls, consumer, plan, config.service_retry_s)
+                "max_total_tokens": config.max_total_tokens, "training": True,
+                "abandon_after_versions": config.max_staleness, "admission": config.admission}
+        services = ServiceSet(urls, consumer, plan, config.service_retry_s,
+                              plan_for=lambda index, n: ledger.plan_fields(index, n),
+                              on_restart=lambda index: pending.forget_service(index))
 
     def publish_weights() -> float:
         """Gather the policy (collective); rank 0 publishes version `version` and pushes it to every service."""
@@ -532,10 +507,11 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         """Resumable learner state in the training core's format (collective)."""
         return save_training_checkpoint(
             scratch / "checkpoint", storage.join(checkpoints_uri, step_name(step)), updater.checkpoint_parts(),
-            {"method": config.method, "step": step, "version": version, "data_position": data_position,
+            {"method": config.method, "step": step, "version": version,
+             "data_position": ledger.low_water_mark, "stream": ledger.to_state(),
              "extra": updater.extra_state(), "config": json.loads(json.dumps(asdict(config), default=list))}, ctx)
 
-    pending = Pending(config, already_trained=replayed_ids)
+    pending = Pending(config, ledger)
     metrics_path = scratch / "metrics.jsonl"  # s3:// outputs: MetricsLog copies it to <output>/metrics.jsonl
     if not storage.is_s3_uri(config.output):
         metrics_path = Path(config.output) / "metrics.jsonl"
@@ -545,15 +521,39 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     summary: dict[str, Any] | None = None
     waited = 0.0
 
+    def record_drops(drops: list[Drop]) -> None:
+        """Journal the drops, settle their positions, then acknowledge them (re-queued ones as such)."""
+        nonlocal drop_records
+        records = [d.record() for d in drops]
+        journal.write_drops(config.output, step, drop_records, records)
+        drop_records += 1
+        settle_drops(records)
+        gone: dict[int, list[str]] = {}
+        again: dict[int, list[str]] = {}
+        for d in drops:
+            (again if d.requeue else gone).setdefault(d.service, []).append(d.trajectory.id)
+        services.ack({}, gone, again)
+
     def next_batch() -> list[tuple[Trajectory, int]]:
         nonlocal waited
         wait_began = time.monotonic()
         chosen = None
+        ordered = config.admission == "version_order"
         while chosen is None:
-            services.ack({}, pending.drop_unusable(version))
-            chosen = pending.batch()
+            drops = pending.drop_unusable(version)
+            if drops:
+                record_drops(drops)
+            if not ordered:
+                chosen = pending.batch()
+            elif len(pending.items) >= config.batch_size:
+                # Nothing admitted after an episode that is still running: the oldest versions train first,
+                # so no episode waits long enough to go stale (README "Admission").
+                answered, oldest = services.oldest_unfinished_version()
+                if answered:
+                    chosen = pending.batch(oldest_first=True, admitted_at_most=oldest)
             if chosen is None:
-                services.ack(pending.add(services.take(config.batch_size, config.take_wait_s)))
+                trained_ids, late = pending.add(services.take(config.batch_size, config.take_wait_s))
+                services.ack(trained_ids, late)
         waited = time.monotonic() - wait_began
         if config.method == "grpo":
             services.pause()  # the synchronous baseline: generators wait while the learner works
@@ -569,9 +569,6 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
             while step < config.steps:
                 chosen = _gather_batch(ctx, next_batch)
                 trajectories = [t for t, _ in chosen]
-                data_position = max([data_position] + [t.metadata.get("position", -1) + 1 for t in trajectories])
-                if services is not None:  # a service that restarts resumes the stream from here
-                    services.plan["start_position"] = data_position
                 staleness = Counter(t.staleness(version) for t in trajectories)
                 step_began = time.monotonic()
                 batch = collate(trajectories, tokenizer.pad_token_id)
@@ -579,21 +576,26 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                 step += 1
                 push_seconds = 0.0
 
-                def journal_and_ack(chosen=chosen, trajectories=trajectories, step=step, version=version) -> None:
-                    storage.write_text(_journal_uri(config, step), json.dumps(
-                        {"step": step, "version_before": version, "ids": [t.id for t in trajectories],
-                         "trajectories": [t.to_dict() for t in trajectories]}))
+                _gather_batch(ctx, lambda trajectories=trajectories, step=step, version=version:
+                              journal.write_step(config.output, step, version, trajectories))
+                drop_records = 0
+                # Settled: a service that was unreachable when we acknowledged redelivers these; they are only acked.
+                for t in trajectories:
+                    ledger.settle(position_of(t), TRAINED)
+                    pending.bias.trained(t)
+                if changed:
+                    version += 1
+                    push_seconds = publish_weights()
+
+                def ack(chosen=chosen) -> None:
+                    # After the push: the slots these free admit episodes under the new weights (which the
+                    # version_order guarantee counts on).
                     by_service: dict[int, list[str]] = {}
                     for t, index in chosen:
                         by_service.setdefault(index, []).append(t.id)
                     services.ack(by_service)
 
-                _gather_batch(ctx, journal_and_ack)
-                # A service that was unreachable when we acknowledged redelivers these; they are only acked.
-                pending.already_trained.update(t.id for t in trajectories)
-                if changed:
-                    version += 1
-                    push_seconds = publish_weights()
+                _gather_batch(ctx, ack)
                 if ctx.is_main and config.method == "grpo":
                     services.resume()
                 trained_trajectories += len(trajectories)
@@ -606,6 +608,8 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                 record = {"step": step, "version": version, **metrics,
                           "staleness": {str(k): v for k, v in sorted(staleness.items())},
                           "dropped_total": pending.dropped, "dropped_by_reason": dict(pending.dropped_by_reason),
+                          "requeued_total": pending.requeued, "positions_owed": ledger.owed_count(),
+                          "stream_low_water_mark": ledger.low_water_mark, **pending.bias.step_record(),
                           "learner_wait_s": waited,
                           "update_s": time.monotonic() - step_began, "weight_push_s": push_seconds,
                           "trajectories_per_s": trained_trajectories / elapsed,
@@ -633,7 +637,10 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
             summary = {
                 "method": config.method, "steps": step, "version": version, "replayed_steps": replayed,
                 "trained_trajectories": trained_trajectories, "dropped": pending.dropped,
-                "dropped_by_reason": dict(pending.dropped_by_reason),
+                "dropped_by_reason": dict(pending.dropped_by_reason), "requeued": pending.requeued,
+                "admission": config.admission, "length_bias": pending.bias.summary(),
+                "stream": {"low_water_mark": ledger.low_water_mark, "frontier": ledger.frontier,
+                           "owed": ledger.owed_count(), "outcomes": dict(ledger.outcomes)},
                 "reward_first": sum(first_rewards) / max(1, len(first_rewards)),
                 "reward_last": sum(last_rewards) / max(1, len(last_rewards)),
                 "seconds": time.time() - started, "checkpoint": last_checkpoint, "model": model_uri,

@@ -55,8 +55,11 @@ class RolloutClient:
                                   "reconnect": str(reconnect).lower()})
         return [Trajectory.from_dict(t) for t in body.pop("trajectories")], body
 
-    def ack(self, ids: list[str], dropped: list[str] | None = None) -> dict:
-        return self._call("POST", "/v1/trajectories/ack", json={"ids": list(ids), "dropped": list(dropped or [])})
+    def ack(self, ids: list[str], dropped: list[str] | None = None, requeue: list[str] | None = None) -> dict:
+        body = {"ids": list(ids), "dropped": list(dropped or [])}
+        if requeue:
+            body["requeue"] = list(requeue)
+        return self._call("POST", "/v1/trajectories/ack", json=body)
 
     def push_weights(self, version: int, uri: str, sha256: str) -> dict:
         return self._call("POST", "/v1/weights", timeout_s=600.0,

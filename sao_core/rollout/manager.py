@@ -2,7 +2,10 @@
 trajectories to learners with at-least-once delivery until they are acknowledged.
 
 In flight means started and not yet acknowledged (running, ready or taken). Capping it at
-(max_staleness + 1) × batch size bounds how stale a trajectory can get before the learner sees it.
+(max_staleness + 1) × batch size bounds how far generation runs ahead of training. The rollouts of one
+prompt (a GRPO group) are admitted together, with one weights version. Every episode records the version
+at its admission (`metadata["admitted_version"]`); `status()["oldest_unfinished_version"]` is the oldest
+among the episodes still running or not yet taken, which the learner's `version_order` admission waits for.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import hashlib
 import logging
 import random
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +27,9 @@ from sao_core.rollout.episode import EpisodeLimits, run_episode
 from sao_core.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
+
+
+ADMISSION_RULES = ("window", "version_order", "requeue")
 
 
 class RolloutError(ValueError):
@@ -61,10 +67,15 @@ class RolloutPlan:
     training: bool = True                        # training mode refuses non-default sampling
     # The prompt stream is one fixed sequence for a seed: position p = epoch × prompts + index in that
     # epoch's order. Services sharing a run take the positions p ≡ shard (mod num_shards); a plan
-    # restarted for a resumed run skips the positions before start_position (already trained).
+    # restarted for a resumed run rolls out the positions its learner still owes: those from start_position
+    # on, except `skip_positions` (settled: trained or dropped, see learner/ledger.py).
     start_position: int = 0
+    skip_positions: list[int] = field(default_factory=list)
     shard: int = 0
     num_shards: int = 1
+    # The learner's admission rule (learner/config.py). Only "requeue" changes what the service does: it
+    # then accepts requeue requests (POST /v1/trajectories/ack) and rolls such a position out once more.
+    admission: str = "window"
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -81,6 +92,13 @@ class RolloutPlan:
         if self.start_position < 0 or self.num_shards < 1 or not 0 <= self.shard < self.num_shards:
             raise RolloutError(f"plan needs start_position >= 0 and 0 <= shard < num_shards, got "
                                f"{self.start_position}, {self.shard}, {self.num_shards}")
+        if any(p < 0 for p in self.skip_positions):
+            raise RolloutError("plan.skip_positions must be stream positions (>= 0)")
+        if self.admission not in ADMISSION_RULES:
+            raise RolloutError(f"plan.admission must be one of {', '.join(ADMISSION_RULES)}, got {self.admission!r}")
+        if self.max_in_flight < self.rollouts_per_prompt:
+            raise RolloutError(f"plan.max_in_flight ({self.max_in_flight}) must hold one prompt's "
+                               f"{self.rollouts_per_prompt} rollouts (they are admitted together)")
         if self.abandon_after_versions is not None and self.abandon_after_versions < 0:
             raise RolloutError(f"plan.abandon_after_versions must be >= 0, got {self.abandon_after_versions}")
         if any(v < 1 for v in self.env_concurrency.values()):
@@ -91,6 +109,24 @@ class RolloutPlan:
                 check_training_sampling(self.sampling())
         except ValueError as err:
             raise RolloutError(str(err)) from err
+
+
+def stream_positions(plan: RolloutPlan, num_tasks: int):
+    """(task index, epoch, position) of every position `plan` rolls out, in stream order: its shard's
+    positions from start_position on, less skip_positions (endless when plan.epochs is 0)."""
+    rng = random.Random(plan.seed)
+    skip = set(plan.skip_positions)
+    epoch = 0
+    while plan.epochs == 0 or epoch < plan.epochs:
+        order = list(range(num_tasks))
+        if plan.shuffle:
+            rng.shuffle(order)
+        for offset, index in enumerate(order):
+            position = epoch * num_tasks + offset
+            if position < plan.start_position or position % plan.num_shards != plan.shard or position in skip:
+                continue
+            yield index, epoch, position
+        epoch += 1
 
 
 @dataclass
@@ -120,6 +156,10 @@ class RolloutManager:
         self._env_slots: dict[str, asyncio.Semaphore] = {}
         self._paused = False
         self._accepting = True
+        self._tasks: list = []
+        self._retries: deque = deque()        # (task index, epoch, position, attempt) to roll out once more
+        self._requeued: set[tuple[int, int]] = set()   # (position, attempt) already re-queued
+        self._running_admitted: Counter = Counter()    # admission version -> episodes running
         self.counts: Counter = Counter()
         self.finish_reasons: Counter = Counter()
         self.tool_seconds: list[float] = []
@@ -156,6 +196,9 @@ class RolloutManager:
             raise RolloutError(f"{uri}: {err}") from err
         self.plan = plan
         self.plan_done = False
+        self._tasks = tasks
+        self._retries.clear()
+        self._requeued.clear()
         self._slots = asyncio.Semaphore(plan.max_in_flight)
         # One thread per episode in flight for environment calls (tool calls mostly wait); threads start lazily.
         if self._env_pool is not None:
@@ -174,60 +217,79 @@ class RolloutManager:
         await asyncio.gather(*self._episodes, return_exceptions=True)
 
     async def _produce(self, plan: RolloutPlan, tasks: list) -> None:
-        rng = random.Random(plan.seed)
-        epoch = 0
-        while plan.epochs == 0 or epoch < plan.epochs:
-            order = list(range(len(tasks)))
-            if plan.shuffle:
-                rng.shuffle(order)
-            for offset, index in enumerate(order):
-                position = epoch * len(tasks) + offset
-                if position < plan.start_position or position % plan.num_shards != plan.shard:
+        stream = stream_positions(plan, len(tasks))
+        exhausted = False
+        while True:
+            while self._paused:
+                await asyncio.sleep(0.05)
+            if exhausted and not self._retries:
+                if not self._episodes:
+                    break
+                await asyncio.sleep(0.05)    # a re-queue may still come for a running episode
+                continue
+            queued = time.time()
+            for _ in range(plan.rollouts_per_prompt):    # a group is admitted as a whole
+                await self._slots.acquire()
+            if self._retries:                               # re-queued positions go first
+                index, epoch, position, attempt = self._retries.popleft()
+            else:
+                item = next(stream, None)
+                if item is None:
+                    exhausted = True
+                    for _ in range(plan.rollouts_per_prompt):
+                        self._slots.release()
                     continue
-                for k in range(plan.rollouts_per_prompt):
-                    while self._paused:
-                        await asyncio.sleep(0.05)
-                    queued = time.time()
-                    await self._slots.acquire()
-                    env_slot = self._env_slots.get(tasks[index].env)
-                    if env_slot is not None:
-                        await env_slot.acquire()
-                    episode = asyncio.create_task(self._episode(plan, tasks[index], k, epoch, position, queued,
-                                                                env_slot))
-                    self._episodes.add(episode)
-                    episode.add_done_callback(self._episodes.discard)
-            epoch += 1
-        await asyncio.gather(*list(self._episodes), return_exceptions=True)
+                (index, epoch, position), attempt = item, 0
+            admitted = self.engine.version
+            for k in range(plan.rollouts_per_prompt):
+                env_slot = self._env_slots.get(tasks[index].env)
+                if env_slot is not None:
+                    await env_slot.acquire()
+                episode = asyncio.create_task(self._episode(plan, tasks[index], k, epoch, position, queued,
+                                                            env_slot, admitted, attempt, index))
+                self._episodes.add(episode)
+                episode.add_done_callback(self._episodes.discard)
         self.plan_done = True
         self._new_ready.set()
 
-    async def _episode(self, plan, task, k, epoch, position, queued, env_slot) -> None:
+    async def _episode(self, plan, task, k, epoch, position, queued, env_slot, admitted, attempt, index) -> None:
         from sao_core.envs import make_env
 
         self.counts["started"] += 1
+        self._running_admitted[admitted] += 1
+        digest = hashlib.sha256(f"{plan.seed}/{epoch}/{task.id}/{k}".encode()).hexdigest()[:20]
+        trajectory_id = f"{digest}-{k}" + (f"-r{attempt}" if attempt else "")
         try:
             try:
                 env = make_env(task.env, **plan.env_options.get(task.env, {}))
             except Exception as err:
+                # Delivered as a failed episode (no tokens), so the learner settles its position as env_error
+                # instead of waiting for it forever.
                 log.warning("cannot create environment %s for %s: %s", task.env, task.id, err)
                 self.counts["env_create_failed"] += 1
-                self._slots.release()
-                return
+                env = None
+                trajectory = Trajectory(id=trajectory_id, prompt_id=task.id, env=task.env, token_ids=[],
+                                        action_mask=[], rollout_logprobs=[], versions=[], reward=0.0, num_turns=0,
+                                        finish_reason="env_error", sample_index=k,
+                                        metadata={"info": {"error": f"cannot create the environment: {err}"}})
             limits = EpisodeLimits(plan.max_total_tokens, plan.max_new_tokens_per_turn, plan.episode_timeout_s)
-            digest = hashlib.sha256(f"{plan.seed}/{epoch}/{task.id}/{k}".encode()).hexdigest()[:20]
             bound = plan.abandon_after_versions
-            trajectory = await run_episode(task, env, self.engine, self.tokenizer, plan.sampling(), limits,
-                                           queued_at=queued, sample_index=k, trajectory_id=f"{digest}-{k}",
-                                           executor=self._env_pool,
-                                           abandon_if=None if bound is None else
-                                           lambda oldest: self.engine.version - oldest > bound)
-            trajectory.metadata["epoch"] = epoch
-            trajectory.metadata["position"] = position
+            if env is not None:
+                trajectory = await run_episode(task, env, self.engine, self.tokenizer, plan.sampling(), limits,
+                                               queued_at=queued, sample_index=k, trajectory_id=trajectory_id,
+                                               executor=self._env_pool,
+                                               abandon_if=None if bound is None else
+                                               lambda oldest: self.engine.version - oldest > bound)
+            trajectory.metadata.update(epoch=epoch, position=position, admitted_version=admitted,
+                                       attempt=attempt, task_index=index)
         except asyncio.CancelledError:
             self.counts["dropped"] += 1
             self._slots.release()
             raise
         finally:
+            self._running_admitted[admitted] -= 1
+            if self._running_admitted[admitted] <= 0:
+                del self._running_admitted[admitted]
             if env_slot is not None:
                 env_slot.release()
         self.counts["finished"] += 1
@@ -259,11 +321,19 @@ class RolloutManager:
             out.append(trajectory)
         return out
 
-    def ack(self, ids: list[str], dropped: list[str] | None = None) -> dict:
+    def ack(self, ids: list[str], dropped: list[str] | None = None, requeue: list[str] | None = None) -> dict:
         """Acknowledge trajectories (trained, or `dropped` by the learner, e.g. too stale): they are
-        never delivered again and free their admission slots. Unknown ids are reported, not fatal."""
+        never delivered again and free their admission slots. Unknown ids are reported, not fatal.
+
+        `requeue` (plan admission "requeue" only): dropped trajectories whose position is rolled out once
+        more, with the weights of that moment, before the stream goes on (a whole group for GRPO: list every
+        member). A position is re-queued at most once; a second request for it counts as a plain drop."""
+        requeue = list(requeue or [])
+        if requeue and (self.plan is None or self.plan.admission != "requeue"):
+            raise RolloutError("requeue needs a plan with admission 'requeue'")
         unknown = []
-        for tid in list(ids) + list(dropped or []):
+        again: dict[int, Trajectory] = {}
+        for tid in list(ids) + list(dropped or []) + requeue:
             lease = self._leased.pop(tid, None)
             if lease is None:
                 if tid not in self._acked:
@@ -273,8 +343,19 @@ class RolloutManager:
             self.counts["acknowledged"] += 1
             if self._slots is not None:
                 self._slots.release()
-        self.counts["dropped_by_learner"] += len(set(dropped or []) - set(unknown))
-        return {"acknowledged": len(ids) + len(dropped or []) - len(unknown), "unknown": unknown}
+            if tid in requeue:
+                meta = lease.trajectory.metadata
+                if meta.get("attempt", 0) == 0 and "task_index" in meta:
+                    again.setdefault(meta["position"], lease.trajectory)
+        for position, trajectory in again.items():
+            if (position, 1) not in self._requeued:
+                self._requeued.add((position, 1))
+                self._retries.append((trajectory.metadata["task_index"], trajectory.metadata["epoch"], position, 1))
+                self.counts["requeued"] += 1
+        self.counts["dropped_by_learner"] += len(set(dropped or []) - set(unknown)) + \
+            len(set(requeue) - set(unknown))
+        return {"acknowledged": len(ids) + len(dropped or []) + len(requeue) - len(unknown), "unknown": unknown,
+                "requeued": len(again)}
 
     def reconnect(self, consumer: str) -> int:
         """A consumer came back: everything it had taken but not acknowledged is delivered again first."""
@@ -338,6 +419,12 @@ class RolloutManager:
             self._env_pool.shutdown(wait=False)
         await self.engine.close()
 
+    def oldest_unfinished_version(self) -> int | None:
+        """The oldest admission version among episodes running or finished but not yet taken (None: none)."""
+        versions = list(self._running_admitted)
+        versions += [t.metadata.get("admitted_version", t.min_version) for t in self._ready.values()]
+        return min(versions, default=None)
+
     def status(self) -> dict:
         running = len(self._episodes)
         return {
@@ -352,6 +439,8 @@ class RolloutManager:
             "cancelled": self.counts["dropped"],                  # episodes cut off by stop / shutdown
             "dropped_by_learner": self.counts["dropped_by_learner"],  # acknowledged as too stale
             "redelivered": self.counts["redelivered"],
+            "requeued": self.counts["requeued"],
+            "oldest_unfinished_version": self.oldest_unfinished_version(),
             "finish_reasons": dict(self.finish_reasons),
             "paused": self._paused,
             "plan": asdict(self.plan) if self.plan else None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -53,6 +53,11 @@ class PlanRequest(_Strict):
                                                "weights (a learner's max_staleness: it could not be trained)")
     training: bool = True
     start_position: int = Field(0, ge=0, description="skip prompt slots before this stream position")
+    skip_positions: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, max_length=1_000_000,
+        description="stream positions at or after start_position a resumed learner has settled already")
+    admission: Literal["window", "version_order", "requeue"] = Field(
+        "window", description="the learner's admission rule; requeue lets acks re-queue a dropped position once")
     shard: int = Field(0, ge=0, description="this service's share of the prompt stream (0-based)")
     num_shards: int = Field(1, ge=1, le=100_000, description="services sharing one prompt stream")
 
@@ -60,6 +65,8 @@ class PlanRequest(_Strict):
 class AckRequest(_Strict):
     ids: list[str] = Field(default_factory=list, max_length=100_000)
     dropped: list[str] = Field(default_factory=list, max_length=100_000)
+    requeue: list[str] = Field(default_factory=list, max_length=100_000,
+                               description="dropped, and their position rolled out once more (admission requeue)")
 
 
 class WeightsRequest(_Strict):
@@ -139,7 +146,7 @@ def create_app(manager: RolloutManager, on_shutdown=None) -> FastAPI:
 
     @app.post("/v1/trajectories/ack")
     async def ack(body: AckRequest) -> dict:
-        return manager.ack(body.ids, body.dropped)
+        return manager.ack(body.ids, body.dropped, body.requeue)
 
     @app.post("/v1/weights")
     async def weights(body: WeightsRequest) -> dict:
