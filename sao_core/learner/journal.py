@@ -3,7 +3,8 @@ the rollout services are told (acknowledged), so a crash never loses the record 
 
     step-NNNNNN.json          the batch of learner step N (trajectories, with their stream positions)
     drop-NNNNNN-MMM.json      trajectories dropped after step N (the M-th such record after that step):
-                              [{"id", "position", "sample_index", "reason"}]
+                              [{"id", "position", "sample_index", "attempt", "reason", "requeue"}]
+                              (requeue: the position is rolled out once more, so it stays owed)
 
 `audit` checks a run's whole record against the stream-accounting invariant (see `ledger`).
 """
@@ -73,6 +74,7 @@ def audit(output: str) -> dict[str, Any]:
     dropped: dict[int, str] = {}
     ids: Counter = Counter()
     last_step = 0
+    requeued = 0
     problems: list[str] = []
     for name in names:
         if m := _STEP.match(name):
@@ -88,6 +90,9 @@ def audit(output: str) -> dict[str, Any]:
                 ids[t["id"]] += 1
         elif _DROP.match(name):
             for record in json.loads(storage.read_text(storage.join(journal_dir(output), name))):
+                if record.get("requeue"):      # rolled out once more: still owed, not a drop
+                    requeued += 1
+                    continue
                 if dropped.get(record["position"], "group") == "group":  # a group's own reason wins
                     dropped[record["position"]] = record["reason"]
     twice = sorted(k for k, n in trained.items() if n > 1)
@@ -102,7 +107,7 @@ def audit(output: str) -> dict[str, Any]:
     ledger, ledger_step = _newest_ledger(output)
     skipped: list[int] = []
     if ledger is None:
-        problems.append("no checkpoint with a stream ledger")
+        problems.append("no checkpoint")
     else:
         # A position the ledger counts as settled must have a record; one it owes must have none.
         skipped = [p for p in unsettled if ledger.is_settled(p)]
@@ -116,7 +121,7 @@ def audit(output: str) -> dict[str, Any]:
                                 f"e.g. {sorted(unrecorded)[:5]}")
     return {"ok": not problems, "problems": problems, "steps": last_step, "trained_trajectories": sum(trained.values()),
             "trained_positions": len(trained_positions), "dropped_positions": len(dropped),
-            "dropped_by_reason": dict(Counter(dropped.values())), "frontier": frontier,
+            "dropped_by_reason": dict(Counter(dropped.values())), "requeued": requeued, "frontier": frontier,
             "owed": [p for p in unsettled if p not in skipped], "skipped": skipped,
             "ledger_step": ledger_step, "duplicate_ids": sorted(i for i, n in ids.items() if n > 1)}
 
@@ -126,7 +131,7 @@ def _newest_ledger(output: str) -> tuple[StreamLedger | None, int | None]:
     if latest is None:
         return None, None
     state = json.loads(storage.read_text(storage.join(latest, STATE_FILE)))
-    if "stream" not in state:
-        return None, state.get("step")
+    if "stream" not in state:  # written before stream accounting: all before data_position counted as done
+        return StreamLedger.from_position(state.get("data_position", 0)), state.get("step")
     return StreamLedger.from_state(state["stream"]), state.get("step")
 

@@ -56,6 +56,8 @@ class Pending:
         self.dropped_by_reason: Counter = Counter()     # trajectories dropped by this learner process
         self.requeued = 0                               # trajectories whose position was re-queued
         self.requeued_positions: set[int] = set()       # positions whose first attempt was re-queued
+        self.dropped_positions: set[int] = set()        # positions dropped by this process (the ledger forgets
+                                                        # outcomes below its mark)
         self.bias = LengthBias()
         self._seen: set[str] = set()
 
@@ -74,7 +76,7 @@ class Pending:
             position = position_of(trajectory)
             outcome = self.ledger.outcome(position) if position >= 0 else None
             late_attempt = position in self.requeued_positions and attempt_of(trajectory) == 0
-            if outcome in (TRAINED, SETTLED):
+            if outcome in (TRAINED, SETTLED) and position not in self.dropped_positions:
                 trained.setdefault(index, []).append(trajectory.id)
                 continue
             if outcome is not None or late_attempt:
@@ -93,13 +95,13 @@ class Pending:
 
     def _reason(self, trajectory: Trajectory, version: int) -> str | None:
         """Why this trajectory must not be trained, or None."""
+        if trajectory.finish_reason in FAILED_REASONS and (self.config.failed_episodes == "drop"
+                                                            or trajectory.num_action_tokens == 0):
+            return trajectory.finish_reason
         # "stale": ended early by the service for the same reason (its check uses the service's weights
         # version, never ahead of ours).
         if trajectory.staleness(version) > self.config.max_staleness or trajectory.finish_reason == "stale":
             return "stale"
-        if trajectory.finish_reason in FAILED_REASONS and (self.config.failed_episodes == "drop"
-                                                            or trajectory.num_action_tokens == 0):
-            return trajectory.finish_reason
         return None
 
     def drop_unusable(self, version: int) -> list[Drop]:
@@ -125,6 +127,7 @@ class Pending:
                 self.requeued_positions.add(position_of(trajectory))
             else:
                 self.dropped_by_reason[own] += 1
+                self.dropped_positions.add(position_of(trajectory))
         return out
 
     def _group_key(self, t: Trajectory) -> tuple:
