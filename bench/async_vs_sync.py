@@ -10,7 +10,11 @@ everywhere; the rollout service runs in its own process):
                 training it, so at C = B nothing can overlap: this shows what the in-flight count alone buys)
   async_grpo    GRPO with the ratio against the rollout log-probs, groups of 8, (S + 1) B in flight, no pause
   sao           SAO at its own setting, (S + 1) B in flight (same in-flight count as async_grpo: SAO / async
-                GRPO is the group barrier alone)
+                GRPO is the group barrier alone), admission "window": trained in arrival order, stale dropped
+  sao_version_order   the same, admission "version_order": a batch takes the oldest admission versions first
+                and nothing admitted after an episode still running (no episode goes stale)
+  sao_requeue   the same, admission "requeue": a prompt dropped as stale is rolled out once more
+  sao_bound4x   the same window and in-flight count, max_staleness 4 S: DIS alone guards the older tokens
   gen_only      generation only: the rollout service at (S + 1) B in flight, a consumer that takes and
                 acknowledges at once, no learner
   train_only    training only: a fresh learner replays the batches a run recorded in its journal (collate,
@@ -31,7 +35,11 @@ settings, fixed here and not tuned to the result (printed with the results):
 
 Reported per arm: trajectories/s and trained tokens/s (from the first episode's start to the end of the last
 step), generator idle share (1 - engine busy seconds / wall), learner wait share (seconds the learner waited
-for trajectories / wall), and the ratios to sync_grpo, to the limit and to the shared-CPU bound. Reproduce:
+for trajectories / wall), and the ratios to sync_grpo, to the limit and to the shared-CPU bound. Length bias:
+the length ratio (mean operations of the trained episodes / mean operations of the tasks at every stream
+position up to the last one trained, so episodes still running at the end do not flatter it), stale drops
+(share of the trajectories that reached the learner), generated tokens not trained (share of the engine's
+sampled tokens: dropped, abandoned, or still in flight at the end) and positions owed at the end. Reproduce:
 
     .venv/bin/python bench/async_vs_sync.py --output local_outputs/bench/async_vs_sync        # see --help for time
     .venv/bin/python bench/async_vs_sync.py --quick                                           # smaller, one tail
@@ -68,7 +76,8 @@ TAILS = {
     "moderate": {"p_more": 0.4, "max_ops": 12, "latency_median_s": 0.1, "latency_sigma": 0.8},
     "heavy": {"p_more": 0.2, "max_ops": 30, "latency_median_s": 0.1, "latency_sigma": 1.2},
 }
-ARMS = ("sync_grpo", "sao_eqC", "async_grpo", "sao", "gen_only")   # train_only replays follow the runs
+ARMS = ("sync_grpo", "sao_eqC", "async_grpo", "sao", "sao_version_order", "sao_requeue", "sao_bound4x",
+        "gen_only")   # train_only replays follow the runs
 
 
 @dataclass
@@ -99,7 +108,33 @@ def arm_plan(arm: str, s: Settings) -> tuple[str | None, int]:
     """(learner method or None for gen_only, episodes in flight)."""
     return {"sync_grpo": ("grpo", s.batch_size), "sao_eqC": ("sao", s.batch_size),
             "async_grpo": ("grpo_async", s.own_in_flight), "sao": ("sao", s.own_in_flight),
-            "gen_only": (None, s.own_in_flight)}[arm]
+            "sao_version_order": ("sao", s.own_in_flight), "sao_requeue": ("sao", s.own_in_flight),
+            "sao_bound4x": ("sao", s.own_in_flight), "gen_only": (None, s.own_in_flight)}[arm]
+
+
+def arm_admission(arm: str, s: Settings) -> tuple[str, int]:
+    """(admission rule, max_staleness) of a learner arm."""
+    return {"sao_version_order": ("version_order", s.max_staleness), "sao_requeue": ("requeue", s.max_staleness),
+            "sao_bound4x": ("window", 4 * s.max_staleness)}.get(arm, ("window", s.max_staleness))
+
+
+def length_bias(trajectories: list[Trajectory], tasks: list, seed: int, summary: dict) -> dict:
+    """The length ratio: mean operations of the trained episodes / mean operations of the tasks at every
+    stream position up to the last one trained (positions from the learner's own plan: shuffled with its seed)."""
+    from sao_core.rollout.manager import RolloutPlan, stream_positions
+
+    ops = {t.id: t.metadata["num_ops"] for t in tasks}
+    last = max(t.metadata["position"] for t in trajectories)
+    stream = stream_positions(RolloutPlan(dataset="-", seed=seed, epochs=0), len(tasks))
+    task_ops = [ops[tasks[index].id] for index, _, position in (next(stream) for _ in range(last + 1))]
+    trained_ops = statistics.mean(ops[t.prompt_id] for t in trajectories)
+    arrived = len(trajectories) + summary["dropped"] + summary.get("requeued", 0)
+    return {"length_ratio": trained_ops / statistics.mean(task_ops), "trained_ops_mean": trained_ops,
+            "task_ops_mean": statistics.mean(task_ops), "last_position": last,
+            "stale_drops": summary["dropped_by_reason"].get("stale", 0),
+            "stale_drop_share": summary["dropped_by_reason"].get("stale", 0) / max(1, arrived),
+            "requeued": summary.get("requeued", 0), "owed_at_end": summary.get("stream", {}).get("owed"),
+            "drop_rate_by_turns": summary.get("length_bias", {}).get("drop_rate_by_turns")}
 
 
 class _ThreadService:
@@ -184,8 +219,9 @@ def _journal(run_dir: Path) -> list[list[Trajectory]]:
             for p in sorted((run_dir / "journal").glob("step-*.json"))]
 
 
-def run_learner(arm: str, s: Settings, model: str, data: str, tail: dict, out: Path) -> dict:
+def run_learner(arm: str, s: Settings, model: str, data: str, tail: dict, out: Path, tasks: list) -> dict:
     method, in_flight = arm_plan(arm, s)
+    admission, max_staleness = arm_admission(arm, s)
     run_dir = out / arm
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -206,7 +242,8 @@ def run_learner(arm: str, s: Settings, model: str, data: str, tail: dict, out: P
 
         config = RLConfig(data=data, output=str(run_dir / "run"), method=method, model=model,
                           services=(service.url,), steps=s.steps, batch_size=s.batch_size, group_size=s.group_size,
-                          max_staleness=s.max_staleness, max_in_flight=in_flight, policy_lr=s.policy_lr,
+                          max_staleness=max_staleness, admission=admission, max_in_flight=in_flight,
+                          policy_lr=s.policy_lr,
                           critic_lr=s.critic_lr, critic_warmup_steps=0, env_options=_env_options(tail),
                           max_new_tokens_per_turn=s.max_new_tokens_per_turn, max_total_tokens=s.max_total_tokens,
                           seed=s.seed, take_wait_s=0.5, cache_dir=_setup.default_cache_dir())
@@ -222,18 +259,24 @@ def run_learner(arm: str, s: Settings, model: str, data: str, tail: dict, out: P
     stats = _trajectory_stats(trajectories)
     staleness = [int(k) for m in metrics for k, n in m["staleness"].items() for _ in range(n)]
     engine = _engine_delta(engine0, engine_at[s.steps], wall)
+    bias = length_bias(trajectories, tasks, s.seed, summary)
+    bias["untrained_token_share"] = (max(0.0, 1.0 - stats["action_tokens"] / engine["tokens"])
+                                     if engine.get("tokens") else None)
     # Steady state: the second half of the steps (the pipeline is full; sync runs every step alike).
     window = step_end[-1] - step_end[half - 1] if half >= 1 else wall
     later = [t for b in batches[half:] for t in b]
     steady = {"trajectories_per_s": len(later) / window,
               "tokens_per_s": sum(len(t.token_ids) for t in later) / window,
+              "action_tokens_per_s": sum(t.num_action_tokens for t in later) / window,
               "turns_mean": statistics.mean(t.num_turns for t in later),
               "generator_idle_share": max(0.0, 1.0 - _engine_delta(engine_at.get(half, engine0), engine_at[s.steps],
                                                                    window)["busy_share"]),
               "learner_wait_share": sum(m["learner_wait_s"] for m in metrics[half:]) / window, "window_s": window,
               "trajectories": len(later), "cores": _cores(cpu_at.get(half, cpu0), cpu_at[s.steps])}
-    return {"arm": arm, "method": method, "in_flight": in_flight, "trajectories": len(trajectories), "steady": steady,
+    return {"arm": arm, "method": method, "admission": admission, "max_staleness": max_staleness,
+            "in_flight": in_flight, "trajectories": len(trajectories), "steady": steady, "length_bias": bias,
             "wall_s": wall, "trajectories_per_s": len(trajectories) / wall, "tokens_per_s": stats["tokens"] / wall,
+            "action_tokens_per_s": stats["action_tokens"] / wall,
             "generator_idle_share": max(0.0, 1.0 - engine["busy_share"]), "engine": engine,
             "cores": _cores(cpu0, cpu_at[s.steps]),
             "learner_wait_share": sum(m["learner_wait_s"] for m in metrics) / wall,
@@ -337,13 +380,13 @@ def run_tail(name: str, s: Settings, model: str, root: Path, arms: list[str], sa
     tail = TAILS[name]
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
-    data = _setup.write_rl_data(out / "rl", tool_arith_tasks(2000, seed=3, p_more=tail["p_more"],
-                                                              max_ops=tail["max_ops"]))
+    tasks = tool_arith_tasks(2000, seed=3, p_more=tail["p_more"], max_ops=tail["max_ops"])
+    data = _setup.write_rl_data(out / "rl", tasks)
     results: dict[str, dict] = {}
     for arm in arms:
         say(f"[{name}] {arm} ...")
         results[arm] = run_gen_only(s, model, data, tail, out) if arm == "gen_only" else \
-            run_learner(arm, s, model, data, tail, out)
+            run_learner(arm, s, model, data, tail, out, tasks)
         r = results[arm]
         say(f"[{name}] {arm}: {r['trajectories_per_s']:.3f} traj/s in {r['wall_s']:.1f} s "
             f"(load {r['conditions']['after']['loadavg_1_5_15'][0]})")
@@ -377,8 +420,11 @@ def derive(results: dict[str, dict]) -> dict:
             replay = results.get("train_only_sao" if r["method"] == "sao" else "train_only_grpo")
             train = _rate(replay, basis) if replay else None
             rate = _rate(r, basis)
+            base_action = _rate(results["sync_grpo"], basis, "action_tokens_per_s") if "sync_grpo" in results else None
+            action = _rate(r, basis, "action_tokens_per_s")
             row = {"rate": rate, "vs_sync_grpo": rate / base if base else None,
-                   "tokens_vs_sync_grpo": _rate(r, basis, "tokens_per_s") / base_tokens if base_tokens else None}
+                   "tokens_vs_sync_grpo": _rate(r, basis, "tokens_per_s") / base_tokens if base_tokens else None,
+                   "trained_tokens_vs_sync_grpo": action / base_action if base_action and action else None}
             if gen and train:
                 limit, shared = min(gen, train), 1.0 / (1.0 / gen + 1.0 / train)
                 row.update(gen=gen, train=train, limit=limit, shared_bound=shared, vs_limit=rate / limit,
@@ -415,6 +461,9 @@ def report(result: dict) -> str:
             ("tokens", "tok/s", ".0f"), ("idle", "gen idle", ".2f"), ("wait", "lrn wait", ".2f"),
             ("vs_sync_grpo", "x sync", ".2f"), ("tokens_vs_sync_grpo", "x sync tok", ".2f"),
             ("vs_limit", "x limit", ".2f"), ("vs_shared_bound", "x shared", ".2f"), ("turns", "turns", ".1f"),
+            ("trained_tokens_vs_sync_grpo", "x sync trained tok", ".2f"),
+            ("length_ratio", "len ratio", ".3f"), ("stale_drop_share", "stale drop", ".3f"),
+            ("untrained_token_share", "untrained tok", ".3f"), ("owed_at_end", "owed", ""),
             ("staleness_mean", "stale", ".2f"), ("dropped", "drop", ""), ("eng_tps", "eng tok/s", ".0f"),
             ("svc_cores", "svc cores", ".2f"), ("lrn_cores", "lrn cores", ".2f"), ("wall_s", "wall s", ".0f"),
             ("load", "load1", ".1f")]
@@ -428,7 +477,8 @@ def report(result: dict) -> str:
         for arm, r in tail["arms"].items():
             st = r.get("steady", {})
             cores = st.get("cores") or r.get("cores") or {}
-            rows.append({**r, **steady.get(arm, {}), "arm": arm, "in_flight": r.get("in_flight", "-"),
+            rows.append({**r, **steady.get(arm, {}), **r.get("length_bias", {}), "arm": arm,
+                         "in_flight": r.get("in_flight", "-"),
                          "e2e": r["trajectories_per_s"], "rate": _rate(r, "steady"),
                          "tokens": _rate(r, "steady", "tokens_per_s"),
                          "idle": st.get("generator_idle_share", r.get("generator_idle_share")),
@@ -457,7 +507,12 @@ def report(result: dict) -> str:
                  "contention); svc / lrn cores: CPU seconds per wall second of the rollout service process and of the "
                  "learner process (the consumer for gen_only); x sync tok: tokens/s over sync_grpo's; x limit: / min(gen_only, train_only); x shared: / "
                  "1/(1/gen + 1/train); turns: mean turns of the trained trajectories (runs with many episodes in "
-                 "flight train short ones first and drop stale long ones; compare with the task mean)")
+                 "flight train short ones first and drop stale long ones; compare with the task mean); x sync trained "
+                 "tok: sampled (trained) tokens/s over sync_grpo's; len ratio: mean operations of the trained episodes "
+                 "/ mean of the tasks at every stream position up to the last trained one; stale drop: trajectories "
+                 "dropped as stale / trajectories that reached the learner; untrained tok: share of the engine's "
+                 "sampled tokens never trained (dropped, abandoned, in flight at the end); owed: positions owed at "
+                 "the end")
     return "\n".join(lines)
 
 

@@ -57,9 +57,15 @@ def test_async_vs_sync_smoke_and_simulator_validation(tmp_path, sao_cache, monke
                                "--max-total-tokens", "96", "--service", "thread", "--output", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "async_vs_sync.json").read_text())
     arms = result["tails"][0]["arms"]
-    assert set(arms) == {"sync_grpo", "sao_eqC", "async_grpo", "sao", "gen_only", "train_only_sao",
-                         "train_only_grpo"}
+    assert set(arms) == {"sync_grpo", "sao_eqC", "async_grpo", "sao", "sao_version_order", "sao_requeue",
+                         "sao_bound4x", "gen_only", "train_only_sao", "train_only_grpo"}
     assert all(r["trajectories"] == 8 for r in arms.values())
+    assert [arms[a]["admission"] for a in ("sao", "sao_version_order", "sao_requeue", "sao_bound4x")] == [
+        "window", "version_order", "requeue", "window"] and arms["sao_bound4x"]["max_staleness"] == 16
+    for arm in ("sync_grpo", "sao", "sao_version_order"):   # one operation per task here: the ratio is exactly 1
+        bias = arms[arm]["length_bias"]
+        assert bias["length_ratio"] == pytest.approx(1.0) and bias["task_ops_mean"] == 1.0
+        assert 0 <= bias["untrained_token_share"] < 1 and bias["owed_at_end"] >= 0
     # cores per process: the thread service shares this process (not separable), the learner used some CPU
     assert arms["sao"]["cores"]["service"] is None and arms["sao"]["cores"]["learner"] > 0
     assert arms["train_only_sao"]["cores"]["learner"] > 0

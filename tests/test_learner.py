@@ -393,6 +393,12 @@ def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao
                    for t in trained)
         messages = " ".join(r.getMessage() for r in caplog.records)
         assert "continuing with the other 1" in messages and "is back" in messages
+        # The restarted replica's new plan rolled out the positions of its shard that were owed (in flight
+        # when it died), not just those after the last trained one: none skipped (stream accounting).
+        from sao_core.learner.journal import audit
+
+        report = audit(str(tmp_path / "run"))
+        assert report["ok"], report["problems"]
         for server in servers:  # shutdown_services=True: both replicas were told to shut down (graceful, so poll)
             _wait_unreachable(server)
     finally:

@@ -121,6 +121,10 @@ def predict_measured(measured: dict, calibrate_arms: bool = True) -> dict:
             method = r.get("method")
             if not method or name.startswith("train_only"):
                 continue
+            # The simulator models the window rule at the run's staleness bound only.
+            if r.get("admission", "window") != "window" or r.get("max_staleness", s["max_staleness"]) != \
+                    s["max_staleness"]:
+                continue
             fit = train_fit.get("sao" if method == "sao" else "grpo")
             if fit is None:
                 continue
