@@ -14,7 +14,7 @@ checks, from the journals and the final ledger: no (position, rollout) trained t
 the last one trained is trained, dropped with a recorded reason or still owed, none skipped.
 
     .venv/bin/python bench/crash_resume.py                       # 5 kills per placement, 24 steps (~3 min)
-    .venv/bin/python bench/crash_resume.py --kills 1 --steps 8   # what tests/test_stream_accounting.py runs
+    .venv/bin/python bench/crash_resume.py --quick               # 5 kills per placement, 12 steps of B = 4 (CI)
 """
 
 from __future__ import annotations
@@ -102,13 +102,21 @@ def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, mod
         if final.returncode != 0:
             raise RuntimeError(f"{placement}: the final resume failed: {final.stderr[-3000:]}")
         summary = json.loads(final.stdout[final.stdout.index("{"):])
+        service = None
+        if server is not None:
+            from sao_core.rollout.client import RolloutClient
+
+            client = RolloutClient(server.url)
+            status = client.status()
+            client.close()
+            service = {k: status[k] for k in ("acknowledged", "dropped_by_learner", "version", "redelivered")}
     finally:
         if server is not None:
             server.stop()
     audit = journal.audit(str(output))
     return {"placement": placement, "method": method, "admission": admission, "steps": steps, "kills": killed,
             "seconds": round(time.monotonic() - began, 1), "summary_steps": summary["steps"],
-            "stream": summary.get("stream"), "audit": audit}
+            "version": summary["version"], "stream": summary.get("stream"), "service": service, "audit": audit}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admission", default="window")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="local_outputs/bench/crash_resume")
+    parser.add_argument("--quick", action="store_true", help="12 steps of B = 4 (5 kills per placement still)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.batch_size = 12, 4
 
     from sao_core.data.prepare import PrepareConfig, prepare
     from sao_core.envs.tool_arith import tool_arith_tasks
@@ -131,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     cache = _setup.default_cache_dir()
+    os.environ["SAO_CACHE_DIR"] = cache
     model = resolve_model(EMBEDDED_TINY, cache).path
     work = Path(tempfile.mkdtemp(prefix="crash-resume-"))
     raw = work / "raw.jsonl"

@@ -225,6 +225,10 @@ def test_kill_9_and_resume_skip_nothing_and_train_nothing_twice(placement, varie
     assert audit["ok"], audit["problems"]
     assert audit["trained_trajectories"] == 64 and audit["ledger_step"] == 8 and not audit["duplicate_ids"]
     assert result["stream"]["owed"] == len(audit["owed"])
+    if placement == "external":  # the service that survived: every acknowledgement is a trained or dropped one
+        assert result["service"]["acknowledged"] == audit["trained_trajectories"] + \
+            result["service"]["dropped_by_learner"]
+        assert result["service"]["version"] == result["version"]
 
 
 # ---------------------------------------------------------------------------------------------- admission
