@@ -149,19 +149,3 @@ def test_learner_memory_smoke(tmp_path):
     assert set(rows) == {"before", "after"} and rows["before"]["action_tokens"] == 1024
     assert rows["after"]["peak_rss_mb"] > 0 and rows["before"]["step_over_bare"] > 0
     assert rows["before"]["entropy"] == pytest.approx(rows["after"]["entropy"], rel=1e-4)   # same statistic
-
-
-@pytest.mark.slow
-def test_crash_resume_quick_kills_five_times_per_placement(tmp_path, sao_cache, monkeypatch):
-    """bench/crash_resume.py --quick: 5 SIGKILLs at random steps with a colocated and with an external rollout
-    service, a resume after each; the journal audit (no position skipped or trained twice) must pass."""
-    monkeypatch.setenv("SAO_CACHE_DIR", str(sao_cache))
-    import crash_resume
-
-    assert crash_resume.main(["--quick", "--output", str(tmp_path)]) == 0
-    results = json.loads((tmp_path / "crash_resume.json").read_text())["results"]
-    assert [r["placement"] for r in results] == ["colocated", "external"]
-    for r in results:
-        assert len(r["kills"]) == 5 and r["summary_steps"] == 12 and r["audit"]["ok"], r["audit"]["problems"]
-        assert r["audit"]["trained_trajectories"] == 48 and not r["audit"]["duplicate_ids"]
-
