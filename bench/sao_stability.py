@@ -39,6 +39,7 @@ def main() -> int:
     parser.add_argument("--sft-steps", type=int, default=240, help="warm start; 240 gives sampled reward ~0.25")
     parser.add_argument("--window", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--admission", default=None, help="window | version_order | requeue [default: RLConfig's]")
     parser.add_argument("--output", default="local_outputs/bench/stability")
     args = parser.parse_args()
 
@@ -57,7 +58,8 @@ def main() -> int:
     summary = train_rl(RLConfig(data=str(out / "rl"), output=str(out / "sao"), method=args.method, model=warm,
                                 steps=args.steps, batch_size=args.batch_size, policy_lr=args.policy_lr,
                                 critic_lr=args.critic_lr, critic_warmup_steps=5, max_new_tokens_per_turn=32,
-                                max_total_tokens=160, seed=args.seed, checkpoint_every=100))
+                                max_total_tokens=160, seed=args.seed, checkpoint_every=100,
+                                **({"admission": args.admission} if args.admission else {})))
     rows = [json.loads(x) for x in (out / "sao" / "metrics.jsonl").read_text().splitlines()]
     curve = []
     for start in range(0, len(rows), args.window):
@@ -77,7 +79,9 @@ def main() -> int:
     for c in curve:
         print(f"{c['steps']:>12} {c['reward']:>7} {c['max_staleness']:>5} {c['dis_kept']:>7} {c['masked_low']:>7} "
               f"{c['masked_high']:>7}")
-    print(f"dropped {summary['dropped']}, {result['rl_seconds']:.0f} s; details in {out / 'stability.json'}")
+    print(f"admission {summary['admission']}, dropped {summary['dropped']} {summary['dropped_by_reason']}, "
+          f"trained turns {summary['length_bias']['trained_turns_mean']} of {summary['length_bias']['arrived_turns_mean']}"
+          f" arrived, {result['rl_seconds']:.0f} s; details in {out / 'stability.json'}")
     return 0
 
 
