@@ -29,6 +29,7 @@ def grpo_train(
     group_size: int = 8,
     policy_lr: float = 1e-6,
     max_staleness: int = 4,
+    admission: str = "window",
     engine: str = "vllm",
     options: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
     run_id: str = "",
@@ -44,10 +45,11 @@ def grpo_train(
         method: grpo (synchronous), grpo_async, grpo_dis or running_mean.
         base_model: Initial policy checkpoint: embedded:tiny, a directory, s3:// or a hub id.
         steps: Learner steps.
-        batch_size: Trajectories per step (a multiple of group_size for the group methods).
+        batch_size: Trajectories per step, B (a multiple of group_size for the group methods).
         group_size: Rollouts per prompt (G) for grpo, grpo_async and grpo_dis.
         policy_lr: Policy learning rate (constant).
-        max_staleness: Drop trajectories older than this many policy versions (asynchronous methods).
+        max_staleness: Drop trajectories older than this many policy versions (S; asynchronous methods).
+        admission: How trajectories are admitted to a batch (window, version_order or requeue; asynchronous methods, synchronous grpo ignores it). window: up to (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the same window, but a batch takes the oldest admission versions first and never an episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped as stale is rolled out once more with fresh weights.
         engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
         options: Any other RLConfig field, e.g. {"clip_low": 0.2, "clip_high": 0.28, "max_total_tokens": 32768}.
         run_id: Run folder name under output_root (pipelines pass the run id; empty: a timestamp).
@@ -63,7 +65,7 @@ def grpo_train(
     run = artifacts.run_dir(output_root, run_id, method)
     config = params.rl_config(method, data=data.path, output=run, model=base_model, steps=steps,
                               batch_size=batch_size, policy_lr=policy_lr, engine=engine, options=options,
-                              group_size=group_size, max_staleness=max_staleness)
+                              group_size=group_size, max_staleness=max_staleness, admission=admission)
     result = train_rl(config)
     model_uri, checkpoint_uri = artifacts.finish_training(result, method, base_model, run, model, metrics, summary,
                                                           curve_key="reward_mean")

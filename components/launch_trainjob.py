@@ -37,6 +37,7 @@ def launch_trainjob(
     critic_updates: Optional[int] = None,  # noqa: UP045
     critic_warmup_steps: Optional[int] = None,  # noqa: UP045
     max_staleness: Optional[int] = None,  # noqa: UP045
+    admission: Optional[str] = None,  # noqa: UP045
     eps_low: Optional[float] = None,  # noqa: UP045
     eps_high: Optional[float] = None,  # noqa: UP045
     options: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
@@ -82,7 +83,8 @@ def launch_trainjob(
         critic_lr: SAO critic learning rate (None = the RLConfig default, 5e-6).
         critic_updates: SAO critic updates per policy update, K (None = default 2).
         critic_warmup_steps: SAO critic-only steps before the first policy update (None = default 10).
-        max_staleness: Drop trajectories older than this many policy versions (None = default 4).
+        max_staleness: Drop trajectories older than this many policy versions, S (None = default 4).
+        admission: How trajectories are admitted to a batch: window, version_order or requeue (None = default window). window: up to (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the same window, but a batch takes the oldest admission versions first and never an episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped as stale is rolled out once more with fresh weights.
         eps_low: DIS band lower width (None = default 0.3).
         eps_high: DIS band upper width (None = default 5.0).
         options: Any other RLConfig field, e.g. {"critic_lr": 5e-6, "max_total_tokens": 32768, "checkpoint_every": 50}.
@@ -122,7 +124,7 @@ def launch_trainjob(
     rl_options = dict(options or {})
     given = {"steps": steps, "batch_size": batch_size, "policy_lr": policy_lr, "critic_lr": critic_lr,
              "critic_updates": critic_updates, "critic_warmup_steps": critic_warmup_steps,
-             "max_staleness": max_staleness, "eps_low": eps_low, "eps_high": eps_high}
+             "max_staleness": max_staleness, "admission": admission, "eps_low": eps_low, "eps_high": eps_high}
     given = {k: v for k, v in given.items() if v is not None}
     repeated = sorted(set(rl_options) & set(given))
     if repeated:

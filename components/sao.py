@@ -31,6 +31,7 @@ def sao_train(
     critic_updates: int = 2,
     critic_warmup_steps: int = 10,
     max_staleness: int = 4,
+    admission: str = "window",
     eps_low: float = 0.3,
     eps_high: float = 5.0,
     engine: str = "vllm",
@@ -53,7 +54,8 @@ def sao_train(
         critic_lr: Critic learning rate (constant).
         critic_updates: Critic updates per policy update (K).
         critic_warmup_steps: Critic-only steps before the first policy update.
-        max_staleness: Drop trajectories older than this many policy versions.
+        max_staleness: Drop trajectories older than this many policy versions (S).
+        admission: How trajectories are admitted to a batch (window, version_order or requeue). window: up to (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the same window, but a batch takes the oldest admission versions first and never an episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped as stale is rolled out once more with fresh weights.
         eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked.
         eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked.
         engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
@@ -69,7 +71,7 @@ def sao_train(
                               batch_size=batch_size, policy_lr=policy_lr, engine=engine, options=options,
                               critic_lr=critic_lr, critic_updates=critic_updates,
                               critic_warmup_steps=critic_warmup_steps, max_staleness=max_staleness,
-                              eps_low=eps_low, eps_high=eps_high)
+                              admission=admission, eps_low=eps_low, eps_high=eps_high)
     result = train_rl(config)
     model_uri, checkpoint_uri = artifacts.finish_training(result, "sao", base_model, run, model, metrics, summary,
                                                           curve_key="reward_mean", critic_artifact=critic)

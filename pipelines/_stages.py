@@ -26,7 +26,8 @@ from sao_core.kfp import k8s
 
 RUN_ID = dsl.PIPELINE_JOB_ID_PLACEHOLDER
 #: SAO settings that sao_rl passes as parameters of their own (post_training passes them in method_options).
-SAO_PARAMETERS = ("critic_lr", "critic_updates", "critic_warmup_steps", "max_staleness", "eps_low", "eps_high")
+SAO_PARAMETERS = ("critic_lr", "critic_updates", "critic_warmup_steps", "max_staleness", "admission", "eps_low",
+                  "eps_high")
 
 
 def warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, warm_start_lr, max_tokens,
@@ -128,8 +129,8 @@ def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_
     @dsl.pipeline(name=f"{stage}-trainjob-stage")
     def sao_trainjob_stage(data: Input[Dataset], output_root: str, base_model: str, method: str, steps: int,
                            batch_size: int, learning_rate: float, critic_lr: float, critic_updates: int,
-                           critic_warmup_steps: int, max_staleness: int, eps_low: float, eps_high: float,
-                           engine: str, method_options: dict, num_nodes: int, gpus_per_node: int,
+                           critic_warmup_steps: int, max_staleness: int, admission: str, eps_low: float,
+                           eps_high: float, engine: str, method_options: dict, num_nodes: int, gpus_per_node: int,
                            rollout_replicas: int, rollout_gpus: int, tensor_parallel_size: int, accelerator_type: str,
                            node_selector: dict, tolerations: list, s3_secret_name: str) -> str:
         """SAO as one TrainJob; the exit step deletes it whatever happens and returns the trained model's URI.
@@ -146,6 +147,7 @@ def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
             max_staleness: Drop trajectories older than this many policy versions.
+            admission: Admission rule: window (arrival order, stale ones dropped), version_order (oldest admission versions first, none goes stale) or requeue (a prompt dropped as stale is rolled out once more).
             eps_low: DIS band lower width.
             eps_high: DIS band upper width.
             engine: Rollout engine: vllm or hf.
@@ -164,8 +166,8 @@ def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_
                               method_options, num_nodes, gpus_per_node, rollout_replicas, rollout_gpus,
                               tensor_parallel_size, accelerator_type, node_selector, tolerations, s3_secret_name,
                               critic_lr=critic_lr, critic_updates=critic_updates,
-                              critic_warmup_steps=critic_warmup_steps, max_staleness=max_staleness, eps_low=eps_low,
-                              eps_high=eps_high)
+                              critic_warmup_steps=critic_warmup_steps, max_staleness=max_staleness, admission=admission,
+                              eps_low=eps_low, eps_high=eps_high)
 
     return sao_trainjob_stage
 

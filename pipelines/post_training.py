@@ -91,7 +91,7 @@ def build_post_training(settings: k8s.ClusterSettings | None = None):
             learning_rate: Peak learning rate; for grpo and sao the policy learning rate.
             max_tokens: Token limit of examples (sft, cpt, dpo, gkd and the warm start).
             engine: Rollout engine of grpo and sao: vllm (GPU) or hf (transformers).
-            method_options: Other settings of the chosen method as JSON (fields of its config), e.g. {"beta": 0.1} for dpo, {"critic_lr": 5e-6, "max_staleness": 4} for sao, {"group_size": 8} for grpo.
+            method_options: Other settings of the chosen method as JSON (fields of its config), e.g. {"beta": 0.1} for dpo, {"critic_lr": 5e-6, "max_staleness": 4} or {"admission": "version_order"} for sao, {"group_size": 8} for grpo.
             reference_model: dpo only: reference policy ('' = the initial policy).
             teacher_model: gkd only (required there): teacher model reference sharing the tokenizer.
             warm_start_source: grpo and sao: SFT data for a warm start before RL ('' = none).

@@ -17,9 +17,12 @@ from components.sao import sao_train
 from pipelines._stages import RUN_ID, build_evaluation_stage, build_trainjob_stage, warm_start_sft
 from sao_core.kfp import k8s
 from sao_core.kfp.params import PLACEMENTS
+from sao_core.learner.config import ADMISSION_RULES
 
 NAME = "sao-rl"
-LITERALS = {"placement": list(PLACEMENTS), "engine": ["vllm", "hf"], "eval_sandbox": ["kubernetes", "local"]}
+#: Parameters whose allowed values become dropdowns in the KFP UI.
+LITERALS = {"admission": list(ADMISSION_RULES), "placement": list(PLACEMENTS), "engine": ["vllm", "hf"],
+            "eval_sandbox": ["kubernetes", "local"]}
 DEFAULT_EVAL_BENCHMARKS = ["swe_verified", "beyond_aime", "imo_answerbench"]
 
 
@@ -44,6 +47,7 @@ def build_sao_stages(settings: k8s.ClusterSettings):
         critic_updates: int,
         critic_warmup_steps: int,
         max_staleness: int,
+        admission: str,
         eps_low: float,
         eps_high: float,
         engine: str,
@@ -72,6 +76,7 @@ def build_sao_stages(settings: k8s.ClusterSettings):
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
             max_staleness: Drop trajectories older than this many policy versions.
+            admission: Admission rule: window (arrival order, stale ones dropped), version_order (oldest admission versions first, none goes stale) or requeue (a prompt dropped as stale is rolled out once more).
             eps_low: DIS band lower width.
             eps_high: DIS band upper width.
             engine: Rollout engine: vllm or hf.
@@ -87,8 +92,8 @@ def build_sao_stages(settings: k8s.ClusterSettings):
                                    s3_secret_name=s3_secret_name)
         sao = dict(data=data, output_root=output_root, steps=steps, batch_size=batch_size, policy_lr=policy_lr,
                    critic_lr=critic_lr, critic_updates=critic_updates, critic_warmup_steps=critic_warmup_steps,
-                   max_staleness=max_staleness, eps_low=eps_low, eps_high=eps_high, engine=engine,
-                   options=sao_options, run_id=RUN_ID)
+                   max_staleness=max_staleness, admission=admission, eps_low=eps_low, eps_high=eps_high,
+                   engine=engine, options=sao_options, run_id=RUN_ID)
         with dsl.If(warm_start_steps > 0, name="warm-start"):
             warm = warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, warm_start_lr,
                                   max_tokens, params, settings, batch_size=warm_start_batch_size)
@@ -117,6 +122,7 @@ def build_sao_stages(settings: k8s.ClusterSettings):
         critic_updates: int,
         critic_warmup_steps: int,
         max_staleness: int,
+        admission: str,
         eps_low: float,
         eps_high: float,
         engine: str,
@@ -150,6 +156,7 @@ def build_sao_stages(settings: k8s.ClusterSettings):
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
             max_staleness: Drop trajectories older than this many policy versions.
+            admission: Admission rule: window (arrival order, stale ones dropped), version_order (oldest admission versions first, none goes stale) or requeue (a prompt dropped as stale is rolled out once more).
             eps_low: DIS band lower width.
             eps_high: DIS band upper width.
             engine: Rollout engine: vllm or hf.
@@ -170,8 +177,8 @@ def build_sao_stages(settings: k8s.ClusterSettings):
                                    s3_secret_name=s3_secret_name)
         sao = dict(data=data, output_root=output_root, method="sao", steps=steps, batch_size=batch_size,
                    learning_rate=policy_lr, critic_lr=critic_lr, critic_updates=critic_updates,
-                   critic_warmup_steps=critic_warmup_steps, max_staleness=max_staleness, eps_low=eps_low,
-                   eps_high=eps_high, engine=engine, method_options=sao_options, num_nodes=num_nodes,
+                   critic_warmup_steps=critic_warmup_steps, max_staleness=max_staleness, admission=admission,
+                   eps_low=eps_low, eps_high=eps_high, engine=engine, method_options=sao_options, num_nodes=num_nodes,
                    gpus_per_node=gpus_per_node, rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
                    tensor_parallel_size=tensor_parallel_size, accelerator_type=accelerator_type,
                    node_selector=node_selector, tolerations=tolerations, s3_secret_name=s3_secret_name)
@@ -212,6 +219,7 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
         critic_updates: int = 2,
         critic_warmup_steps: int = 10,
         max_staleness: int = 4,
+        admission: str = "window",
         eps_low: float = 0.3,
         eps_high: float = 5.0,
         engine: str = "vllm",
@@ -256,7 +264,8 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
             critic_lr: Critic learning rate (constant).
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
-            max_staleness: Drop trajectories older than this many policy versions.
+            max_staleness: Drop trajectories older than this many policy versions (S).
+            admission: How trajectories are admitted to a batch. window: up to (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the same window, but a batch takes the oldest admission versions first and never an episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped as stale is rolled out once more with fresh weights.
             eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).
             eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding).
             engine: Rollout and evaluation engine: vllm (GPU) or hf (transformers).
@@ -292,8 +301,8 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
                      warm_start_lr=warm_start_lr, warm_start_batch_size=warm_start_batch_size, max_tokens=max_tokens,
                      steps=steps, batch_size=batch_size, policy_lr=policy_lr, critic_lr=critic_lr,
                      critic_updates=critic_updates, critic_warmup_steps=critic_warmup_steps,
-                     max_staleness=max_staleness, eps_low=eps_low, eps_high=eps_high, engine=engine,
-                     sao_options=sao_options, gpu_count=gpu_count, accelerator_type=accelerator_type,
+                     max_staleness=max_staleness, admission=admission, eps_low=eps_low, eps_high=eps_high,
+                     engine=engine, sao_options=sao_options, gpu_count=gpu_count, accelerator_type=accelerator_type,
                      node_selector=node_selector, tolerations=tolerations, s3_secret_name=s3_secret_name)
         with dsl.If(placement == "trainjob", name="trainjob"):
             multi = sao_trainjob(**stage, num_nodes=num_nodes, gpus_per_node=gpus_per_node,

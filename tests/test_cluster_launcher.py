@@ -402,13 +402,14 @@ def test_components_launch_and_delete(kube, moto_s3, tmp_path, monkeypatch):
     helper.start()
     outputs = launch_trainjob.python_func(
         data=dsl.Dataset(name="data", uri=str(data), metadata={}), output_root=output_root, run_id="run-7", steps=3,
-        critic_lr=2e-5, eps_low=0.8,
+        critic_lr=2e-5, eps_low=0.8, admission="version_order",
         rollout_replicas=2, gpus_per_node=4, learner_image="reg/learner:1", rollout_image="reg/rollout:1",
         launch_options={"poll_s": 0.05}, **arts)
     helper.join()
     assert outputs.model_uri == storage.join(run_dir, "model") and outputs.trainjob == f"{NS}/{name}"
     args = seen["args"]
     assert args[args.index("--critic-lr") + 1] == "2e-05" and args[args.index("--eps-low") + 1] == "0.8"
+    assert args[args.index("--admission") + 1] == "version_order"  # the learner's sao train-rl argument
     pointer = json.loads(Path(arts["model"].path).read_text())
     assert pointer["sha256"] == storage.checkpoint_digest(outputs.model_uri) and pointer["step"] == 3
     assert arts["model"].metadata["version"] == 3 and arts["critic"].metadata["checkpoint_uri"].endswith("/critic")

@@ -79,6 +79,12 @@ def test_the_launcher_component_refuses_repeated_settings(tmp_path):
         launch_trainjob.python_func(data=data, output_root="s3://o", launch_options={"num_nodes": 5}, **arts)
     with pytest.raises(ConfigError, match="s3_secret_name is empty"):
         launch_trainjob.python_func(data=data, output_root="s3://o", s3_secret_name="", run_id="r", **arts)
+    with pytest.raises(ConfigError, match="options may not repeat admission"):
+        launch_trainjob.python_func(data=data, output_root="s3://o", admission="requeue",
+                                    options={"admission": "requeue"}, **arts)
+    with pytest.raises(ConfigError, match="RLConfig.admission must be one of window, version_order, requeue, "
+                                          "got 'fifo'"):
+        launch_trainjob.python_func(data=data, output_root="s3://o", admission="fifo", run_id="r", **arts)
 
 
 # --- the pipelines ------------------------------------------------------------------------------------

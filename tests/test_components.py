@@ -140,7 +140,7 @@ def test_rl_component_defaults_are_the_config_defaults():
     for component in (sao_train, grpo_train):
         signature = inspect.signature(component.python_func)
         for name in ("steps", "batch_size", "policy_lr", "critic_lr", "critic_updates", "critic_warmup_steps",
-                     "max_staleness", "eps_low", "eps_high", "group_size"):
+                     "max_staleness", "admission", "eps_low", "eps_high", "group_size"):
             if name in signature.parameters:
                 assert signature.parameters[name].default == defaults[name], (component.name, name)
 
@@ -161,6 +161,48 @@ def test_rl_options_override_defaults_but_not_given_values():
     with pytest.raises(ConfigError, match="batch_size \\(6\\) must be a multiple of group_size \\(4\\)"):
         params.rl_config("grpo", data="d", output="o", model="m", steps=5, batch_size=6, policy_lr=1e-4, engine="hf",
                          group_size=4)
+
+
+class _Stop(Exception):
+    """Raised by the stand-in train_rl: the component built its config and called the learner."""
+
+
+def test_rl_components_pass_admission_to_the_config(tmp_path, monkeypatch):
+    """`admission` reaches RLConfig from sao_train and grpo_train (and from options, as post_training passes it);
+    a value outside ADMISSION_RULES fails before any training with a message naming admission."""
+    from components.grpo import grpo_train
+    from components.sao import sao_train
+    from sao_core.learner import loop
+    from sao_core.learner.config import ADMISSION_RULES
+
+    assert ADMISSION_RULES == ("window", "version_order", "requeue")
+    seen = []
+
+    def fake_train_rl(config):
+        seen.append(config)
+        raise _Stop
+
+    monkeypatch.setattr(loop, "train_rl", fake_train_rl)
+    common = dict(data=Dataset(uri=str(tmp_path / "data")), output_root=str(tmp_path / "runs"), model=Model(uri="m"),
+                  metrics=Metrics(uri="x"), summary=Markdown(uri="y"), engine="hf", run_id="r")
+    with pytest.raises(_Stop):
+        sao_train.python_func(critic=Model(uri="c"), admission="version_order", **common)
+    with pytest.raises(_Stop):
+        grpo_train.python_func(method="grpo_async", admission="requeue", **common)
+    with pytest.raises(_Stop):
+        sao_train.python_func(critic=Model(uri="c"), options={"admission": "version_order"}, **common)
+    with pytest.raises(_Stop):
+        sao_train.python_func(critic=Model(uri="c"), **common)
+    assert [(c.method, c.admission) for c in seen] == [("sao", "version_order"), ("grpo_async", "requeue"),
+                                                       ("sao", "version_order"), ("sao", "window")]
+    allowed = "RLConfig.admission must be one of window, version_order, requeue, got 'fifo'"
+    with pytest.raises(ConfigError, match=f"^sao_train: {allowed}$"):
+        sao_train.python_func(critic=Model(uri="c"), admission="fifo", **common)
+    with pytest.raises(ConfigError, match=f"^grpo_async_train: {allowed}$"):
+        grpo_train.python_func(method="grpo_async", admission="fifo", **common)
+    with pytest.raises(ConfigError, match="admission is given both as a parameter \\('requeue'\\) and in options"):
+        sao_train.python_func(critic=Model(uri="c"), admission="requeue", options={"admission": "window"}, **common)
+    assert len(seen) == 4, "no training started for a bad admission"
 
 
 def test_grpo_component_refuses_sao_and_unknown_methods(tmp_path):
@@ -187,6 +229,8 @@ def test_check_returns_the_data_kind(method, kind):
     (dict(method="gkd"), "teacher_model is required"),
     (dict(method="sao", method_options={"critic_lrr": 1}), "unknown field\\(s\\) critic_lrr"),
     (dict(method="sao", method_options={"eps_low": 2.0}), "eps_low"),
+    (dict(method="sao", method_options={"admission": "fifo"}),
+     "RLConfig.admission must be one of window, version_order, requeue, got 'fifo'"),
     (dict(method="sao", steps=0), "steps must be >= 1"),
     (dict(method="sao", warm_start_steps=10), "needs warm_start_source"),
     (dict(method="sft", warm_start_steps=10, warm_start_source="x"), "applies to grpo and sao only"),

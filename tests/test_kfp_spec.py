@@ -18,6 +18,7 @@ from sao_core.kfp import images, k8s
 from sao_core.kfp.commands import compile_pipelines
 from sao_core.kfp.params import POST_TRAINING_METHODS
 from sao_core.kfp.spec import SpecError, normalise_for_golden, patch_literals, root_parameters, verify_package
+from sao_core.learner.config import ADMISSION_RULES
 
 TRAINING_FUNCS = {"sft_train", "cpt_train", "dpo_train", "gkd_train", "grpo_train", "sao_train"}
 PLACEHOLDER = re.compile(r"\{\{\$\.inputs\.parameters\['([^']+)'\]\}\}")
@@ -89,6 +90,36 @@ def test_method_dropdown_lists_every_method_and_round_trips(compiled):
 
     loaded = components.load_component_from_file(str(path))
     assert "method" in loaded.component_spec.inputs
+
+
+def test_sao_rl_admission_is_a_dropdown_that_reaches_every_sao_step(compiled):
+    """sao_rl's `admission` lists ADMISSION_RULES (default window), survives the kfp / protobuf round trip,
+    refuses other values at submission, and is wired into both placements' SAO step."""
+    from sao_core.kfp.client import KFPError, check_arguments, parameters_of
+
+    path = compiled["sao_rl"]
+    spec, _ = _docs(path)
+    admission = spec["root"]["inputDefinitions"]["parameters"]["admission"]
+    assert admission["literals"] == list(ADMISSION_RULES) == ["window", "version_order", "requeue"]
+    assert admission["defaultValue"] == "window" and admission["parameterType"] == "STRING"
+    assert pipelines.build("sao_rl").literals["admission"] == list(ADMISSION_RULES)
+    assert verify_package(path, {"admission": list(ADMISSION_RULES)})["literals"]["admission"] == list(ADMISSION_RULES)
+    parameters = parameters_of(path)
+    required = {"rl_source": "s3://b/rl.jsonl", "output_root": "s3://b/runs"}
+    assert check_arguments(parameters, {**required, "admission": "version_order"})["admission"] == "version_order"
+    with pytest.raises(KFPError, match="pipeline parameter 'admission' must be one of window, version_order, requeue"):
+        check_arguments(parameters, {**required, "admission": "fifo"})
+    function_of = {label: func for func, labels in _executors_by_function(spec).items() for label in labels}
+    reached = set()
+    for _, task_name, task in _tasks(spec):
+        function = function_of.get(_executor_of(spec, task))
+        if function in ("sao_train", "launch_trainjob"):
+            source = task["inputs"]["parameters"]["admission"]["componentInputParameter"]
+            assert source == "pipelinechannel--admission", (task_name, source)
+            reached.add(function)
+    assert reached == {"sao_train", "launch_trainjob"}
+    # post_training has no admission parameter: it takes the setting in method_options
+    assert "admission" not in root_parameters(compiled["post_training"])
 
 
 def test_every_method_has_a_branch(compiled):

@@ -69,7 +69,8 @@ def test_post_training_sao_branch_with_warm_start_and_evaluation(tmp_path, input
 
     model_uri = _run(post_training, dict(
         train_source=inputs["rl"], output_root=str(tmp_path / "runs"), method="sao", steps=2, batch_size=4,
-        learning_rate=1e-4, max_tokens=128, engine="hf", method_options=TINY_SAO, warm_start_source=inputs["sft"],
+        learning_rate=1e-4, max_tokens=128, engine="hf", method_options={**TINY_SAO, "admission": "version_order"},
+        warm_start_source=inputs["sft"],
         warm_start_steps=3, warm_start_lr=1e-3, eval_benchmarks=["imo_answerbench"],
         **{k: v for k, v in TINY_EVAL.items() if k not in ("eval_sandbox",)}, eval_sandbox="local"),
         tmp_path, sao_cache)
@@ -81,6 +82,8 @@ def test_post_training_sao_branch_with_warm_start_and_evaluation(tmp_path, input
     # SAO started from the warm-start model, not from the base model.
     learner = json.loads(storage.read_text(storage.join(sao["checkpoint"], "trainer_state.json")))
     assert learner["config"]["model"] == str(run / "sft" / "model")
+    # post_training passes SAO's admission rule through method_options (sao_rl has a dropdown for it)
+    assert learner["config"]["admission"] == sao["admission"] == "version_order"
     summary = json.loads((run / "report" / "summary.json").read_text())
     assert summary["model"] == model_uri and list(summary["benchmarks"]) == ["imo_answerbench"]
     assert (run / "report" / "report.html").read_text().count("IMO-AnswerBench") >= 1
