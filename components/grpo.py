@@ -29,7 +29,7 @@ def grpo_train(
     group_size: int = 8,
     policy_lr: float = 1e-6,
     max_staleness: int = 4,
-    admission: str = "window",
+    admission: str = "version_order",
     engine: str = "vllm",
     options: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
     run_id: str = "",

@@ -84,7 +84,7 @@ def launch_trainjob(
         critic_updates: SAO critic updates per policy update, K (None = default 2).
         critic_warmup_steps: SAO critic-only steps before the first policy update (None = default 10).
         max_staleness: Drop trajectories older than this many policy versions, S (None = default 4).
-        admission: How trajectories are admitted to a batch: window, version_order or requeue (None = default window). window: up to (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the same window, but a batch takes the oldest admission versions first and never an episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped as stale is rolled out once more with fresh weights.
+        admission: How trajectories are admitted to a batch: window, version_order or requeue (None = default version_order). window: up to (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the same window, but a batch takes the oldest admission versions first and never an episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped as stale is rolled out once more with fresh weights.
         eps_low: DIS band lower width (None = default 0.3).
         eps_high: DIS band upper width (None = default 5.0).
         options: Any other RLConfig field, e.g. {"critic_lr": 5e-6, "max_total_tokens": 32768, "checkpoint_every": 50}.

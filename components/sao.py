@@ -31,7 +31,7 @@ def sao_train(
     critic_updates: int = 2,
     critic_warmup_steps: int = 10,
     max_staleness: int = 4,
-    admission: str = "window",
+    admission: str = "version_order",
     eps_low: float = 0.3,
     eps_high: float = 5.0,
     engine: str = "vllm",

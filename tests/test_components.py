@@ -190,11 +190,11 @@ def test_rl_components_pass_admission_to_the_config(tmp_path, monkeypatch):
     with pytest.raises(_Stop):
         grpo_train.python_func(method="grpo_async", admission="requeue", **common)
     with pytest.raises(_Stop):
-        sao_train.python_func(critic=Model(uri="c"), options={"admission": "version_order"}, **common)
+        sao_train.python_func(critic=Model(uri="c"), options={"admission": "window"}, **common)
     with pytest.raises(_Stop):
         sao_train.python_func(critic=Model(uri="c"), **common)
     assert [(c.method, c.admission) for c in seen] == [("sao", "version_order"), ("grpo_async", "requeue"),
-                                                       ("sao", "version_order"), ("sao", "window")]
+                                                       ("sao", "window"), ("sao", "version_order")]
     allowed = "RLConfig.admission must be one of window, version_order, requeue, got 'fifo'"
     with pytest.raises(ConfigError, match=f"^sao_train: {allowed}$"):
         sao_train.python_func(critic=Model(uri="c"), admission="fifo", **common)

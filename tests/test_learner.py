@@ -121,12 +121,18 @@ def test_one_update_moves_the_policy_towards_rewarded_actions(method, sao_cache,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, group_size, margin", [("sao", 4, 0.12), ("grpo", 8, 0.07)])
+@pytest.mark.parametrize("method, group_size, margin", [("sao", 4, 0.08), ("grpo", 8, 0.07)])
 def test_rl_raises_the_reward(method, group_size, margin, rl_data, rl_warm_model, tmp_path, sao_cache):
     """100 steps of 32 after the early-stopped SFT. Calibration (bench/sao_stability.py, same settings),
     mean batch reward of steps 1-25 vs 76-100: SAO 0.38 -> 0.66 (seed 1; seed 0: steps 1-50 vs 101-150
-    0.39 -> 0.63); synchronous GRPO (G = 8) 0.26 -> 0.41 and 0.32 -> 0.47 (seeds 0, 1). The margins
-    leave room for noise."""
+    0.39 -> 0.63); synchronous GRPO (G = 8) 0.26 -> 0.41 and 0.32 -> 0.47 (seeds 0, 1).
+
+    The margins are set by what a method that does not learn would show, not by the learning runs: the
+    difference of two means of 800 rewards (25 steps of 32, reward rate about 0.35) has a standard deviation
+    of about sqrt(2 * 0.23 / 800) = 0.024, so 0.08 and 0.07 are about 3 of them. The asynchronous schedule
+    depends on timing (on a loaded machine SAO once rose by only +0.115, against +0.27 alone), so the SAO
+    margin is not tied to its typical rise (README "Tests": 10 of 10 runs with another process keeping a
+    core busy)."""
     summary = train_rl(_config(rl_data, tmp_path / "run", rl_warm_model, sao_cache, method=method, steps=100,
                                batch_size=32, group_size=group_size, critic_warmup_steps=5))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -59,7 +59,7 @@ class RLConfig(CoreConfig):
     # version_order: the same window, but a batch takes the oldest admission versions first and never an
     # episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped
     # as stale is rolled out once more with fresh weights.
-    admission: str = "window"                  # window | version_order | requeue (README "Admission")
+    admission: str = "version_order"           # version_order | window | requeue (README "Admission")
     failed_episodes: str = "drop"              # drop | train: episodes ended by an engine/environment error or a timeout
     failed_reward: float = 0.0                 # the reward they are trained with when failed_episodes is train
     keep_weight_versions: int = 3              # published weight versions kept (older ones deleted)
