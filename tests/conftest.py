@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: offline Hugging Face, and real S3 servers on 127.0.0.1 (moto, SeaweedFS)."""
+"""Shared pytest fixtures: offline Hugging Face, real S3 servers on 127.0.0.1 (moto, SeaweedFS), and the
+pipelines compiled once with the golden cluster settings."""
 
 from __future__ import annotations
 
@@ -109,3 +110,15 @@ def fail_metrics_sync_once(monkeypatch: pytest.MonkeyPatch):
         return failed
 
     return arm
+
+
+@pytest.fixture(scope="session")
+def golden_compiled(tmp_path_factory) -> dict[str, Path]:
+    """Every pipeline compiled once with `GOLDEN_SETTINGS` (the golden files' settings): name -> package path.
+    Shared by test_kfp_spec and test_cluster_pipeline, which only read the packages (copy them to change them)."""
+    import pipelines
+    from pipelines.compile import GOLDEN_SETTINGS
+    from sao_core.kfp.commands import compile_pipelines
+
+    out = tmp_path_factory.mktemp("golden-compiled")
+    return {p.stem: p for p in compile_pipelines(list(pipelines.PIPELINES), out, GOLDEN_SETTINGS)}

@@ -138,14 +138,33 @@ def test_real_model_smoke_and_bad_arguments(tmp_path, sao_cache, monkeypatch, ca
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_learner_memory_smoke(tmp_path):
+def test_learner_memory_smoke(tmp_path, monkeypatch):
+    """The script end to end (each configuration's worker in its own process) for the current code, with a
+    "before" configuration over `--max-logits-gb` reported as skipped; then the "before" worker itself (the previous
+    release's full-logits forward) in this process, on the same seeded model and batch: the same entropy. (One
+    worker process less than running both modes through the script: it is the same worker either way.)"""
     import subprocess
+
+    import learner_memory
+    import torch
+
+    import sao_core.learner.updates as updates
 
     out = tmp_path / "learner_memory.json"
     done = subprocess.run([sys.executable, str(BENCH / "learner_memory.py"), "--tokens", "1024", "--vocabs", "1000",
-                           "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--threads", "1", "--max-logits-gb", "0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"before", "after"} and rows["before"]["action_tokens"] == 1024
-    assert rows["after"]["peak_rss_mb"] > 0 and rows["before"]["step_over_bare"] > 0
-    assert rows["before"]["entropy"] == pytest.approx(rows["after"]["entropy"], rel=1e-4)   # same statistic
+    assert "one float32 [N, V] logits tensor is" in rows["before"]["skipped"] and "peak_rss_mb" not in rows["before"]
+    assert rows["after"]["action_tokens"] == 1024 and rows["after"]["peak_rss_mb"] > 0
+    assert rows["after"]["step_over_bare"] > 0
+    # the worker swaps the legacy forward into the learner and seeds torch: both undone after this test
+    monkeypatch.setattr(updates, "_policy_forward", updates._policy_forward)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with torch.random.fork_rng():
+        before = learner_memory.worker("before", 1000, 1024)
+    assert updates._policy_forward is learner_memory.legacy_policy_forward   # it ran the previous release's forward
+    assert before["action_tokens"] == 1024 and before["step_over_bare"] > 0
+    assert before["entropy"] == pytest.approx(rows["after"]["entropy"], rel=1e-4)   # same statistic

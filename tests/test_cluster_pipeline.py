@@ -8,7 +8,6 @@ placement dropdown, the launcher inside an exit handler with the delete step and
 the trainjob branch only, the single-pod branch unchanged; and the argument check's refusals.
 """
 
-from pathlib import Path
 
 import pytest
 import yaml
@@ -20,7 +19,6 @@ from pipelines._stages import RUN_ID, SAO_PARAMETERS, build_trainjob_stage
 from pipelines.compile import GOLDEN_SETTINGS
 from sao_core.config import ConfigError
 from sao_core.kfp import k8s, params
-from sao_core.kfp.commands import compile_pipelines
 
 
 def test_placement_trainjob_compiles_with_the_launcher_the_exit_handler_and_the_kueue_label(tmp_path):
@@ -94,12 +92,12 @@ SHAPE = {"num_nodes": 1, "gpus_per_node": 8, "rollout_replicas": 2, "rollout_gpu
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
-    out = tmp_path_factory.mktemp("compiled")
+def compiled(golden_compiled) -> dict[str, tuple[dict, dict]]:
+    """post_training and sao_rl as compiled with GOLDEN_SETTINGS (the session's packages, see conftest.py)."""
     found = {}
-    for path in compile_pipelines(list(RL_PIPELINES), out, GOLDEN_SETTINGS):
-        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
-        found[Path(path).stem] = (docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"])
+    for name in RL_PIPELINES:
+        docs = [d for d in yaml.safe_load_all(golden_compiled[name].read_text()) if d]
+        found[name] = (docs[0], docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"])
     return found
 
 

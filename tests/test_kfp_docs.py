@@ -1,10 +1,12 @@
 """The documentation of the KFP surface stays true: pipelines/README.md's parameter tables equal the
 compiled pipelines', and its Python and `sao kfp` examples run as written (against the loopback KFP API
-server of test_kfp_client, which checks every request against the official API specification). The same
-examples in the project README are run too once they are there."""
+server of test_kfp_client, which checks every request against the official API specification). The
+examples in the project README are run too once they are there; a document whose examples repeat another's
+word for word (the project README repeats pipelines/README.md's) shares that document's run."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -29,6 +31,11 @@ def _kfp_blocks(text: str) -> list[str]:
     return [b for b in _blocks(text, "python") if "from sao_core.kfp import" in b]
 
 
+def _cli_lines(text: str) -> list[str]:
+    """The `sao kfp` command lines of the shell examples."""
+    return [line for block in _blocks(text, "bash") for line in block.splitlines() if line.startswith("sao kfp ")]
+
+
 def _documents() -> list[Path]:
     """pipelines/README.md, and the project README when it carries the KFP examples."""
     found = [README]
@@ -36,6 +43,15 @@ def _documents() -> list[Path]:
     if any("client.connect(" in block for block in _kfp_blocks(project.read_text())):
         found.append(project)
     return found
+
+
+def _example_sets(examples) -> list:
+    """One pytest param per distinct list of examples (`examples(text)`), with the documents that hold exactly
+    that list: the examples run once however many documents repeat them word for word."""
+    holders: dict[tuple[str, ...], list[str]] = {}
+    for path in _documents():
+        holders.setdefault(tuple(examples(path.read_text())), []).append(os.path.relpath(path, ROOT))
+    return [pytest.param(list(found), id="+".join(names)) for found, names in holders.items()]
 
 
 def test_parameter_tables_are_current(tmp_path):
@@ -46,15 +62,14 @@ def test_parameter_tables_are_current(tmp_path):
     assert text.count("| `method` | string | `\"sao\"` |") == 1
 
 
-@pytest.mark.parametrize("document", _documents(), ids=lambda p: p.name)
-def test_python_examples_run_as_written(document, tmp_path, monkeypatch):
-    blocks = _kfp_blocks(document.read_text())
+@pytest.mark.parametrize("blocks", _example_sets(_kfp_blocks))
+def test_python_examples_run_as_written(blocks, tmp_path, monkeypatch):
     assert len(blocks) >= 2
     server = FakeKFP()
     monkeypatch.chdir(tmp_path)
     try:
         for block in blocks:
-            exec(compile(block.replace(HOST, server.url), f"{document.name} example", "exec"), {})
+            exec(compile(block.replace(HOST, server.url), "documented example", "exec"), {})
         assert not server.violations, server.violations
     finally:
         server.close()
@@ -69,10 +84,8 @@ def test_python_examples_run_as_written(document, tmp_path, monkeypatch):
     assert Path("post_training.yaml").is_file() and Path("evaluation.yaml").is_file()
 
 
-@pytest.mark.parametrize("document", _documents(), ids=lambda p: p.name)
-def test_command_line_examples_run_as_written(document, tmp_path, monkeypatch, capsys):
-    lines = [line for block in _blocks(document.read_text(), "bash") for line in block.splitlines()
-             if line.startswith("sao kfp ")]
+@pytest.mark.parametrize("lines", _example_sets(_cli_lines))
+def test_command_line_examples_run_as_written(lines, tmp_path, monkeypatch, capsys):
     assert {shlex.split(line)[2] for line in lines} >= {"compile", "upload", "run", "schedule", "schedules"}
     server = FakeKFP()
     monkeypatch.chdir(tmp_path)
