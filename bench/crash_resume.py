@@ -65,10 +65,11 @@ def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, mod
     each; returns the kill points, the final summary and the audit of its journal."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-    if not 1 <= kills <= steps - 2:
-        raise ValueError(f"kills must be between 1 and steps - 2 = {steps - 2}, got {kills}")
+    if not 1 <= kills <= steps - 4:
+        raise ValueError(f"kills must be between 1 and steps - 4 = {steps - 4}, got {kills}")
     rng = random.Random(seed)
-    kill_steps = sorted(rng.sample(range(1, steps - 1), kills))
+    # The last kill lands at least 4 steps before the end, so a fast learner cannot finish before it.
+    kill_steps = sorted(rng.sample(range(1, steps - 3), kills))
     output = root / f"{placement}-{method}-{admission}"
     env = {**os.environ, "SAO_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1"}
     server = None
@@ -94,7 +95,7 @@ def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, mod
             if proc.poll() is not None:
                 raise RuntimeError(f"{placement}: the learner exited (code {proc.returncode}) before its kill at "
                                    f"step {at}: {proc.stderr.read()[-2000:]}")
-            time.sleep(rng.uniform(0.0, 0.4))
+            time.sleep(rng.uniform(0.0, 0.1))    # anywhere in the step: train, journal, push, ack, checkpoint
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             killed.append({"planned_step": at, "metrics_lines": _metrics_lines(output)})

@@ -268,7 +268,7 @@ def test_the_service_rolls_a_requeued_position_out_once_more(varied_rl_data, sao
         server.stop()
 
 
-@pytest.mark.parametrize("admission", ["window", "version_order", "requeue"])
+@pytest.mark.parametrize("admission", ["version_order", "requeue"])
 def test_admission_rules_run_and_version_order_drops_nothing_as_stale(admission, varied_rl_data, tmp_path,
                                                                       sao_cache, warm_tool_model):
     """max_staleness 1 and B = 4, episodes of num_ops + 1 turns (fixed_turns) with a random tool latency: the

@@ -432,12 +432,15 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         log.info("resumed from %s (step %d, version %d)", latest, step, version)
 
     drop_records = 0  # drop records written after the current step (their file index)
+    replayed_ids: list[str] = []      # trained or dropped in the replayed journal: acknowledged again on connect
+    replayed_dropped: list[str] = []
 
     def replay_drops(after_step: int) -> None:
         nonlocal drop_records
         records = journal.read_drops(config.output, after_step) if ctx.is_main else []
         for record in records:
             settle_drops(record)
+            replayed_dropped.extend(r["id"] for r in record if not r.get("requeue"))
         drop_records = len(records)
 
     def settle_drops(records: list[dict]) -> None:
@@ -458,6 +461,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         if entry is None:
             break
         replay = [Trajectory.from_dict(t) for t in entry["trajectories"]]
+        replayed_ids.extend(t.id for t in replay)
         for t in replay:
             ledger.settle(position_of(t), TRAINED)
         batch = collate(replay, tokenizer.pad_token_id)
@@ -564,7 +568,16 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
             if services is not None:
                 services.weights = None
             publish_weights()
-        _gather_batch(ctx, lambda: services.connect())
+        def connect() -> None:
+            services.connect()
+            # A crash between a journal write and its acknowledgement leaves those leases open on a service
+            # that survived (and nothing to redeliver them to when no step is left); ids a service does not
+            # hold, e.g. a new one's, are ignored by it.
+            if replayed_ids or replayed_dropped:
+                every = range(len(services.clients))
+                services.ack({i: replayed_ids for i in every}, {i: replayed_dropped for i in every})
+
+        _gather_batch(ctx, connect)
         with MetricsLog(config.output, metrics_path, resume=config.resume, enabled=ctx.is_main) as metrics_log:
             while step < config.steps:
                 chosen = _gather_batch(ctx, next_batch)

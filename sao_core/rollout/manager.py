@@ -333,6 +333,8 @@ class RolloutManager:
             raise RolloutError("requeue needs a plan with admission 'requeue'")
         unknown = []
         again: dict[int, Trajectory] = {}
+        not_trained = set(dropped or []) | set(requeue)
+        released_dropped = 0
         for tid in list(ids) + list(dropped or []) + requeue:
             lease = self._leased.pop(tid, None)
             if lease is None:
@@ -341,6 +343,7 @@ class RolloutManager:
                 continue
             self._acked.add(tid)
             self.counts["acknowledged"] += 1
+            released_dropped += tid in not_trained
             if self._slots is not None:
                 self._slots.release()
             if tid in requeue:
@@ -352,8 +355,8 @@ class RolloutManager:
                 self._requeued.add((position, 1))
                 self._retries.append((trajectory.metadata["task_index"], trajectory.metadata["epoch"], position, 1))
                 self.counts["requeued"] += 1
-        self.counts["dropped_by_learner"] += len(set(dropped or []) - set(unknown)) + \
-            len(set(requeue) - set(unknown))
+        # Only what this call released: an id acknowledged before (a learner re-sending after a crash) counts once.
+        self.counts["dropped_by_learner"] += released_dropped
         return {"acknowledged": len(ids) + len(dropped or []) + len(requeue) - len(unknown), "unknown": unknown,
                 "requeued": len(again)}
 
