@@ -4,7 +4,10 @@ Calls :func:`sao_core.data.prepare.prepare`. The Dataset artifact is the prepare
 (``data.jsonl``, ``rejects.jsonl``, ``stats.json``); its metadata and the Metrics artifact carry the
 row counts, rejects by reason and the dataset version. Fails (and the task is retried by the
 pipelines) when the source cannot be read; fails for good when the rejected share is above
-``max_reject_fraction``.
+``max_reject_fraction`` or no row is written. A failed preparation publishes nothing: the folder gets a
+``FAILED`` marker (and the failed attempt's reports under ``failed/``), which every reader refuses.
+Prompts of sft/dpo/rl rows longer than ``max_prompt_tokens`` are rejected (tokens with
+``tokenizer_model``, else characters at 8 a token).
 """
 
 from typing import NamedTuple
@@ -26,6 +29,7 @@ def prepare_data(
     max_reject_fraction: float = 0.05,
     tokenizer_model: str = "",
     max_tokens: int = 0,
+    max_prompt_tokens: int = 4096,
     dedup: bool = True,
 ) -> NamedTuple("PrepareOutputs", rows_written=int, dataset_version=str):
     """Normalise a dataset for one data kind, with rejects and stats.
@@ -40,6 +44,7 @@ def prepare_data(
         max_reject_fraction: Fail when more than this share of the rows is malformed (0 to 1).
         tokenizer_model: Model reference whose tokenizer counts tokens for max_tokens ('' = no length filter).
         max_tokens: Drop rows longer than this many tokens (0 = no length filter; needs tokenizer_model).
+        max_prompt_tokens: Prompt budget of sft, dpo and rl rows, in tokens (chat template of tokenizer_model), or without a tokenizer 8 characters a token (0 = no budget).
         dedup: Drop exact duplicate rows.
     """
     from sao_core.config import build_config
@@ -49,7 +54,8 @@ def prepare_data(
     config = build_config(PrepareConfig, {
         "source": source, "kind": kind, "output": dataset.path, "split": split, "limit": limit or None,
         "max_reject_fraction": max_reject_fraction, "tokenizer": tokenizer_model or None,
-        "max_tokens": max_tokens or None, "dedup": dedup}, source="prepare_data")
+        "max_tokens": max_tokens or None, "max_prompt_tokens": max_prompt_tokens or None, "dedup": dedup},
+        source="prepare_data")
     if config.tokenizer:
         from sao_core.models import resolve_model
 

@@ -371,6 +371,42 @@ def download_file(uri: str, local_path: PathLike, settings: S3Settings | None = 
         client.download_file(bucket, _object_key(uri, key), str(dst), Config=_transfer_config(settings))
 
 
+def copy_file(src_uri: str, dst_uri: str, settings: S3Settings | None = None) -> None:
+    """Copy one file/object to another place of the same kind: S3 to S3 is a server-side copy (managed, so
+    objects above 5 GB copy in parts), local to local an atomic temp file + rename. Mixed kinds: use
+    `upload_file` / `download_file`."""
+    if is_s3_uri(src_uri) != is_s3_uri(dst_uri):
+        raise StorageError(f"copy_file copies S3 to S3 or local to local, not {src_uri} to {dst_uri}; use "
+                           "upload_file or download_file")
+    if not is_s3_uri(src_uri):
+        src = _local_path(src_uri)
+        with _local_errors(src, f"copying to {dst_uri}"):
+            _atomic_write_local(_local_path(dst_uri), lambda tmp: shutil.copyfile(src, tmp))
+        return
+    src_bucket, src_key = parse_s3_uri(src_uri)
+    with _s3(dst_uri, settings, f"copying {src_uri} to") as (client, bucket, key):
+        client.copy({"Bucket": src_bucket, "Key": _object_key(src_uri, src_key)}, bucket, _object_key(dst_uri, key),
+                    Config=_transfer_config(settings))
+
+
+def delete_file(uri: str, settings: S3Settings | None = None) -> None:
+    """Delete one file/object; one that does not exist is not an error."""
+    _delete(uri, settings)
+
+
+def delete_dir(uri: str, settings: S3Settings | None = None) -> None:
+    """Delete a local directory tree, or every object under an S3 prefix; a missing one is not an error."""
+    if not is_s3_uri(uri):
+        path = _local_path(uri)
+        if path.is_file():
+            raise StorageError(f"{uri} is a file, not a directory; not deleted")
+        with _local_errors(uri, "deleting"):
+            if path.exists():
+                shutil.rmtree(path)
+        return
+    _run_all([lambda r=rel: _delete(join(uri, r), settings) for rel in list_files(uri, settings)])
+
+
 def _run_all(jobs: list[Callable[[], None]]) -> None:
     """Run small transfer jobs concurrently; the first failure is re-raised."""
     if len(jobs) <= 1:

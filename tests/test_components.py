@@ -69,6 +69,8 @@ def test_prepare_data_fills_dataset_and_stats(tmp_path, sft_source):
     (dict(kind="sft", limit=-3), DataError, "limit must be a positive integer"),
     (dict(kind="sft", max_tokens=16), DataError, "needs the tokenizer|tokenizer is not"),
     (dict(kind="sft", max_reject_fraction=0.0), DataError, "reject"),
+    (dict(kind="rl", max_reject_fraction=1.0), DataError, "no rows written: all 61 rows"),  # 0 rows: the task fails
+    (dict(kind="sft", max_prompt_tokens=-1), DataError, "max_prompt_tokens must be a positive integer"),
 ])
 def test_prepare_data_errors_read_like_the_cli(tmp_path, sft_source, kwargs, error, message):
     from components.prepare_data import prepare_data

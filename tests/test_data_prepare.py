@@ -389,18 +389,23 @@ REASON_CASES = [
 def test_rejection_reasons_reported(tmp_path, kind):
     cases = [c for c in REASON_CASES if c[0] == kind]
     src = write_jsonl(tmp_path / f"{kind}.jsonl", [c[1] for c in cases])
-    stats, (data, rejects) = run(tmp_path, src, kind, max_reject_fraction=1.0)
-    assert data == []
-    assert stats.rows_rejected == len(cases)
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=f"no rows written: all {len(cases)} rows read"):  # every row is bad
+        prepare(PrepareConfig(source=str(src), kind=kind, output=str(out), max_reject_fraction=1.0))
+    assert not (out / "data.jsonl").exists() and (out / "FAILED").is_file()
+    stats = json.loads((out / "failed" / "stats.json").read_text())
+    rejects = [json.loads(x) for x in (out / "failed" / "rejects.jsonl").read_text().splitlines()]
+    assert stats["status"] == "failed" and stats["rows_written"] == 0
+    assert stats["rows_rejected"] == len(cases)
     got = [(r["file"], r["row"], r["line"], r["field"], r["reason"]) for r in rejects]
     assert got == [(str(src), i, i + 1, c[2], c[3]) for i, c in enumerate(cases)]
     assert all(isinstance(r["detail"], str) and r["detail"] for r in rejects)
     for reason in {c[3] for c in cases}:
-        assert stats.rejected_by_reason[reason] == sum(c[3] == reason for c in cases)
+        assert stats["rejected_by_reason"][reason] == sum(c[3] == reason for c in cases)
 
 
 def test_reason_vocabulary_is_covered():
-    covered = {c[3] for c in REASON_CASES} | {"too_long", "bad_csv", "duplicate_id"}  # separate tests below
+    covered = {c[3] for c in REASON_CASES} | {"too_long", "bad_csv", "duplicate_id", "prompt_too_long"}  # below
     assert covered == set(REASONS)
     assert set(KINDS) == {c[0] for c in REASON_CASES} | {"cpt"}
 
@@ -526,11 +531,13 @@ def test_threshold_exceeded_keeps_reports(tmp_path):
     msg = str(info.value)
     assert "3 of 10 rows rejected" in msg and "0.05" in msg
     assert "bad_json 1" in msg and "missing_field 1" in msg and "empty 1" in msg
-    assert str(out / "rejects.jsonl") in msg
-    data, rejects = read_out(out)
-    assert len(data) == 7 and len(rejects) == 3
-    report = json.loads((out / "stats.json").read_text())
+    assert str(out / "failed" / "rejects.jsonl") in msg and str(out / "FAILED") in msg
+    assert not (out / "data.jsonl").exists() and not (out / "stats.json").exists()  # nothing published
+    rejects = [json.loads(x) for x in (out / "failed" / "rejects.jsonl").read_text().splitlines()]
+    assert len(rejects) == 3
+    report = json.loads((out / "failed" / "stats.json").read_text())
     assert report["status"] == "failed" and report["rows_rejected"] == 3 and report["error"] == msg
+    assert (out / "FAILED").read_text().startswith("prepare-data failed at ")
     assert not any(p.name.startswith(".prepare-") for p in out.iterdir())
 
 
@@ -639,13 +646,179 @@ def test_s3_source_and_output_round_trip(tmp_path, moto_s3):
     ]
     report = json.loads(storage.read_bytes(stats.files["stats"]))
     assert report["rows_written"] == 5 and report["dataset_version"].startswith("sha256:")
-    # failure on s3: reports are still uploaded
-    with pytest.raises(DataError, match="rejects.jsonl"):
+    # failure on s3: the reports go to failed/, a FAILED marker is written, nothing is published
+    with pytest.raises(DataError, match="failed/rejects.jsonl"):
         prepare(PrepareConfig(source=src, kind="beyond_aime", output=moto_s3.uri("prepared/strict")))
-    assert json.loads(storage.read_bytes(moto_s3.uri("prepared/strict/stats.json")))["status"] == "failed"
+    assert json.loads(storage.read_bytes(moto_s3.uri("prepared/strict/failed/stats.json")))["status"] == "failed"
+    assert storage.list_files(moto_s3.uri("prepared/strict")) == ["FAILED", "failed/rejects.jsonl",
+                                                                 "failed/stats.json"]
     with pytest.raises(DataError, match="cannot read data source"):
         prepare(
             PrepareConfig(source=moto_s3.uri("raw/missing.jsonl"), kind="cpt", output=str(tmp_path / "o"))
         )
     with pytest.raises(DataError, match="unsupported data file extension"):
         prepare(PrepareConfig(source=moto_s3.uri("raw/"), kind="cpt", output=str(tmp_path / "o")))
+
+
+# --------------------------------------------------------------------------- prompt budget
+
+
+def rl_row(i: int, prompt: str | None = None) -> dict:
+    return {"prompt": prompt or f"What is {i} + {i}?", "env": "math", "answer": str(2 * i)}
+
+
+def test_a_200k_character_prompt_is_rejected_and_the_other_rows_kept(tmp_path):
+    rows = [rl_row(0), rl_row(1, "x" * 200_000), rl_row(2), rl_row(3)]
+    src = write_jsonl(tmp_path / "rl.jsonl", rows)
+    stats, (data, rejects) = run(tmp_path, src, "rl", max_reject_fraction=0.5)  # default max_prompt_tokens 4096
+    assert [d["answer"] for d in data] == ["0", "4", "6"]
+    assert stats.rejected_by_reason == {"prompt_too_long": 1}
+    (entry,) = rejects
+    assert (entry["file"], entry["row"], entry["line"], entry["field"], entry["reason"]) == (
+        str(src), 1, 2, "prompt", "prompt_too_long")
+    assert (entry["length"], entry["limit"], entry["unit"]) == (200_000, 4096 * 8, "characters")
+    assert "200000 characters > 32768" in entry["detail"] and "max_prompt_tokens 4096" in entry["detail"]
+    # the budget is a parameter; none turns it off
+    stats, (data, _) = run(tmp_path, src, "rl", max_prompt_tokens=None)
+    assert stats.rows_written == 4
+
+
+def test_prompt_budget_counts_tokens_of_the_chat_template(tmp_path, tiny_tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
+    long_prompt = "hello world " * 10
+    encoded = tok.apply_chat_template([{"role": "user", "content": long_prompt}], tokenize=True,
+                                      add_generation_prompt=True)
+    rendered = len(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    plain = len(tok(long_prompt)["input_ids"])
+    assert rendered > plain  # the template's role tags count
+    src = write_jsonl(tmp_path / "rl.jsonl", [rl_row(1), rl_row(2, long_prompt)])
+    stats, (data, rejects) = run(tmp_path, src, "rl", tokenizer=tiny_tokenizer, max_prompt_tokens=plain,
+                                 max_reject_fraction=0.5)
+    assert len(data) == 1
+    assert [(r["row"], r["field"], r["reason"], r["length"], r["limit"], r["unit"]) for r in rejects] == [
+        (1, "prompt", "prompt_too_long", rendered, plain, "tokens")]
+    # sft: the prompt is what comes before the first assistant turn (a long answer is not a long prompt)
+    chat = [{"messages": msgs(("user", "hi"), ("assistant", "hello world " * 40))},
+            {"messages": msgs(("system", "hello world " * 40), ("user", "hi"), ("assistant", "ok"))}]
+    src2 = write_jsonl(tmp_path / "c.jsonl", chat)
+    with pytest.raises(DataError, match="1 of 2 rows rejected"):
+        prepare(PrepareConfig(source=str(src2), kind="sft", output=str(tmp_path / "o2"), tokenizer=tiny_tokenizer,
+                              max_prompt_tokens=40))
+    rej = [json.loads(x) for x in (tmp_path / "o2" / "failed" / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["field"], r["reason"]) for r in rej] == [(1, "messages", "prompt_too_long")]
+
+
+def test_prompt_budget_is_checked(tmp_path):
+    src = write_jsonl(tmp_path / "rl.jsonl", [rl_row(1)])
+    for bad in (0, -5, True, 1.5):
+        with pytest.raises(DataError, match="max_prompt_tokens must be a positive integer"):
+            prepare(PrepareConfig(source=str(src), kind="rl", output=str(tmp_path / "o"), max_prompt_tokens=bad))
+    assert schemas_default() == 4096
+
+
+def schemas_default() -> int:
+    from sao_core.data.prepare import DEFAULT_MAX_PROMPT_TOKENS
+    from sao_core.learner.config import RLConfig
+
+    assert DEFAULT_MAX_PROMPT_TOKENS == RLConfig.max_total_tokens  # the budget follows the RL context default
+    return DEFAULT_MAX_PROMPT_TOKENS
+
+
+# --------------------------------------------------------------------------- failed means unusable
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_failed_preparation_keeps_the_earlier_data_and_marks_the_folder(tmp_path):
+    from sao_core.data.prepared import PreparedDataError, open_prepared
+
+    out = tmp_path / "out"
+    good = write_jsonl(tmp_path / "good.jsonl", [rl_row(i) for i in range(20)])
+    prepare(PrepareConfig(source=str(good), kind="rl", output=str(out)))
+    before = _snapshot(out)
+    assert set(before) == {"data.jsonl", "rejects.jsonl", "stats.json"}
+    assert len(open_prepared(str(out)).rows) == 20
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [rl_row(0), "{broken", {"prompt": "q"}])
+    with pytest.raises(DataError, match="2 of 3 rows rejected"):
+        prepare(PrepareConfig(source=str(bad), kind="rl", output=str(out)))
+    after = _snapshot(out)
+    assert {k: v for k, v in after.items() if k in before} == before  # the earlier data is intact
+    assert set(after) - set(before) == {"FAILED", "failed/rejects.jsonl", "failed/stats.json"}
+    assert json.loads(after["failed/stats.json"])["status"] == "failed"
+    for target in (out, out / "data.jsonl"):
+        with pytest.raises(PreparedDataError, match=f"dataset {out} is unusable: it has a FAILED marker.*2 of 3 rows"):
+            open_prepared(str(target))
+
+    with pytest.raises(DataError, match="no rows read"):  # an empty source fails too, and keeps the data
+        prepare(PrepareConfig(source=str(write_jsonl(tmp_path / "e.jsonl", [])), kind="rl", output=str(out)))
+    assert {k: v for k, v in _snapshot(out).items() if k in before} == before
+
+    prepare(PrepareConfig(source=str(good), kind="rl", output=str(out)))  # a success removes the marker
+    assert set(_snapshot(out)) == {"data.jsonl", "rejects.jsonl", "stats.json"}
+    assert len(open_prepared(str(out)).rows) == 20
+
+
+def test_open_prepared_refuses_unusable_folders(tmp_path):
+    from sao_core.data.prepared import PreparedDataError, open_prepared
+
+    def folder(name: str, data: str, stats: dict | None) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "data.jsonl").write_text(data)
+        if stats is not None:
+            (path / "stats.json").write_text(json.dumps(stats))
+        return str(path)
+
+    row = json.dumps({"id": "a", "text": "x"}) + "\n"
+    cases = [
+        (folder("empty", "\n", {"kind": "cpt", "status": "ok", "rows_written": 0}), "holds no rows"),
+        (folder("old_failed", row, {"kind": "cpt", "status": "failed", "error": "too many"}),
+         "says status 'failed': too many"),
+        (folder("partial", row, {"kind": "cpt", "status": "ok", "rows_written": 5}), "holds 1 rows but .* says 5"),
+        (folder("not_json", row + "{oops\n", None), "data.jsonl line 2 is not JSON"),
+        (folder("not_object", "[1, 2]\n", None), "line 1 is not a JSON object"),
+    ]
+    for path, message in cases:
+        with pytest.raises(PreparedDataError, match=message) as info:
+            open_prepared(path)
+        assert path in str(info.value)
+    ok = open_prepared(folder("by_hand", row, None))  # a data.jsonl written by hand: kind unknown
+    assert ok.kind is None and ok.rows == [{"id": "a", "text": "x"}]
+
+
+def test_the_evaluator_refuses_a_failed_prepared_folder(tmp_path):
+    from sao_core.eval.benchmarks import EvalError, get_benchmark, load_benchmark
+
+    out = tmp_path / "beyond"
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"problem": "p", "answer": "twelve"}])
+    with pytest.raises(DataError, match="no rows written"):
+        prepare(PrepareConfig(source=str(bad), kind="beyond_aime", output=str(out), max_reject_fraction=1.0))
+    with pytest.raises(EvalError, match=f"cannot use prepared dataset {out}.*FAILED marker"):
+        load_benchmark(get_benchmark("beyond_aime"), source=str(out))
+
+
+def test_s3_failed_preparation_keeps_the_earlier_data(tmp_path, moto_s3):
+    from sao_core import storage
+    from sao_core.data.prepared import PreparedDataError, open_prepared
+
+    out = moto_s3.uri("prepared/rl")
+    good = write_jsonl(tmp_path / "good.jsonl", [rl_row(i) for i in range(5)])
+    prepare(PrepareConfig(source=str(good), kind="rl", output=out))
+    names = ["data.jsonl", "rejects.jsonl", "stats.json"]
+    before = {n: storage.read_bytes(storage.join(out, n)) for n in names}
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["{broken"] * 3)
+    with pytest.raises(DataError, match="no rows written"):
+        prepare(PrepareConfig(source=str(bad), kind="rl", output=out, max_reject_fraction=1.0))
+    assert {n: storage.read_bytes(storage.join(out, n)) for n in names} == before
+    assert storage.list_files(out) == ["FAILED", "data.jsonl", "failed/rejects.jsonl", "failed/stats.json",
+                                       "rejects.jsonl", "stats.json"]
+    with pytest.raises(PreparedDataError, match=f"dataset {out} is unusable: it has a FAILED marker"):
+        open_prepared(out)
+    prepare(PrepareConfig(source=str(good), kind="rl", output=out))  # staged, copied, marker and reports removed
+    assert storage.list_files(out) == names
+    assert len(open_prepared(out).rows) == 5

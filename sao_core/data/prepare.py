@@ -8,14 +8,33 @@
   "reason", "detail"}``. ``row`` is the 0-based data row (for CSV the header is not counted; blank
   JSON lines are not counted), ``line`` the 1-based physical line where the row starts (JSON lines
   and CSV only, else null), ``field`` a path such as ``messages[2].role`` (null for the whole row);
+  rows rejected for their length also carry ``length``, ``limit`` and ``unit`` (tokens or characters);
 - ``stats.json``: :class:`PrepareStats` as JSON, plus the configuration.
 
 Exact duplicates (same normalised record apart from its id) are dropped when ``dedup`` is on;
 they go to ``rejects.jsonl`` with reason ``duplicate`` but are counted in ``duplicates``, not in
 ``rows_rejected``: ``rows_read = rows_written + rows_rejected + duplicates``.
 
-When ``rows_rejected / rows_read`` exceeds ``max_reject_fraction`` all three files are still
-written (``stats.json`` says ``"status": "failed"``) and :class:`DataError` is raised.
+**Prompt budget.** Rows of the training kinds with a prompt (``sft``: the messages before the first
+assistant turn; ``dpo`` and ``rl``: ``prompt``) whose prompt is longer than ``max_prompt_tokens`` are
+rejected as ``prompt_too_long``. With a ``tokenizer`` the prompt is measured in tokens, rendered with
+the tokenizer's chat template (plus the generation prompt); without one it is measured in characters
+against ``max_prompt_tokens × CHARS_PER_TOKEN`` (8: generous on purpose, English text averages about 4
+characters a token under common BPE tokenizers, so only prompts that cannot fit under any usual
+tokenizer are dropped; give a tokenizer for an exact count). Benchmark kinds are never cut: a dropped
+problem would change a benchmark's score.
+
+**Failed means unusable.** Everything is written to a staging place first (a ``.prepare-*`` folder in
+the output folder; for ``s3://`` a local temporary folder uploaded to a ``.prepare-*`` staging prefix)
+and published only when the preparation succeeded. A preparation fails when the source holds no rows,
+when no row is written, or when ``rows_rejected / rows_read`` exceeds ``max_reject_fraction``; then the
+earlier ``data.jsonl`` / ``rejects.jsonl`` / ``stats.json`` in the output (if any) stay as they were,
+the failed attempt's ``rejects.jsonl`` and ``stats.json`` (``"status": "failed"``) go to
+``failed/``, a ``FAILED`` marker (the reason, as text) is written, and :class:`DataError` is raised.
+:func:`sao_core.data.prepared.open_prepared`, which every reader of a prepared dataset uses, refuses
+a folder with a ``FAILED`` marker. Publishing writes ``FAILED`` ("publication in progress") first,
+then the three files (``stats.json`` last), then removes ``failed/`` and ``FAILED``: a publication
+that is cut short leaves the folder marked, never a mix that looks good.
 """
 
 from __future__ import annotations
@@ -27,6 +46,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,19 +63,28 @@ log = logging.getLogger(__name__)
 DATA_FILE = "data.jsonl"
 REJECTS_FILE = "rejects.jsonl"
 STATS_FILE = "stats.json"
+FAILED_MARKER = "FAILED"  # present while the output is unusable: its last preparation failed (or is publishing)
+FAILED_DIR = "failed"  # the failed attempt's rejects.jsonl and stats.json
+STAGING_PREFIX = ".prepare-"
+#: Default prompt budget, in tokens: RLConfig.max_total_tokens' default (a longer prompt leaves no room for
+#: a single action token in an RL episode of that length).
+DEFAULT_MAX_PROMPT_TOKENS = 4096
+#: Without a tokenizer a prompt may have up to max_prompt_tokens × CHARS_PER_TOKEN characters (see above).
+CHARS_PER_TOKEN = 8
 PROGRESS_EVERY = 1000
 _MAX_LISTED_REPAIRS = 100
 
 
 @dataclass
 class PrepareConfig:
-    source: str
-    kind: str
-    output: str
+    source: str                              # Hugging Face id, local jsonl/json/parquet/csv file or s3:// object
+    kind: str                                # sft | cpt | dpo | rl | swe_bench_verified | beyond_aime | imo_answerbench
+    output: str                              # folder or s3:// prefix to publish data.jsonl, rejects.jsonl, stats.json to
     split: str = "train"
-    max_reject_fraction: float = 0.05
-    tokenizer: str | None = None
-    max_tokens: int | None = None
+    max_reject_fraction: float = 0.05        # fail when more than this share of the rows is rejected (0 to 1)
+    tokenizer: str | None = None             # tokenizer folder: count tokens (max_tokens, max_prompt_tokens)
+    max_tokens: int | None = None            # reject rows longer than this many tokens (needs tokenizer)
+    max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS  # prompt budget of sft/dpo/rl rows: tokens with a tokenizer (chat template), else 8 characters a token; none: no budget
     dedup: bool = True
     environments: tuple[str, ...] = ("math", "math_python", "swe", "tool_arith")
     limit: int | None = None
@@ -96,6 +125,9 @@ def _check_config(config: PrepareConfig) -> tuple[str, ...]:
     limit = config.limit
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise DataError(f"limit must be a positive integer or None (no limit), got {limit!r}")
+    budget = config.max_prompt_tokens
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise DataError(f"max_prompt_tokens must be a positive integer or None (no budget), got {budget!r}")
     if config.max_tokens is not None:
         if (
             isinstance(config.max_tokens, bool)
@@ -113,43 +145,80 @@ def _check_config(config: PrepareConfig) -> tuple[str, ...]:
     return tuple(envs)
 
 
-def _token_counter(config: PrepareConfig) -> Callable[[str | list[dict]], int] | None:
-    if config.max_tokens is None or not config.tokenizer:
+def _load_tokenizer(config: PrepareConfig) -> Any:
+    """The tokenizer when one is given and a limit needs it (max_tokens, or a prompt budget for this kind)."""
+    if not config.tokenizer:
+        return None
+    if config.max_tokens is None and (config.max_prompt_tokens is None or config.kind not in schemas.PROMPT_KINDS):
         return None
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(config.tokenizer)
+        return AutoTokenizer.from_pretrained(config.tokenizer)
     except Exception as exc:
         raise DataError(
             f"cannot load tokenizer from {config.tokenizer}: {type(exc).__name__}: {exc}"
         ) from exc
 
-    def ids_len(encoded: Any) -> int:
-        if hasattr(encoded, "keys") and "input_ids" in encoded:
-            encoded = encoded["input_ids"]
-        return len(encoded)
 
-    def plain(messages: list[dict]) -> str:
-        parts = []
-        for m in messages:
-            calls = "".join(
-                json.dumps(c, ensure_ascii=False, sort_keys=True) for c in m.get("tool_calls", ())
-            )
-            parts.append(f"{m['role']}: {m['content']}{calls}")
-        return "\n".join(parts)
+def _ids_len(encoded: Any) -> int:
+    if hasattr(encoded, "keys") and "input_ids" in encoded:
+        encoded = encoded["input_ids"]
+    return len(encoded)
+
+
+def _plain(messages: list[dict]) -> str:
+    parts = []
+    for m in messages:
+        calls = "".join(
+            json.dumps(c, ensure_ascii=False, sort_keys=True) for c in m.get("tool_calls", ())
+        )
+        parts.append(f"{m['role']}: {m['content'] or ''}{calls}")
+    return "\n".join(parts)
+
+
+def _token_counter(tok: Any, generation_prompt: bool = False) -> Callable[[str | list[dict]], int]:
+    """Tokens of a text, or of a conversation rendered with the chat template (a plain rendering when the
+    tokenizer has none or it cannot render this conversation, e.g. tool calls)."""
 
     def count(item: str | list[dict]) -> int:
         if isinstance(item, str):
-            return ids_len(tok(item)["input_ids"])
+            return _ids_len(tok(item)["input_ids"])
         if getattr(tok, "chat_template", None):
             try:
-                return ids_len(tok.apply_chat_template(item, tokenize=True))
+                return _ids_len(tok.apply_chat_template(item, tokenize=True, add_generation_prompt=generation_prompt))
             except Exception:  # a template that cannot render this conversation (e.g. tool calls)
                 pass
-        return ids_len(tok(plain(item))["input_ids"])
+        return _ids_len(tok(_plain(item))["input_ids"])
 
     return count
+
+
+def _characters(item: str | list[dict]) -> int:
+    if isinstance(item, str):
+        return len(item)
+    return sum(len(m.get("content") or "") + sum(len(json.dumps(c, ensure_ascii=False)) for c in m.get("tool_calls", ()))
+               for m in item)
+
+
+def _prompt_check(config: PrepareConfig, tok: Any) -> Callable[[dict], tuple[str, int, int, str] | None] | None:
+    """A function giving ``(field, length, limit, unit)`` for a record whose prompt is over the budget."""
+    if config.max_prompt_tokens is None or config.kind not in schemas.PROMPT_KINDS:
+        return None
+    if tok is not None:
+        measure, limit, unit = _token_counter(tok, generation_prompt=True), config.max_prompt_tokens, "tokens"
+    else:
+        measure, limit, unit = _characters, config.max_prompt_tokens * CHARS_PER_TOKEN, "characters"
+
+    def check(record: dict) -> tuple[str, int, int, str] | None:
+        prompt = schemas.prompt_of(config.kind, record)
+        if prompt is None:
+            return None
+        fld, item = prompt
+        n = measure(item)
+        return (fld, n, limit, unit) if n > limit else None
+
+    return check
 
 
 def _dump(obj: Any) -> str:
@@ -182,13 +251,12 @@ def prepare(config: PrepareConfig, progress: Callable[[int], None] | None = None
     started = time.monotonic()
     environments = _check_config(config)
     normalize = schemas.normalizer(config.kind, environments=environments)
-    count_tokens = _token_counter(config)
+    tok = _load_tokenizer(config)
+    count_tokens = _token_counter(tok) if tok is not None and config.max_tokens is not None else None
+    prompt_check = _prompt_check(config, tok)
     out_s3 = storage.is_s3_uri(config.output)
     stats = PrepareStats(source=config.source, kind=config.kind, output=config.output)
-    stats.files = {
-        key: storage.join(config.output, name)
-        for key, name in (("data", DATA_FILE), ("rejects", REJECTS_FILE), ("stats", STATS_FILE))
-    }
+    stats.files = _published_files(config.output)
 
     with iter_rows(config.source, config.split) as rows:  # opened first: a bad source leaves no output
         stats.dataset_version = rows.version
@@ -199,14 +267,33 @@ def prepare(config: PrepareConfig, progress: Callable[[int], None] | None = None
             if out_dir.exists() and not out_dir.is_dir():
                 raise DataError(f"output {config.output} exists and is not a folder")
             out_dir.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
+            staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
         try:
-            first_reject, repairs = _run(config, rows, normalize, count_tokens, stats, staging, progress)
+            try:
+                first_reject, repairs = _run(config, rows, normalize, count_tokens, prompt_check, stats, staging,
+                                             progress)
+            except Exception as exc:  # a source that breaks half-way, a tokenizer that fails: nothing is published
+                _mark_failed(config.output, f"{type(exc).__name__}: {exc}", None)
+                raise
             frac = float(config.max_reject_fraction)
+            reason = None
             if stats.rows_read == 0:
-                stats.status, stats.error = "failed", f"no rows read from {config.source}"
+                reason = f"no rows read from {config.source}"
+            elif stats.rows_written == 0:
+                reason = "no rows written"
             elif stats.rows_rejected / stats.rows_read > frac:
-                stats.status, stats.error = "failed", _summary(stats, frac, first_reject)
+                reason = "too many rejects"
+            if reason is not None:
+                stats.status = "failed"
+                stats.files = _failed_files(config.output)
+                if reason == "too many rejects":
+                    stats.error = _summary(stats, frac, first_reject)
+                elif reason == "no rows written":
+                    stats.error = _nothing_written(stats, first_reject)
+                else:
+                    stats.error = reason
+                stats.error += (f". Nothing was published: {config.output} keeps its earlier data (if any), unused "
+                                f"while {stats.files['failed']} exists (removed by the next successful preparation)")
             stats.seconds = round(time.monotonic() - started, 3)
             report = {
                 **stats.to_dict(),
@@ -218,12 +305,15 @@ def prepare(config: PrepareConfig, progress: Callable[[int], None] | None = None
             (staging / STATS_FILE).write_text(
                 json.dumps(report, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8"
             )
-            _publish(staging, config.output, out_s3)
+            if stats.status == "ok":
+                _publish(staging, config.output, out_s3)
+            else:
+                _mark_failed(config.output, stats.error, staging)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
     log.info(
-        "prepared %s as %s: %d read, %d written, %d rejected, %d duplicates -> %s",
+        "prepared %s as %s: %d read, %d written, %d rejected, %d duplicates -> %s%s",
         config.source,
         config.kind,
         stats.rows_read,
@@ -231,10 +321,34 @@ def prepare(config: PrepareConfig, progress: Callable[[int], None] | None = None
         stats.rows_rejected,
         stats.duplicates,
         config.output,
+        "" if stats.status == "ok" else " (FAILED, not published)",
     )
     if stats.status != "ok":
         raise DataError(stats.error)
     return stats
+
+
+def _published_files(output: str) -> dict[str, str]:
+    return {key: storage.join(output, name)
+            for key, name in (("data", DATA_FILE), ("rejects", REJECTS_FILE), ("stats", STATS_FILE))}
+
+
+def _failed_files(output: str) -> dict[str, str]:
+    return {"rejects": storage.join(output, FAILED_DIR, REJECTS_FILE),
+            "stats": storage.join(output, FAILED_DIR, STATS_FILE),
+            "failed": storage.join(output, FAILED_MARKER)}
+
+
+def _nothing_written(stats: PrepareStats, first: dict[str, Any] | None) -> str:
+    top = Counter(stats.rejected_by_reason).most_common(5)
+    reasons = ", ".join(f"{reason} {n}" for reason, n in top) or "none"
+    where = ""
+    if first is not None:
+        line = f" (line {first['line']})" if first.get("line") is not None else ""
+        where = f"; first: row {first['row']}{line} field {first['field']!r}: {first['reason']}: {first['detail']}"
+    return (f"no rows written: all {stats.rows_read} rows read from {stats.source} were rejected "
+            f"({stats.rows_rejected}) or duplicates ({stats.duplicates}); top reasons: {reasons}{where}. Every "
+            f"rejected row is listed in {stats.files['rejects']}")
 
 
 def _run(
@@ -242,6 +356,7 @@ def _run(
     rows: Any,
     normalize: Callable[..., dict[str, Any]],
     count_tokens: Callable[[str | list[dict]], int] | None,
+    prompt_check: Callable[[dict], tuple[str, int, int, str] | None] | None,
     stats: PrepareStats,
     staging: Path,
     progress: Callable[[int], None] | None,
@@ -257,7 +372,7 @@ def _run(
         open(staging / REJECTS_FILE, "w", encoding="utf-8") as rej_fh,
     ):
 
-        def reject(row: Any, fld: str | None, reason: str, detail: str) -> None:
+        def reject(row: Any, fld: str | None, reason: str, detail: str, **extra: Any) -> None:
             nonlocal first_reject
             entry = {
                 "file": rows.name,
@@ -266,6 +381,7 @@ def _run(
                 "field": fld,
                 "reason": reason,
                 "detail": detail,
+                **extra,
             }
             rej_fh.write(_dump(entry) + "\n")
             if reason == schemas.DUPLICATE:
@@ -291,6 +407,16 @@ def _run(
             except RowError as err:
                 reject(row, err.field, err.reason, err.detail)
                 continue
+            if prompt_check is not None:
+                over = prompt_check(record)
+                if over is not None:
+                    fld, n, limit, unit = over
+                    budget = (f"max_prompt_tokens {config.max_prompt_tokens}" if unit == "tokens" else
+                              f"max_prompt_tokens {config.max_prompt_tokens} x {CHARS_PER_TOKEN} characters a token; "
+                              "give a tokenizer to count tokens")
+                    reject(row, fld, "prompt_too_long", f"prompt of {n} {unit} > {limit} ({budget})",
+                           length=n, limit=limit, unit=unit)
+                    continue
             if count_tokens is not None:
                 too_long = None
                 for fld, item in schemas.model_texts(config.kind, record):
@@ -300,7 +426,8 @@ def _run(
                         break
                 if too_long is not None:
                     reject(
-                        row, too_long[0], "too_long", f"{too_long[1]} tokens > max_tokens {config.max_tokens}"
+                        row, too_long[0], "too_long", f"{too_long[1]} tokens > max_tokens {config.max_tokens}",
+                        length=too_long[1], limit=config.max_tokens, unit="tokens",
                     )
                     continue
             if config.dedup:
@@ -346,12 +473,54 @@ def _run(
 
 
 def _publish(staging: Path, output: str, out_s3: bool) -> None:
-    names = (DATA_FILE, REJECTS_FILE, STATS_FILE)
-    if out_s3:
+    """Replace the output's three files with the staged ones (only called for a successful preparation).
 
+    ``FAILED`` ("publication in progress") is written first and removed last, so a publication cut short
+    leaves the output marked unusable. On S3 the files are uploaded to a staging prefix first and then
+    copied server-side: a failed upload leaves the earlier files untouched.
+    """
+    names = (DATA_FILE, REJECTS_FILE, STATS_FILE)  # stats.json last
+    marker = storage.join(output, FAILED_MARKER)
+    note = (f"prepare-data: publication in progress since {_now()}; if this file stays, the publication was "
+            "interrupted: run prepare-data again\n")
+    if out_s3:
+        staged = storage.join(output, STAGING_PREFIX.rstrip("-") + "-" + uuid.uuid4().hex[:12])
+        try:
+            for name in names:
+                storage.upload_file(str(staging / name), storage.join(staged, name))
+            storage.write_text(marker, note)
+            for name in names:
+                storage.copy_file(storage.join(staged, name), storage.join(output, name))
+        finally:
+            storage.delete_dir(staged)
+    else:
+        out_dir = Path(output).expanduser()
+        storage.write_text(str(out_dir / FAILED_MARKER), note)
         for name in names:
-            storage.upload_file(str(staging / name), storage.join(output, name))
-        return
-    out_dir = Path(output).expanduser()
-    for name in names:
-        os.replace(staging / name, out_dir / name)
+            os.replace(staging / name, out_dir / name)
+    storage.delete_dir(storage.join(output, FAILED_DIR))
+    storage.delete_file(marker)
+
+
+def _mark_failed(output: str, error: str, staging: Path | None) -> None:
+    """Write the ``FAILED`` marker (first: from then on the output is unusable), then the failed attempt's
+    rejects.jsonl and stats.json (when there are some) to ``failed/``; the published files stay as they were."""
+    failed_dir = storage.join(output, FAILED_DIR)
+    text = (f"prepare-data failed at {_now()}: {error}\n"
+            f"The failed attempt's reports: {storage.join(failed_dir, STATS_FILE)}, "
+            f"{storage.join(failed_dir, REJECTS_FILE)}. The data.jsonl / stats.json next to this file, if any, are "
+            "from an earlier successful preparation and are not used while this file exists; run prepare-data "
+            "again (or delete this file to use the earlier data as it is).\n")
+    try:
+        storage.write_text(storage.join(output, FAILED_MARKER), text)
+        storage.delete_dir(failed_dir)
+        if staging is not None:
+            for name in (REJECTS_FILE, STATS_FILE):
+                if (staging / name).is_file():
+                    storage.upload_file(str(staging / name), storage.join(failed_dir, name))
+    except storage.StorageError as err:
+        log.error("could not mark %s as failed: %s", output, err)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -55,6 +55,7 @@ REASONS: tuple[str, ...] = (
     "bad_json",  # a malformed JSON line, or a field that must hold JSON and does not
     "bad_csv",  # a CSV record with more fields than the header
     "too_long",  # longer than max_tokens under the given tokenizer
+    "prompt_too_long",  # a prompt over max_prompt_tokens (tokens with a tokenizer, else characters)
     "duplicate_id",  # a second, different record with an id already written
 )
 DUPLICATE = "duplicate"
@@ -534,3 +535,20 @@ def model_texts(kind: str, record: Mapping[str, Any]) -> list[tuple[str, str | l
     if kind == "swe_bench_verified":
         return [("problem_statement", record["problem_statement"])]
     return [("problem", record["problem"])]
+
+
+#: Kinds whose rows have a prompt that the prompt budget (``max_prompt_tokens``) applies to.
+PROMPT_KINDS: tuple[str, ...] = ("sft", "dpo", "rl")
+
+
+def prompt_of(kind: str, record: Mapping[str, Any]) -> tuple[str, str | list[dict]] | None:
+    """``(field, prompt)`` of a normalised record of a training kind: what the model reads before it first
+    answers (``sft``: the messages before the first assistant turn; ``dpo`` and ``rl``: ``prompt``); None for
+    other kinds or an sft conversation that opens with the assistant."""
+    if kind == "sft":
+        messages = record["messages"]
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+        return ("messages", messages[:first]) if first else None
+    if kind in ("dpo", "rl"):
+        return ("prompt", record["prompt"])
+    return None

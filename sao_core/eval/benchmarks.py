@@ -26,6 +26,7 @@ from typing import Any
 
 from sao_core import storage
 from sao_core.data.prepare import DATA_FILE, REJECTS_FILE, STATS_FILE, PrepareConfig, prepare
+from sao_core.data.prepared import failure_of, open_prepared
 from sao_core.data.schemas import DataError
 from sao_core.envs.base import Task
 from sao_core.eval.config import BENCHMARK_NAMES, EvalError
@@ -175,7 +176,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _prepared_folder(source: str, spec: BenchmarkSpec) -> tuple[list[dict], dict] | None:
-    """Records and stats of a folder (or s3:// prefix) written by ``sao prepare-data``, else None."""
+    """Records and stats of a folder (or s3:// prefix) written by ``sao prepare-data``, else None. A folder
+    whose preparation failed (``FAILED`` marker, failed status) or that holds no rows is refused."""
     if storage.is_s3_uri(source):
         if Path(source.rstrip("/").rsplit("/", 1)[-1]).suffix:
             return None                                   # an object: read it as a file
@@ -183,31 +185,24 @@ def _prepared_folder(source: str, spec: BenchmarkSpec) -> tuple[list[dict], dict
         return None
     stats_uri = storage.join(source, STATS_FILE)
     try:
-        if not storage.exists(stats_uri):
-            return None
-        stats = json.loads(storage.read_text(stats_uri))
-        text = storage.read_text(storage.join(source, DATA_FILE))
-    except (storage.StorageError, ValueError) as err:
-        raise EvalError(f"benchmark {spec.name}: cannot read prepared dataset {source}: {err}") from err
-    if not isinstance(stats, dict) or "kind" not in stats:
-        return None                                       # some other stats.json: not ours
-    if stats["kind"] != spec.kind:
-        raise EvalError(f"benchmark {spec.name}: {source} was prepared with --kind {stats['kind']}; "
+        if failure_of(source) is None:                    # a FAILED folder is ours (and refused below)
+            if not storage.exists(stats_uri):
+                return None
+            stats = json.loads(storage.read_text(stats_uri))
+            if not isinstance(stats, dict) or "kind" not in stats:
+                return None                               # some other stats.json: not ours
+        prepared = open_prepared(source)
+    except (storage.StorageError, ValueError) as err:     # PreparedDataError is a ValueError
+        raise EvalError(f"benchmark {spec.name}: cannot use prepared dataset {source}: {err}") from err
+    stats = prepared.stats or {}
+    if stats.get("kind") != spec.kind:
+        raise EvalError(f"benchmark {spec.name}: {source} was prepared with --kind {stats.get('kind')}; "
                         f"this benchmark needs --kind {spec.kind}")
-    records = []
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise EvalError(f"benchmark {spec.name}: {storage.join(source, DATA_FILE)} line {line_no} is not "
-                            f"JSON ({err.msg})") from err
-        if not isinstance(record, dict) or "id" not in record:
-            raise EvalError(f"benchmark {spec.name}: {storage.join(source, DATA_FILE)} line {line_no} is not a "
-                            "prepared record (no id)")
-        records.append(record)
-    return records, stats
+    for line_no, record in enumerate(prepared.rows, start=1):
+        if "id" not in record:
+            raise EvalError(f"benchmark {spec.name}: {prepared.data_uri} row {line_no - 1} is not a prepared "
+                            "record (no id)")
+    return prepared.rows, stats
 
 
 # --------------------------------------------------------------------------------------- tasks

@@ -360,9 +360,10 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     checkpoints and metrics, and shares each batch; all ranks train their share of it (FSDP2) and take
     part in gathering the weights for each push. Every rank returns rank 0's summary.
     """
+    from sao_core.data.prepared import open_prepared
+    from sao_core.data.schemas import DataError
     from sao_core.models import load_model_and_tokenizer, resolve_model
     from sao_core.models.value import ValueModel
-    from sao_core.training.trainer import TrainingError, load_prepared
 
     try:
         config.validate()
@@ -381,9 +382,10 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         raise LearnerError(f"batch_size {config.batch_size} is smaller than the {ctx.world_size} ranks; every "
                            "rank needs at least one trajectory per step")
     try:
-        _, kind, data_uri = load_prepared(config.data)
-    except TrainingError as err:
+        prepared = open_prepared(config.data)
+    except DataError as err:
         raise LearnerError(str(err)) from err
+    kind, data_uri = prepared.kind, prepared.data_uri
     if kind is not None and kind != "rl":
         raise LearnerError(f"{data_uri} was prepared with --kind {kind}; train-rl needs --kind rl")
     checkpoints_uri = storage.join(config.output, "checkpoints")

@@ -181,13 +181,15 @@ class RolloutManager:
             raise ConflictError("a rollout plan is already running; stop it first")
         if not self._accepting:
             raise ConflictError("the service is shutting down")
+        from sao_core.data.prepared import open_prepared
+        from sao_core.data.schemas import DataError
         from sao_core.envs import task_from_row
-        from sao_core.training.trainer import TrainingError, load_prepared
 
         try:
-            rows, kind, uri = load_prepared(plan.dataset)
-        except TrainingError as err:
+            prepared = open_prepared(plan.dataset)
+        except DataError as err:
             raise RolloutError(str(err)) from err
+        rows, kind, uri = prepared.rows, prepared.kind, prepared.data_uri
         if kind is not None and kind != "rl":
             raise RolloutError(f"{uri} was prepared with --kind {kind}; rollouts need --kind rl")
         try:

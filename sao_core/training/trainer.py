@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from sao_core import storage
+from sao_core.data.prepared import open_prepared
+from sao_core.data.schemas import DataError
 from sao_core.training.checkpointing import (
     export_hf_model,
     load_training_checkpoint,
@@ -37,34 +39,6 @@ log = logging.getLogger(__name__)
 
 class TrainingError(ValueError):
     """The job cannot start or continue; the message says what to change."""
-
-
-def load_prepared(data: str) -> tuple[list[dict], str | None, str]:
-    """Rows of a prepared dataset, its kind (from stats.json when present) and the data.jsonl URI."""
-    uri = data if data.endswith(".jsonl") else storage.join(data, "data.jsonl")
-    try:
-        text = storage.read_text(uri)
-    except storage.StorageError as err:
-        raise TrainingError(f"cannot read the dataset: {err}") from err
-    rows = []
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise TrainingError(f"{uri}: line {line_no} is not JSON ({err.msg}); was it written by "
-                                "sao prepare-data?") from err
-    if not rows:
-        raise TrainingError(f"{uri} holds no rows")
-    kind = None
-    stats_uri = uri.rsplit("/", 1)[0] + "/stats.json" if "/" in uri else "stats.json"
-    if storage.exists(stats_uri):
-        try:
-            kind = json.loads(storage.read_text(stats_uri)).get("kind")
-        except (ValueError, AttributeError):
-            kind = None
-    return rows, kind, uri
 
 
 class DataOrder:
@@ -121,7 +95,11 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
         raise TrainingError(f"batch_size {config.batch_size} must be a multiple of world_size × grad_accum "
                             f"= {ctx.world_size} × {config.grad_accum}")
     impl_cls = METHODS[method]
-    rows, kind, data_uri = load_prepared(config.data)
+    try:
+        prepared = open_prepared(config.data)
+    except DataError as err:
+        raise TrainingError(str(err)) from err
+    rows, kind, data_uri = prepared.rows, prepared.kind, prepared.data_uri
     if kind is not None and kind != impl_cls.dataset_kind:
         raise TrainingError(f"method {method!r} needs a dataset prepared with --kind {impl_cls.dataset_kind}, "
                             f"but {data_uri} was prepared with --kind {kind}")
