@@ -64,6 +64,48 @@ def test_config_file_and_override(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["rows_written"] == 2
 
 
+def test_a_failed_preparation_keeps_the_data_and_sao_train_refuses_it(tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                     {"role": "assistant", "content": f"a{i}"}]}) + "\n"
+                            for i in range(30)))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n{oops\n' + good.read_text().splitlines()[0] + "\n")
+    data = tmp_path / "data"
+    assert main(["--quiet", "prepare-data", "--source", str(good), "--kind", "sft", "--output", str(data)]) == 0
+    earlier = (data / "data.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main(["--quiet", "prepare-data", "--source", str(bad), "--kind", "sft", "--output", str(data)]) == 2
+    assert "2 of 3 rows rejected" in capsys.readouterr().err
+    assert (data / "data.jsonl").read_bytes() == earlier and (data / "FAILED").is_file()
+    out = tmp_path / "run"
+    code = main(["--quiet", "train", "--method", "sft", "--data", str(data), "--output", str(out), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"dataset {data} is unusable: it has a FAILED marker" in err, err
+    assert "Traceback" not in err and not (out / "metrics.jsonl").exists()
+
+
+def test_prepare_data_that_writes_no_rows_exits_non_zero(tmp_path, capsys):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"title": "no text"}\n{"text": ""}\n')
+    code = main(["--quiet", "prepare-data", "--source", str(src), "--kind", "cpt", "--output", str(tmp_path / "o"),
+                 "--max-reject-fraction", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no rows written: all 2 rows" in err and not (tmp_path / "o" / "data.jsonl").exists()
+
+
+def test_prepare_data_prompt_budget_flag(tmp_path, capsys):
+    src = tmp_path / "rl.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "env": "math", "answer": "1"}) + "\n"
+                           for p in ("short", "y" * 81, "also short")))
+    out = tmp_path / "o"
+    assert main(["--quiet", "prepare-data", "--source", str(src), "--kind", "rl", "--output", str(out),
+                 "--max-prompt-tokens", "10", "--max-reject-fraction", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["rejected_by_reason"] == {"prompt_too_long": 1}
+    (entry,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert (entry["row"], entry["field"], entry["length"], entry["limit"]) == (1, "prompt", 81, 80)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["prepare-data", "--source", "x.jsonl", "--kind", "nope", "--output", "o"], "kind"),
     (["prepare-data", "--source", "/no/such/file.jsonl", "--kind", "cpt", "--output", "o"], "/no/such/file.jsonl"),
@@ -73,6 +115,7 @@ def test_config_file_and_override(tmp_path, capsys):
     (["train", "--method", "sft", "--data", "missing", "--output", "o"], "cannot read the dataset"),
     (["train", "--method", "ppo", "--data", "d", "--output", "o"], None),
     (["train", "--method", "gkd", "--data", "d", "--output", "o"], "teacher_model is required"),
+    (["train-rl", "--data", "d", "--output", "o", "--eps-high", "inf"], "field 'eps_high': expected a finite number"),
     (["checkpoint", "latest", "/no/such/root"], None),
     (["checkpoint", "verify", "s3://"], "s3"),
 ])

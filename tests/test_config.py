@@ -62,3 +62,48 @@ def test_bad_files(tmp_path):
     listy.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(Example, listy)
+
+
+def test_non_finite_floats_are_refused_with_the_field_name(tmp_path):
+    from sao_core.learner.config import RLConfig
+
+    for text in ("inf", "-inf", "nan", "Infinity"):
+        with pytest.raises(ConfigError, match=f"field 'eps_high': expected a finite number, got '{text}'"):
+            load_config(RLConfig, None, {"data": "d", "output": "o", "eps_high": text})
+    path = tmp_path / "rl.yaml"
+    path.write_text("data: d\noutput: o\npolicy_lr: .nan\n")
+    with pytest.raises(ConfigError, match=f"config file {path}: field 'policy_lr': expected a finite number"):
+        load_config(RLConfig, path)
+    path.write_text("data: d\noutput: o\nsteps: .inf\n")  # an int field given inf: no OverflowError
+    with pytest.raises(ConfigError, match="field 'steps': expected int"):
+        load_config(RLConfig, path)
+    with pytest.raises(ValueError, match="RLConfig.eps_high must be a finite number, got inf"):
+        RLConfig(data="d", output="o", eps_high=float("inf")).validate()  # a config built in Python
+
+
+def test_every_yaml_field_is_checked_even_when_a_flag_overrides_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("name: run\nsteps: many\n")
+    with pytest.raises(ConfigError, match=f"config file {path}: field 'steps': expected int, got 'many'"):
+        load_config(Example, path, {"steps": "3"})
+    path.write_text("name: run\nlr: [1]\n")
+    with pytest.raises(ConfigError, match=f"config file {path}: field 'lr'"):
+        load_config(Example, path, {"lr": "0.1", "steps": "3"})
+    path.write_text("name: run\noptions: {math: 5}\n")  # values of a dict[str, dict] field are checked too
+    with pytest.raises(ConfigError, match=r"field 'options'\['math'\]: expected a mapping, got 5"):
+        load_config(Example, path, {"steps": "3"})
+    path.write_text("name: run\nstepz: 3\n")
+    with pytest.raises(ConfigError, match=f"config file {path}: unknown field"):
+        load_config(Example, path, {"steps": "3"})
+    with pytest.raises(ConfigError, match="command line: field 'steps': expected int"):
+        load_config(Example, None, {"name": "x", "steps": "3.5x"})
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00\x01binary\x00\x9c", b"name: caf\xe9\n"])
+def test_a_binary_or_non_utf8_yaml_file_is_named(tmp_path, content):
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=f"config file {path} is not UTF-8 text"):
+        load_config(Example, path)
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} cannot be read"):
+        load_config(Example, tmp_path)  # a directory

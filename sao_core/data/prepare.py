@@ -279,10 +279,10 @@ def prepare(config: PrepareConfig, progress: Callable[[int], None] | None = None
             reason = None
             if stats.rows_read == 0:
                 reason = f"no rows read from {config.source}"
-            elif stats.rows_written == 0:
-                reason = "no rows written"
             elif stats.rows_rejected / stats.rows_read > frac:
                 reason = "too many rejects"
+            elif stats.rows_written == 0:
+                reason = "no rows written"
             if reason is not None:
                 stats.status = "failed"
                 stats.files = _failed_files(config.output)

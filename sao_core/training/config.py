@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sao_core.config import check_finite
 from sao_core.training.schedule import SCHEDULES
 
 PRECISIONS = ("auto", "float32", "bf16")
@@ -39,6 +40,7 @@ class CoreConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
+        check_finite(self)  # no inf / nan in any float field (eps_high=inf, lr=nan, ...)
         name = type(self).__name__
         for key in ("steps", "log_every"):
             if getattr(self, key) < 1:
