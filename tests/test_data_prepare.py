@@ -715,10 +715,10 @@ def test_prompt_budget_is_checked(tmp_path):
     for bad in (0, -5, True, 1.5):
         with pytest.raises(DataError, match="max_prompt_tokens must be a positive integer"):
             prepare(PrepareConfig(source=str(src), kind="rl", output=str(tmp_path / "o"), max_prompt_tokens=bad))
-    assert schemas_default() == 4096
+    assert _default_budget() == 4096
 
 
-def schemas_default() -> int:
+def _default_budget() -> int:
     from sao_core.data.prepare import DEFAULT_MAX_PROMPT_TOKENS
     from sao_core.learner.config import RLConfig
 
