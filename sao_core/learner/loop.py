@@ -332,7 +332,7 @@ def colocated_serve_config(config: RLConfig):
     from sao_core.rollout.server import ServeConfig
 
     fixed = {"model": config.model, "engine": config.engine, "port": 0, "cache_dir": config.cache_dir,
-             "max_batch": config.rollout_max_batch, "seed": config.seed}
+             "max_batch": config.rollout_max_batch, "seed": config.seed, "unverified": config.unverified}
     clash = sorted(set(fixed) & set(config.rollout_options))
     if clash:
         raise LearnerError(f"rollout_options cannot set {', '.join(clash)} (set by the run itself)")
@@ -394,8 +394,9 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     torch.manual_seed(config.seed)
     started = time.time()
     scratch = Path(tempfile.mkdtemp(prefix="sao-learner-"))
-    policy, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir)
-    initial_dir = resolve_model(config.model, config.cache_dir).path
+    initial = resolve_model(config.model, config.cache_dir, config.unverified)   # verified once
+    policy, tokenizer = load_model_and_tokenizer(initial, config.cache_dir)
+    initial_dir = initial.path
     critic = None
     if config.method == "sao":
         critic = ValueModel.from_pretrained(initial_dir)

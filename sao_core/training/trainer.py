@@ -143,10 +143,10 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
 
     # Rank 0 resolves the model first so concurrent ranks never build or download the same cache entry.
     if ctx.is_main:
-        model, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir)
+        model, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir, unverified=config.unverified)
     barrier(ctx)
     if not ctx.is_main:
-        model, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir)
+        model, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir, unverified=config.unverified)
 
     torch.manual_seed(config.seed)
     impl = impl_cls(config, tokenizer, ctx)
