@@ -206,7 +206,9 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
     metrics_path = local_run / "metrics.jsonl"
     first_loss = last_loss = None
     tokens_total = 0.0
-    with MetricsLog(config.output, metrics_path, resume=local_resume is not None, enabled=ctx.is_main) as metrics_log:
+    # Resumed: the steps after the checkpoint are trained again, so their lines from the killed run go.
+    with MetricsLog(config.output, metrics_path, resume=local_resume is not None, enabled=ctx.is_main,
+                    keep_through=step) as metrics_log:
         while step < config.steps:
             picked = order.take(cursor, config.batch_size)
             mine = picked[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
