@@ -225,6 +225,8 @@ def test_five_kills_and_resumes_skip_nothing_and_train_nothing_twice(placement, 
                        data=varied_rl_data, cache_dir=str(sao_cache), batch_size=4)
     audit = result["audit"]
     assert result["summary_steps"] == 12 and len(result["kills"]) == 5
+    # One metrics line per step and a summary of the whole run, however the kills fell (issue 17).
+    assert result["metrics_steps"] == list(range(1, 13)) and result["summary_trained"] == 48
     assert audit["ok"], audit["problems"]
     assert audit["trained_trajectories"] == 48 and audit["ledger_step"] == 12 and not audit["duplicate_ids"]
     assert result["stream"]["owed"] == len(audit["owed"])

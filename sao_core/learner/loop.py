@@ -9,6 +9,12 @@ the journal after it (the updates are deterministic, so the weights come back ex
 (`ledger.py`) then knows every prompt-stream position that is trained or dropped; the others are owed: a
 service whose plan survived hands back what was taken but not acknowledged on reconnect, and a plan that
 is (re)started rolls out exactly the owed positions. No position is skipped and none is trained twice.
+
+Integrity and bookkeeping on resume: each journal entry is checked against its sha256 before it is replayed
+(a bad one stops the resume, naming the file and step: `journal`); a replayed step that has no metrics line
+yet gets one, marked ``"replayed": true``; the summary's counters (trained, dropped, requeued, rewards) cover
+the whole run: they are kept in every checkpoint and advanced by the replay. A trajectory without a sampled
+token is dropped as ``no_action_tokens`` (`pending`) and never reaches the updater or the critic.
 """
 
 from __future__ import annotations
