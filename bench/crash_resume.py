@@ -115,8 +115,11 @@ def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, mod
         if server is not None:
             server.stop()
     audit = journal.audit(str(output))
+    lines = [json.loads(x) for x in (output / "metrics.jsonl").read_text().splitlines()]
     return {"placement": placement, "method": method, "admission": admission, "steps": steps, "kills": killed,
             "seconds": round(time.monotonic() - began, 1), "summary_steps": summary["steps"],
+            "summary_trained": summary["trained_trajectories"], "metrics_steps": [r["step"] for r in lines],
+            "replayed_lines": sum(1 for r in lines if r.get("replayed")),
             "version": summary["version"], "stream": summary.get("stream"), "service": service, "audit": audit}
 
 

@@ -267,6 +267,9 @@ class Kit:
         model.save_pretrained(str(self.model_dir))
         del model
         save_tokenizer(self.model_dir, config.vocab_size)
+        from sao_core import storage  # needs no boto3 for local paths
+
+        storage.seal_checkpoint(self.model_dir, metadata={"kind": "model"})  # loads verify it (its manifest)
         tokenizer = self.models.load_tokenizer(str(self.model_dir), str(self.cache_dir))
         if tokenizer.pad_token_id != config.vocab_size - 1 or tokenizer.eos_token_id != config.vocab_size:
             raise RuntimeError(f"tokenizer ids: pad {tokenizer.pad_token_id}, eos {tokenizer.eos_token_id}")

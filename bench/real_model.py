@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _setup  # noqa: E402  (sets the thread environment before torch is imported)
 from async_vs_sync import _engine_stats, _ThreadService  # noqa: E402
 
+from sao_core import storage  # noqa: E402
 from sao_core.data.word_problems import OPERATIONS, prepare_word_problems, word_problem_rows, word_problems  # noqa: E402
 from sao_core.learner.config import RLConfig  # noqa: E402
 from sao_core.learner.loop import train_rl  # noqa: E402
@@ -120,7 +121,7 @@ def local_model(model: str, cache_dir: str, say) -> str:
     if model != SMOLLM2:
         return model
     target = Path(cache_dir) / "bench-models" / "smollm2-135m-instruct-f32"
-    if (target / "config.json").exists() and (target / "complete").exists():
+    if (target / "config.json").exists() and storage.is_complete_checkpoint(str(target)):
         return str(target)
     from sao_core.models import load_model_and_tokenizer
 
@@ -136,7 +137,7 @@ def local_model(model: str, cache_dir: str, say) -> str:
     plain.load_state_dict(policy.state_dict())
     plain.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
-    (target / "complete").write_text(model + "\n")
+    storage.seal_checkpoint(target, metadata={"exported_from": model})  # a manifest: loads verify it
     return str(target)
 
 

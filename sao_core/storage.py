@@ -11,6 +11,8 @@ Checkpoint layout (a local directory or an S3 prefix)::
     manifest.json    {"format": 1, "files": {relpath: {"sha256", "size"}}, "created_unix", "metadata"}
     _COMPLETE        written last; readers ignore a checkpoint without it
 
+`verify_checkpoint` checks every listed file's sha256 and size and refuses a file the manifest does not list.
+
 Every failure raises :class:`StorageError` (or :class:`CheckpointError`) with a message that names
 the URI and says what to do.
 """
@@ -450,8 +452,9 @@ def publish_checkpoint(local_dir: PathLike, dest_uri: str, metadata: dict | None
                        settings: S3Settings | None = None) -> dict:
     """Publish ``local_dir`` to ``dest_uri`` so readers never see a partial checkpoint.
 
-    Order: remove any old ``_COMPLETE`` at the destination, copy every file, write ``manifest.json``
-    (sha256 and size in bytes of each file), then write ``_COMPLETE`` last. Returns the manifest.
+    Order: remove any old ``_COMPLETE`` at the destination, copy every file, delete the files there that are
+    not part of this checkpoint (left by an earlier or interrupted publish), write ``manifest.json`` (sha256
+    and size in bytes of each file), then write ``_COMPLETE`` last. Returns the manifest.
     """
     try:
         json.dumps(metadata or {})
@@ -459,6 +462,17 @@ def publish_checkpoint(local_dir: PathLike, dest_uri: str, metadata: dict | None
         raise StorageError(f"checkpoint metadata for {dest_uri} is not JSON-serialisable: {exc}") from exc
     begin_checkpoint(dest_uri, settings)
     return complete_checkpoint(dest_uri, upload_checkpoint_files(local_dir, dest_uri, settings), metadata, settings)
+
+
+def seal_checkpoint(local_dir: PathLike, metadata: dict | None = None) -> dict:
+    """Publish a local directory in place: write the manifest of the files already in it, then ``_COMPLETE``
+    (for a model this process has just saved there itself). Returns the manifest."""
+    root = _local_path(local_dir)
+    if not root.is_dir():
+        raise StorageError(f"not found: checkpoint directory {root} (while sealing it)")
+    begin_checkpoint(str(root))
+    files = [f for f in list_files(str(root)) if f not in (MANIFEST_NAME, COMPLETE_MARKER)]
+    return complete_checkpoint(str(root), {rel: _file_entry(root / rel) for rel in files}, metadata)
 
 
 def begin_checkpoint(dest_uri: str, settings: S3Settings | None = None) -> None:
@@ -493,6 +507,11 @@ def complete_checkpoint(dest_uri: str, entries: dict[str, dict[str, Any]], metad
         manifest_text = json.dumps(manifest, indent=2, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise StorageError(f"checkpoint metadata for {dest_uri} is not JSON-serialisable: {exc}") from exc
+    # Files left at the destination by an earlier or interrupted publish (a temporary file of a killed copy,
+    # another shard layout) are not part of this checkpoint: they go before it is marked complete.
+    leftovers = [rel for rel in list_files(dest_uri, settings)
+                 if rel not in entries and rel not in (MANIFEST_NAME, COMPLETE_MARKER)]
+    _run_all([lambda r=rel: _delete(join(dest_uri, r), settings) for rel in leftovers])
     write_text(join(dest_uri, MANIFEST_NAME), manifest_text, settings)
     write_text(join(dest_uri, COMPLETE_MARKER), hashlib.sha256(manifest_text.encode()).hexdigest(), settings)
     return manifest
@@ -572,10 +591,24 @@ def _check_against(root: pathlib.Path, manifest: dict, shown_as: str | None = No
                                   f"{MANIFEST_NAME}; publish the checkpoint again")
 
 
-def verify_checkpoint(local_dir: PathLike) -> dict:
-    """Recompute sha256 and size of every manifest file; CheckpointError names the first bad one."""
+def unlisted_files(root: PathLike, manifest: dict) -> list[str]:
+    """Files under a local checkpoint directory that its manifest does not list (besides the manifest and
+    the ``_COMPLETE`` marker themselves), as sorted relative paths."""
+    return [rel for rel in list_files(str(_local_path(root)))
+            if rel not in manifest["files"] and rel not in (MANIFEST_NAME, COMPLETE_MARKER)]
+
+
+def verify_checkpoint(local_dir: PathLike, allow_unlisted: bool = False) -> dict:
+    """Recompute sha256 and size of every manifest file, and refuse a file the manifest does not list (unless
+    `allow_unlisted`); CheckpointError names the first bad one."""
     root = _local_path(local_dir)
     manifest = read_manifest(str(root))
+    extra = [] if allow_unlisted else unlisted_files(root, manifest)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(f"checkpoint file not in its {MANIFEST_NAME}: {join(str(root), extra[0])}{more}; a "
+                              "checkpoint holds only the files its manifest lists: remove it, or publish the "
+                              "directory again")
     _check_against(root, manifest)
     return manifest
 

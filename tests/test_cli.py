@@ -219,3 +219,27 @@ def test_rollout_serve_help_and_a_real_server_process(tmp_path, capsys, sao_cach
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
+
+
+def test_train_refuses_a_plain_model_folder_and_trains_it_with_unverified(tmp_path, capsys, sao_cache, tiny_model_dir):
+    """`--unverified` is a flag of every command that loads a model (train, train-rl, evaluate, rollout serve)."""
+    import shutil
+
+    from sao_core.data.synthetic import tool_arith_sft_rows
+
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_model_dir, plain, ignore=shutil.ignore_patterns(storage.MANIFEST_NAME,
+                                                                         storage.COMPLETE_MARKER))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tool_arith_sft_rows(8)))
+    argv = ["--quiet", "--cache-dir", str(sao_cache), "train", "--method", "sft", "--data", str(tmp_path / "d"),
+            "--model", str(plain), "--steps", "1", "--batch-size", "4"]
+    assert main([*argv, "--output", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert f"model directory {plain} has no manifest.json" in err and "--unverified" in err
+    assert main([*argv, "--output", str(tmp_path / "run"), "--unverified"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 1
+    for command in (["train-rl"], ["evaluate"], ["rollout", "serve"]):
+        with pytest.raises(SystemExit):
+            build_parser([*command, "--help"]).parse_args([*command, "--help"])
+        assert "--unverified" in capsys.readouterr().out, command

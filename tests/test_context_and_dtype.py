@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sao_core import storage
 from sao_core.models import check_model_context, context_length_of, model_context_length, resolve_dtype
 
 # ------------------------------------------------------------------------------------------ dtype rule
@@ -37,12 +38,13 @@ def test_unknown_dtype_is_refused():
 
 
 def _bf16_checkpoint(src: str, dest: Path) -> str:
-    """The embedded model saved in bfloat16 (its config.json says dtype bfloat16); no manifest."""
+    """The embedded model saved in bfloat16 (its config.json says dtype bfloat16), with a manifest."""
     from sao_core.models import load_model, load_tokenizer
 
     load_model(src, dest.parent, "bfloat16").save_pretrained(dest)
     load_tokenizer(src, dest.parent).save_pretrained(dest)
     assert json.loads((dest / "config.json").read_text())["dtype"] == "bfloat16"
+    storage.seal_checkpoint(dest)
     return str(dest)
 
 
@@ -142,7 +144,8 @@ def test_hf_engine_context_is_the_models(tiny_model_dir, tmp_path):
     from sao_core.rollout.engines import check_context
     from sao_core.rollout.engines.hf import HFEngine
 
-    engine = HFEngine(_small_context_model(tiny_model_dir, tmp_path / "m", 256), str(tmp_path), max_batch=2)
+    engine = HFEngine(_small_context_model(tiny_model_dir, tmp_path / "m", 256), str(tmp_path), max_batch=2,
+                      unverified=True)   # a plain folder: --unverified
     try:
         assert engine.context_length == 256 and engine.stats()["context_length"] == 256
         check_context(engine, 256)

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import torch
 
+from sao_core import storage
 from sao_core.envs.tool_arith import ToolArithEnv, tool_arith_tasks
 from sao_core.objectives.common import token_logprobs
 from sao_core.rollout.engines.base import EngineError, SamplingParams
@@ -102,6 +103,7 @@ def changed_weights(tiny_model_dir, sao_cache, tmp_path_factory):
             p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(0)) * 0.05)
     changed.save_pretrained(new_dir)
     load_tokenizer(str(tiny_model_dir), sao_cache).save_pretrained(new_dir)
+    storage.seal_checkpoint(new_dir)   # a manifest, as the learner's published weights have
     return new_dir
 
 

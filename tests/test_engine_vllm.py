@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from sao_core import storage
 from sao_core.rollout.engines import EngineError, SamplingParams
 
 pytestmark = [
@@ -216,6 +217,7 @@ def test_incompatible_weights_are_refused(engine, loop, tmp_path):
     config = json.loads((bad / "config.json").read_text())
     config["hidden_size"] = 64
     (bad / "config.json").write_text(json.dumps(config))
+    storage.seal_checkpoint(bad)          # verified: refused for its architecture, not for a missing manifest
     with pytest.raises(EngineError, match="different architecture"):
         _run(loop, engine.load_weights(str(bad), 1))
     assert engine.version == 0

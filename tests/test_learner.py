@@ -516,23 +516,45 @@ def test_failed_episodes_are_dropped_with_their_reason_or_trained_with_the_confi
         RLConfig(data="u", output="u", failed_reward=float("nan")).validate()
 
 
-def test_replay_after_a_crash_reproduces_the_published_weights(rl_data, tmp_path, sao_cache, rl_warm_model):
-    """The learner fails right after step 5 (its weights v5 published, its batch journaled); the resumed run
-    loads the step-3 checkpoint (the training core's DCP format), replays steps 4 and 5 from the journal and
-    republishes v5: equal to the v5 published before the crash. Then it finishes."""
+def test_replay_after_a_crash_reproduces_the_published_weights(rl_data, tmp_path, sao_cache, rl_warm_model,
+                                                               monkeypatch):
+    """The learner fails in step 5 after its batch is journaled and its weights v5 are published, before its
+    metrics line (as a kill there: it cut a line short); the resumed run loads the step-3 checkpoint (the
+    training core's DCP format), replays steps 4 and 5 from the journal and republishes v5: equal to the v5
+    published before the crash. Then it finishes: metrics.jsonl has one line per step (step 5's marked
+    replayed) and the summary counts the whole run (issue 17)."""
     from safetensors.torch import load_file
+
+    from sao_core.learner import loop
 
     out = tmp_path / "run"
     # The early-stopped SFT model earns rewards (~0.25), so every step moves the weights.
     common = dict(steps=7, batch_size=8, critic_warmup_steps=0, checkpoint_every=3, keep_weight_versions=10)
+    prune = loop.prune_weight_versions
 
+    def fail_at_5(weights_uri, newest, keep):        # runs after the journal write and the publish of v5
+        if newest == 5:
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write('{"step": 5, "vers')          # a line the kill cut short
+            raise StopRun("killed in step 5")
+        return prune(weights_uri, newest, keep)
+
+    monkeypatch.setattr(loop, "prune_weight_versions", fail_at_5)
     with pytest.raises(StopRun):
-        train_rl(_config(rl_data, out, rl_warm_model, sao_cache, **common), progress=stop_at(5))
+        train_rl(_config(rl_data, out, rl_warm_model, sao_cache, **common))
+    monkeypatch.setattr(loop, "prune_weight_versions", prune)
     before = load_file(str(out / "weights" / "v000005" / "model.safetensors"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003"]
     summary = train_rl(_config(rl_data, out, rl_warm_model, sao_cache, resume=True, **common))
     assert summary["resumed_from"].endswith("step-000003") and summary["replayed_steps"] == 2
     assert summary["steps"] == 7 and summary["version"] == 7
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 8))
+    assert [r["step"] for r in lines if r.get("replayed")] == [5]    # step 4 had its line before the crash
+    assert lines[4]["version"] == 5 and "policy_loss" in lines[4]
+    assert summary["trained_trajectories"] == 7 * 8 == json.loads((out / "summary.json").read_text())[
+        "trained_trajectories"]
+    assert summary["trained_tokens"] == sum(int(r["action_tokens"]) for r in lines)
     after = load_file(str(out / "weights" / "v000005" / "model.safetensors"))
     assert before.keys() == after.keys()
     moved = max(float((after[k] - load_file(str(out / "weights" / "v000003" / "model.safetensors"))[k]).abs().max())

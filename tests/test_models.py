@@ -206,3 +206,49 @@ def test_smollm2_gguf_loads_and_answers(tmp_path):
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     assert "5" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+# ---------------------------------------------------------------------------------------------- verification
+def _plain_copy(tiny_model_dir, dest: Path) -> Path:
+    """The embedded model's files without its manifest and marker: a Hugging Face folder made elsewhere."""
+    shutil.copytree(tiny_model_dir, dest, ignore=shutil.ignore_patterns(*BOOKKEEPING))
+    return dest
+
+
+def test_a_folder_without_a_manifest_is_refused_even_byte_flipped_and_loads_with_unverified(tmp_path, tiny_model_dir,
+                                                                                         sao_cache):
+    """Issue 17: delete manifest.json and a byte-flipped model loaded silently. Now the folder is refused (named,
+    with what to do); `unverified` loads a plain folder as it is."""
+    flipped = _plain_copy(tiny_model_dir, tmp_path / "flipped")
+    weights = flipped / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF                                   # a weight, not the header: it would still load
+    weights.write_bytes(bytes(data))
+    for load in (load_model, load_tokenizer, resolve_model):
+        with pytest.raises(ModelLoadError, match=rf"model directory {flipped} has no manifest.json.*--unverified"):
+            load(str(flipped), sao_cache)
+    plain = _plain_copy(tiny_model_dir, tmp_path / "plain")
+    model, tokenizer = load_model_and_tokenizer(str(plain), sao_cache, unverified=True)
+    assert model.config.vocab_size == 512 and len(tokenizer) == 512
+
+
+def test_a_file_the_manifest_does_not_list_is_refused(tmp_path, tiny_model_dir, sao_cache):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    (copy / "sub").mkdir()
+    (copy / "sub" / "modeling_evil.py").write_text("import os\n")
+    with pytest.raises(ModelLoadError, match=rf"not in its manifest.json: {copy}/sub/modeling_evil.py"):
+        resolve_model(str(copy), sao_cache)
+    with pytest.raises(storage.CheckpointError, match="modeling_evil.py"):
+        storage.verify_checkpoint(copy)
+    assert resolve_model(str(copy), sao_cache, unverified=True).source == "local"    # listed files still checked
+    (copy / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="config.json does not match"):
+        resolve_model(str(copy), sao_cache, unverified=True)
+
+
+def test_a_tampered_embedded_build_is_refused(tmp_path):
+    target = build_tiny_model(tmp_path / "models")
+    (target / "tokenizer.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match=r"cached build of embedded:tiny .*/tokenizer.json.*delete that directory"):
+        resolve_model(EMBEDDED_TINY, tmp_path)

@@ -201,6 +201,29 @@ def test_republish_and_bookkeeping_files_are_not_in_manifest(base, tmp_path):
     assert storage.read_manifest(dest)["metadata"] == {"v": 2}
 
 
+def test_a_republish_removes_what_an_earlier_or_killed_publish_left(base, tmp_path):
+    """A file at the destination that the new checkpoint does not hold (a killed copy's temporary file, another
+    shard layout) would be refused by every verified load (issue 17): publishing removes it."""
+    make_tree(tmp_path / "ckpt")
+    dest = storage.join(base, "v000003")
+    storage.write_bytes(storage.join(dest, ".model.safetensors.0123abcd.tmp"), b"half a copy")
+    storage.write_bytes(storage.join(dest, "model-00002-of-00002.safetensors"), b"old layout")
+    manifest = storage.publish_checkpoint(tmp_path / "ckpt", dest)
+    assert set(storage.list_files(dest)) == set(manifest["files"]) | {storage.MANIFEST_NAME, storage.COMPLETE_MARKER}
+    assert storage.verify_checkpoint(storage.fetch_checkpoint(dest, tmp_path / "cache")) == manifest
+
+
+def test_seal_publishes_a_local_directory_in_place(tmp_path):
+    files = make_tree(tmp_path / "model")
+    manifest = storage.seal_checkpoint(tmp_path / "model", metadata={"kind": "model"})
+    assert set(manifest["files"]) == set(files) and storage.is_complete_checkpoint(str(tmp_path / "model"))
+    assert storage.verify_checkpoint(tmp_path / "model") == manifest
+    (tmp_path / "model" / "notes.txt").write_text("added later")
+    with pytest.raises(CheckpointError, match=r"not in its manifest.json: .*/model/notes\.txt"):
+        storage.verify_checkpoint(tmp_path / "model")
+    assert storage.verify_checkpoint(tmp_path / "model", allow_unlisted=True) == manifest
+
+
 def test_incomplete_checkpoints_are_ignored(base, tmp_path):
     make_tree(tmp_path / "ckpt")
     assert storage.latest_checkpoint(base) is None

@@ -5,6 +5,7 @@ guarantee that no trajectory goes stale."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -224,6 +225,8 @@ def test_five_kills_and_resumes_skip_nothing_and_train_nothing_twice(placement, 
                        data=varied_rl_data, cache_dir=str(sao_cache), batch_size=4)
     audit = result["audit"]
     assert result["summary_steps"] == 12 and len(result["kills"]) == 5
+    # One metrics line per step and a summary of the whole run, however the kills fell (issue 17).
+    assert result["metrics_steps"] == list(range(1, 13)) and result["summary_trained"] == 48
     assert audit["ok"], audit["problems"]
     assert audit["trained_trajectories"] == 48 and audit["ledger_step"] == 12 and not audit["duplicate_ids"]
     assert result["stream"]["owed"] == len(audit["owed"])
@@ -296,3 +299,146 @@ def test_admission_rules_run_and_version_order_drops_nothing_as_stale(admission,
 def test_bad_admission_is_named():
     with pytest.raises(ValueError, match="RLConfig.admission must be one of window, version_order, requeue"):
         RLConfig(data="u", output="u", admission="fifo").validate()
+
+
+# ---------------------------------------------------------------------------------------------- integrity (issue 17)
+def test_journal_entries_carry_a_sha256_and_a_bad_one_is_named(tmp_path):
+    out = str(tmp_path)
+    journal.write_step(out, 3, 2, [_t("a", 0), _t("b", 1)])
+    journal.write_drops(out, 3, 0, [{"id": "c", "position": 2, "sample_index": 0, "attempt": 0,
+                                     "reason": "stale", "requeue": False}])
+    step_file = Path(journal.step_uri(out, 3))
+    assert json.loads(step_file.read_text())["sha256"]
+    assert [t["id"] for t in journal.read_step(out, 3)["trajectories"]] == ["a", "b"]
+    assert journal.read_drops(out, 3) == [[{"id": "c", "position": 2, "sample_index": 0, "attempt": 0,
+                                           "reason": "stale", "requeue": False}]]
+    good = step_file.read_text()
+    for bad, match in ((good.replace('"reward":1.0', '"reward":2.0'), "does not match its sha256"),
+                       (good[: len(good) // 2], "is not valid JSON: truncated"),
+                       (good.replace('"step":3', '"step":4').replace(json.loads(good)["sha256"],
+                                                                     _resealed(good, step=4)), "found step 4")):
+        step_file.write_text(bad)
+        with pytest.raises(journal.JournalError, match=rf"journal entry {step_file} \(step 3\) .*{match}"):
+            journal.read_step(out, 3)
+    step_file.write_text(json.dumps({"step": 3, "trajectories": []}))           # written before digests
+    with pytest.raises(journal.JournalError, match=r"\(step 3\) has no sha256 .*--unverified"):
+        journal.read_step(out, 3)
+    assert journal.read_step(out, 3, unverified=True)["trajectories"] == []
+    drop_file = Path(journal.drop_uri(out, 3, 0))
+    drop_file.write_text(drop_file.read_text().replace('"stale"', '"timeout"'))
+    with pytest.raises(journal.JournalError, match=rf"{drop_file} \(drops after step 3\) does not match"):
+        journal.read_drops(out, 3)
+    report = journal.audit(out)
+    assert not report["ok"] and any("drop-000003-000.json" in p for p in report["problems"])
+
+
+def _resealed(text: str, step: int) -> str:
+    entry = json.loads(text)
+    entry.pop("sha256")
+    entry["step"] = step
+    return journal._digest(journal._canonical(entry))
+
+
+def test_a_trajectory_without_action_tokens_is_dropped_never_batched():
+    empty = Trajectory(id="long", prompt_id="p9", env="tool_arith", token_ids=[1] * 50, action_mask=[0] * 50,
+                       rollout_logprobs=[0.0] * 50, versions=[-1] * 50, reward=0.0, num_turns=0,
+                       finish_reason="length", metadata={"position": 9, "epoch": 0, "admitted_version": 0})
+    for method in ("sao", "grpo_async"):
+        config = RLConfig(data="u", output="u", method=method, batch_size=2, group_size=2)
+        pending = Pending(config, StreamLedger())
+        pending.add([(empty, 0), (_t("a", 1), 0), (_t("a1", 1, sample_index=1), 0)])
+        drops = pending.drop_unusable(version=0)
+        assert [(d.trajectory.id, d.reason) for d in drops] == [("long", "no_action_tokens")]
+        assert pending.dropped_by_reason == {"no_action_tokens": 1} and "long" not in pending.items
+
+
+def _prepared_with_a_long_prompt(root: Path, rows: int, chars: int) -> str:
+    """A prepared rl dataset of `rows` tool_arith rows and one more whose prompt has `chars` characters (as a
+    preparation without a length bound wrote them)."""
+    raw = root / "raw.jsonl"
+    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
+                                       "metadata": t.metadata}) + "\n" for t in tool_arith_tasks(rows, seed=4)))
+    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(root / "rl")))
+    data = root / "rl" / "data.jsonl"
+    long_row = json.loads(data.read_text().splitlines()[0])
+    text = "Compute 1 + 2 (left to right) "
+    long_row.update(id="long-prompt", prompt=[{"role": "user", "content": (text * (chars // len(text) + 1))[:chars]}])
+    with data.open("a") as f:
+        f.write(json.dumps(long_row) + "\n")
+    return str(root / "rl")
+
+
+def test_a_200k_character_prompt_is_dropped_as_no_action_tokens_and_the_run_goes_on(tmp_path, sao_cache,
+                                                                                     tiny_model_dir):
+    """Issue 17: the episode of a 200,000-character prompt ends at once as `length` without an action token,
+    and the critic's forward pass over its ~10^5 tokens stalled the run (no progress in 300 s). It is dropped
+    (no_action_tokens, journaled, settled) and the run trains its steps."""
+    from sao_core.learner.loop import train_rl
+
+    data = _prepared_with_a_long_prompt(tmp_path, rows=7, chars=200_000)
+    out = tmp_path / "run"
+    summary = train_rl(RLConfig(data=data, output=str(out), model=tiny_model_dir, steps=2, batch_size=4,
+                                critic_warmup_steps=1, max_new_tokens_per_turn=8, max_total_tokens=64,
+                                cache_dir=str(sao_cache), admission="window"))
+    assert summary["steps"] == 2 and summary["trained_trajectories"] == 8
+    assert summary["dropped_by_reason"].get("no_action_tokens", 0) >= 1
+    assert summary["stream"]["outcomes"]["no_action_tokens"] >= 1
+    audit = journal.audit(str(out))
+    assert audit["ok"], audit["problems"]
+    assert audit["dropped_by_reason"].get("no_action_tokens", 0) >= 1
+
+
+def _scratch_dirs(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("sao-learner-"))
+
+
+def test_a_tampered_journal_stops_the_resume_naming_file_and_step_and_no_scratch_is_left(
+        varied_rl_data, tmp_path, sao_cache, tiny_model_dir, monkeypatch):
+    """A changed digit in a journal entry replayed silently, a truncated one failed with a JSON error that named
+    no file, and either failure left its /tmp/sao-learner-* scratch folder behind (issue 17)."""
+    import tempfile
+
+    from run_helpers import StopRun, stop_at
+
+    from sao_core.learner.loop import LearnerError, train_rl
+
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    out = tmp_path / "run"
+    config = RLConfig(data=varied_rl_data, output=str(out), model=tiny_model_dir, steps=4, batch_size=2,
+                      checkpoint_every=2, critic_warmup_steps=1, max_new_tokens_per_turn=8, max_total_tokens=64,
+                      cache_dir=str(sao_cache), admission="window")
+    with pytest.raises(StopRun):
+        train_rl(config, progress=stop_at(3))             # checkpoint at step 2; step 3 is replayed on resume
+    assert _scratch_dirs(private) == []
+    entry = Path(journal.step_uri(str(out), 3))
+    good = entry.read_text()
+    config.resume = True
+    digit = re.search(r'"reward": ?', good).end()
+    changed = good[:digit] + ("2" if good[digit] != "2" else "3") + good[digit + 1:]
+    for bad, match in ((changed, "does not match its sha256"), (good[:-40], "is not valid JSON")):
+        entry.write_text(bad)
+        with pytest.raises(LearnerError, match=rf"cannot resume {out}: journal entry {entry} \(step 3\) {match}"):
+            train_rl(config)
+        assert _scratch_dirs(private) == []               # the early failure removed its scratch folder
+
+
+def test_a_run_that_fails_while_loading_its_model_leaves_no_scratch_folder(varied_rl_data, tmp_path, sao_cache,
+                                                                          tiny_model_dir, monkeypatch):
+    import shutil
+    import tempfile
+
+    from sao_core.learner.loop import train_rl
+    from sao_core.models import ModelLoadError
+
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "tokenizer.json").write_text("{}")                # fails its manifest check
+    with pytest.raises(ModelLoadError, match="tokenizer.json"):
+        train_rl(RLConfig(data=varied_rl_data, output=str(tmp_path / "run"), model=str(model), steps=1,
+                          batch_size=2, max_total_tokens=64, cache_dir=str(sao_cache)))
+    assert _scratch_dirs(private) == []

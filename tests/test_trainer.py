@@ -110,13 +110,13 @@ def test_resume_is_exact(datasets, tmp_path, sao_cache):
     class Killed(Exception):
         pass
 
-    def die_at_4(step, metrics):
-        if step == 4:
+    def die_at_5(step, metrics):    # after step 5's metrics line, one step past the checkpoint
+        if step == 5:
             raise Killed
 
     config_b = SFTConfig(**common, **_common(tmp_path / "b", sao_cache))
     with pytest.raises(Killed):
-        train("sft", config_b, progress=die_at_4)
+        train("sft", config_b, progress=die_at_5)
     assert storage.latest_checkpoint(str(tmp_path / "b" / "run" / "checkpoints")).endswith("step-000004")
     config_b.resume = True
     resumed = train("sft", config_b)
@@ -126,7 +126,7 @@ def test_resume_is_exact(datasets, tmp_path, sao_cache):
     for key in a:
         assert torch.allclose(a[key], b[key], atol=1e-6), key
     steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 9))
+    assert steps == list(range(1, 9))      # step 5, trained again, has one line (the killed run's is gone)
 
 
 def _no_training_happened(output: Path) -> bool:

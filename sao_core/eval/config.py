@@ -69,6 +69,7 @@ class EvalConfig:
     response_chars: int = 4000                  # characters of each response (its end) kept in samples.jsonl
     upload_every_s: float = 60.0                # s3:// output: upload the samples file this often while running
     cache_dir: str = field(default_factory=lambda: str(Path.home() / ".cache" / "sao"))
+    unverified: bool = False                    # load a local model folder without a manifest.json as it is
 
     def validate(self) -> None:
         """Raise EvalError naming the first bad field."""

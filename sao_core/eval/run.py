@@ -393,6 +393,7 @@ def _make_engine(config: EvalConfig) -> Any:
 
     options = dict(config.engine_options)
     options.setdefault("seed", config.seed)
+    options["unverified"] = config.unverified or bool(options.get("unverified"))
     if config.engine == "vllm" and not options.get("max_model_len"):
         options["max_model_len"] = config.max_total_tokens   # the context the run needs (checked by _check_context)
     try:

@@ -1,17 +1,28 @@
 """The learner's journal under ``<output>/journal/``: what was trained and what was dropped, written before
 the rollout services are told (acknowledged), so a crash never loses the record of either.
 
-    step-NNNNNN.json          the batch of learner step N (trajectories, with their stream positions)
+    step-NNNNNN.json          the batch of learner step N: {"step", "version_before", "ids", "trajectories"
+                              (with their stream positions), "sha256"}
     drop-NNNNNN-MMM.json      trajectories dropped after step N (the M-th such record after that step):
-                              [{"id", "position", "sample_index", "attempt", "reason", "requeue"}]
+                              {"after_step", "index", "records": [{"id", "position", "sample_index", "attempt",
+                              "reason", "requeue"}], "sha256"}
                               (requeue: the position is rolled out once more, so it stays owed)
 
-`audit` checks a run's whole record against the stream-accounting invariant (see `ledger`).
+Integrity. ``sha256`` is the digest of the entry's other fields as canonical JSON (sorted keys, no spaces);
+`read_step` and `read_drops` recompute it, and check that the entry names the step (and index) of its file,
+so a changed digit, a truncated file or bad JSON stops a resume with a `JournalError` naming the file and the
+step. Entries written before digests (a step object without ``sha256``, a drop file that is a bare list) are
+refused unless the caller passes ``unverified`` (``--unverified``), then replayed unchecked with a warning.
+
+`audit` checks a run's whole record against the stream-accounting invariant (see `ledger`); an entry that
+fails its check is one of its problems.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import re
 from collections import Counter
 from typing import Any
@@ -22,6 +33,52 @@ from sao_core.training.checkpointing import STATE_FILE, step_name
 
 _STEP = re.compile(r"^step-(\d+)\.json$")
 _DROP = re.compile(r"^drop-(\d+)-(\d+)\.json$")
+DIGEST_KEY = "sha256"
+
+log = logging.getLogger(__name__)
+
+
+class JournalError(ValueError):
+    """A journal entry is unreadable, damaged or changed; the message names the file and the step."""
+
+
+def _canonical(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"))
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _sealed(payload: dict[str, Any]) -> str:
+    """The entry as canonical JSON with its sha256 appended as the last field (one serialisation)."""
+    text = _canonical(payload)
+    return f'{text[:-1]},"{DIGEST_KEY}":"{_digest(text)}"}}'
+
+
+def _read_entry(uri: str, what: str, unverified: bool) -> Any:
+    """The checked content of one journal entry, without its digest. `what` names the entry in errors."""
+    try:
+        text = storage.read_text(uri)
+    except storage.StorageError as err:
+        raise JournalError(f"journal entry {uri} ({what}) cannot be read: {err}") from err
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise JournalError(f"journal entry {uri} ({what}) is not valid JSON: truncated or damaged ({err}); "
+                           "restore it from a copy: the run cannot be resumed exactly past it") from None
+    if isinstance(data, dict) and DIGEST_KEY in data:
+        recorded = data.pop(DIGEST_KEY)
+        if _digest(_canonical(data)) != recorded:
+            raise JournalError(f"journal entry {uri} ({what}) does not match its sha256: it was changed after it "
+                               "was written; restore it from a copy: the run cannot be resumed exactly past it")
+        return data
+    if not unverified:
+        raise JournalError(f"journal entry {uri} ({what}) has no sha256 (written before journal digests), so it "
+                           "cannot be checked; resume with --unverified (config field unverified: true) to replay "
+                           "it unchecked")
+    log.warning("replaying journal entry %s (%s) unchecked: it has no sha256 (--unverified)", uri, what)
+    return data
 
 
 def journal_dir(output: str) -> str:
@@ -37,28 +94,54 @@ def drop_uri(output: str, after_step: int, index: int) -> str:
 
 
 def write_step(output: str, step: int, version_before: int, trajectories: list) -> None:
-    storage.write_text(step_uri(output, step), json.dumps(
+    storage.write_text(step_uri(output, step), _sealed(
         {"step": step, "version_before": version_before, "ids": [t.id for t in trajectories],
          "trajectories": [t.to_dict() for t in trajectories]}))
 
 
-def read_step(output: str, step: int) -> dict[str, Any] | None:
+def _check_step(uri: str, entry: Any, step: int) -> dict[str, Any]:
+    if not isinstance(entry, dict) or entry.get("step") != step or not isinstance(entry.get("trajectories"), list):
+        found = entry.get("step") if isinstance(entry, dict) else type(entry).__name__
+        raise JournalError(f"journal entry {uri} (step {step}) is malformed: expected the trajectories of step "
+                           f"{step}, found step {found!r}")
+    return entry
+
+
+def read_step(output: str, step: int, unverified: bool = False) -> dict[str, Any] | None:
+    """The checked entry of learner step `step`, or None if there is none (JournalError if it is bad)."""
     uri = step_uri(output, step)
-    return json.loads(storage.read_text(uri)) if storage.exists(uri) else None
+    if not storage.exists(uri):
+        return None
+    return _check_step(uri, _read_entry(uri, f"step {step}", unverified), step)
 
 
 def write_drops(output: str, after_step: int, index: int, records: list[dict[str, Any]]) -> None:
-    storage.write_text(drop_uri(output, after_step, index), json.dumps(records))
+    storage.write_text(drop_uri(output, after_step, index),
+                       _sealed({"after_step": after_step, "index": index, "records": records}))
 
 
-def read_drops(output: str, after_step: int) -> list[list[dict[str, Any]]]:
-    """The drop records written after `after_step`, in order (index 0, 1, ... until one is missing)."""
+def _drop_records(uri: str, entry: Any, after_step: int, index: int) -> list[dict[str, Any]]:
+    if isinstance(entry, list):          # written before digests (accepted only unverified)
+        records = entry
+    elif isinstance(entry, dict) and entry.get("after_step") == after_step and entry.get("index") == index:
+        records = entry.get("records")
+    else:
+        records = None
+    if not isinstance(records, list) or not all(isinstance(r, dict) and "position" in r for r in records):
+        raise JournalError(f"journal entry {uri} (drops after step {after_step}) is malformed: expected drop record "
+                           f"{index} after step {after_step}")
+    return records
+
+
+def read_drops(output: str, after_step: int, unverified: bool = False) -> list[list[dict[str, Any]]]:
+    """The checked drop records written after `after_step`, in order (index 0, 1, ... until one is missing)."""
     out = []
     while True:
         uri = drop_uri(output, after_step, len(out))
         if not storage.exists(uri):
             return out
-        out.append(json.loads(storage.read_text(uri)))
+        entry = _read_entry(uri, f"drops after step {after_step}", unverified)
+        out.append(_drop_records(uri, entry, after_step, len(out)))
 
 
 def audit(output: str) -> dict[str, Any]:
@@ -77,8 +160,13 @@ def audit(output: str) -> dict[str, Any]:
     requeued = 0
     problems: list[str] = []
     for name in names:
+        uri = storage.join(journal_dir(output), name)
         if m := _STEP.match(name):
-            entry = json.loads(storage.read_text(storage.join(journal_dir(output), name)))
+            try:
+                entry = _check_step(uri, _read_entry(uri, f"step {int(m.group(1))}", True), int(m.group(1)))
+            except JournalError as err:
+                problems.append(str(err))
+                continue
             last_step = max(last_step, int(m.group(1)))
             for t in entry["trajectories"]:
                 position = t.get("metadata", {}).get("position")
@@ -88,8 +176,14 @@ def audit(output: str) -> dict[str, Any]:
                 trained[(position, t.get("sample_index", 0))] += 1
                 trained_positions.add(position)
                 ids[t["id"]] += 1
-        elif _DROP.match(name):
-            for record in json.loads(storage.read_text(storage.join(journal_dir(output), name))):
+        elif m := _DROP.match(name):
+            after, index = int(m.group(1)), int(m.group(2))
+            try:
+                records = _drop_records(uri, _read_entry(uri, f"drops after step {after}", True), after, index)
+            except JournalError as err:
+                problems.append(str(err))
+                continue
+            for record in records:
                 if record.get("requeue"):      # rolled out once more: still owed, not a drop
                     requeued += 1
                     continue

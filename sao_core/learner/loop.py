@@ -9,6 +9,12 @@ the journal after it (the updates are deterministic, so the weights come back ex
 (`ledger.py`) then knows every prompt-stream position that is trained or dropped; the others are owed: a
 service whose plan survived hands back what was taken but not acknowledged on reconnect, and a plan that
 is (re)started rolls out exactly the owed positions. No position is skipped and none is trained twice.
+
+Integrity and bookkeeping on resume: each journal entry is checked against its sha256 before it is replayed
+(a bad one stops the resume, naming the file and step: `journal`); a replayed step that has no metrics line
+yet gets one, marked ``"replayed": true``; the summary's counters (trained, dropped, requeued, rewards) cover
+the whole run: they are kept in every checkpoint and advanced by the replay. A trajectory without a sampled
+token is dropped as ``no_action_tokens`` (`pending`) and never reaches the updater or the critic.
 """
 
 from __future__ import annotations
@@ -332,7 +338,7 @@ def colocated_serve_config(config: RLConfig):
     from sao_core.rollout.server import ServeConfig
 
     fixed = {"model": config.model, "engine": config.engine, "port": 0, "cache_dir": config.cache_dir,
-             "max_batch": config.rollout_max_batch, "seed": config.seed}
+             "max_batch": config.rollout_max_batch, "seed": config.seed, "unverified": config.unverified}
     clash = sorted(set(fixed) & set(config.rollout_options))
     if clash:
         raise LearnerError(f"rollout_options cannot set {', '.join(clash)} (set by the run itself)")
@@ -362,8 +368,6 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     """
     from sao_core.data.prepared import open_prepared
     from sao_core.data.schemas import DataError
-    from sao_core.models import load_model_and_tokenizer, resolve_model
-    from sao_core.models.value import ValueModel
 
     try:
         config.validate()
@@ -396,8 +400,32 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     torch.manual_seed(config.seed)
     started = time.time()
     scratch = Path(tempfile.mkdtemp(prefix="sao-learner-"))
-    policy, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir)
-    initial_dir = resolve_model(config.model, config.cache_dir).path
+    try:
+        return _train(config, progress, ctx, scratch, started, latest, checkpoints_uri)
+    finally:  # every exit: a finished run, a failure while loading or resuming, an error in a step
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _counters_from(state: dict[str, Any]) -> dict[str, Any]:
+    """The whole-run counters a checkpoint carries (zero for a checkpoint written before they were kept)."""
+    counters = state.get("counters") or {}
+    return {"trained_trajectories": int(counters.get("trained_trajectories", 0)),
+            "trained_tokens": int(counters.get("trained_tokens", 0)),
+            "dropped_by_reason": Counter({str(k): int(v) for k, v in counters.get("dropped_by_reason", {}).items()}),
+            "requeued": int(counters.get("requeued", 0)),
+            "first_rewards": [float(x) for x in counters.get("first_rewards", [])],
+            "last_rewards": [float(x) for x in counters.get("last_rewards", [])]}
+
+
+def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: DistContext, scratch: Path,
+           started: float, latest: str | None, checkpoints_uri: str) -> dict[str, Any]:
+    """The run itself, once the checks passed and `scratch` exists (`train_rl` removes it on every exit)."""
+    from sao_core.models import load_model_and_tokenizer, resolve_model
+    from sao_core.models.value import ValueModel
+
+    initial = resolve_model(config.model, config.cache_dir, config.unverified)   # verified once
+    policy, tokenizer = load_model_and_tokenizer(initial, config.cache_dir)
+    initial_dir = initial.path
     critic = None
     if config.method == "sao":
         critic = ValueModel.from_pretrained(initial_dir)
@@ -410,6 +438,8 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     updater = Updater(config, policy, critic, ctx)
     step, version = 0, 0
     ledger = StreamLedger()  # which prompt-stream positions are trained, dropped or owed (rank 0 keeps it)
+    # Whole-run counters (the summary's): kept in every checkpoint, advanced by the replayed journal on resume.
+    run = _counters_from({})
     if latest:
         # Every rank reads its own verified copy (no shared filesystem needed); all agree before loading.
         local, error = None, ""
@@ -426,6 +456,9 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         learner_state = load_training_checkpoint(local, updater.checkpoint_parts(), ctx)
         updater.load_extra_state(learner_state["extra"])
         step, version = learner_state["step"], learner_state["version"]
+        run = _counters_from(learner_state)
+        if "counters" not in learner_state:   # a checkpoint from before the counters: every step is one batch
+            run["trained_trajectories"] = step * config.batch_size
         try:
             ledger = (StreamLedger.from_state(learner_state["stream"]) if "stream" in learner_state
                       else StreamLedger.from_position(learner_state.get("data_position", 0)))
@@ -433,17 +466,39 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
             raise LearnerError(f"{latest}: {err}") from err
         log.info("resumed from %s (step %d, version %d)", latest, step, version)
 
+    def count_trained(trajectories: list[Trajectory], tokens: int) -> None:
+        run["trained_trajectories"] += len(trajectories)
+        run["trained_tokens"] += tokens
+        rewards = [t.reward for t in trajectories]
+        if len(run["first_rewards"]) < 3 * config.batch_size:
+            run["first_rewards"] += rewards
+        run["last_rewards"] = (run["last_rewards"] + rewards)[-3 * config.batch_size:]
+
     drop_records = 0  # drop records written after the current step (their file index)
     replayed_ids: list[str] = []      # trained or dropped in the replayed journal: acknowledged again on connect
     replayed_dropped: list[str] = []
 
+    def read_journal(read: Callable[[], Any]) -> Any:
+        """A checked journal read on rank 0, shared with every rank; a bad entry stops the resume."""
+        def checked() -> Any:
+            try:
+                return read() if ctx.is_main else None
+            except journal.JournalError as err:
+                raise LearnerError(f"cannot resume {config.output}: {err}") from err
+        return _gather_batch(ctx, checked)
+
     def replay_drops(after_step: int) -> None:
         nonlocal drop_records
-        records = journal.read_drops(config.output, after_step) if ctx.is_main else []
-        for record in records:
+        records = read_journal(lambda: journal.read_drops(config.output, after_step, config.unverified))
+        for record in (records or []) if ctx.is_main else []:
             settle_drops(record)
             replayed_dropped.extend(r["id"] for r in record if not r.get("requeue"))
-        drop_records = len(records)
+            for r in record:
+                if r.get("requeue"):
+                    run["requeued"] += 1
+                else:
+                    run["dropped_by_reason"][r["reason"]] += 1
+        drop_records = len(records or [])
 
     def settle_drops(records: list[dict]) -> None:
         """Settle the positions of journaled drops (a re-queued one stays owed), a group with its own reason."""
@@ -456,21 +511,33 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
 
     # Replay journal steps written after the checkpoint (deterministic, so the weights come back exactly).
     replayed = 0
+    replayed_records: list[dict[str, Any]] = []   # their metrics lines (written if the killed run had not)
     if config.resume:
         replay_drops(step)
     while config.resume:
-        entry = broadcast_object(journal.read_step(config.output, step + 1) if ctx.is_main else None, ctx)
+        entry = read_journal(lambda step=step: journal.read_step(config.output, step + 1, config.unverified))
         if entry is None:
             break
-        replay = [Trajectory.from_dict(t) for t in entry["trajectories"]]
+        try:
+            replay = [Trajectory.from_dict(t) for t in entry["trajectories"]]
+        except (KeyError, TypeError, ValueError) as err:
+            raise LearnerError(f"cannot resume {config.output}: journal entry {journal.step_uri(config.output, step + 1)}"
+                               f" (step {step + 1}) holds a malformed trajectory ({type(err).__name__}: {err})") from err
         replayed_ids.extend(t.id for t in replay)
         for t in replay:
             ledger.settle(position_of(t), TRAINED)
         batch = collate(replay, tokenizer.pad_token_id)
-        _, changed = updater.step(batch, step)
+        # Replayed as it was trained (a journal written before the learner dropped them may hold a trajectory
+        # without action tokens).
+        metrics, changed = updater.step(batch, step, allow_empty_rows=True)
+        staleness = Counter(t.staleness(version) for t in replay)
         step += 1
         version += int(changed)
         replayed += 1
+        count_trained(replay, int(batch.action_mask.sum()))
+        replayed_records.append({"step": step, "version": version, **metrics, "replayed": True,
+                                 "staleness": {str(k): v for k, v in sorted(staleness.items())},
+                                 "world_size": ctx.world_size})
         replay_drops(step)
     if replayed:
         log.info("replayed %d journal steps; now at step %d, version %d", replayed, step, version)
@@ -515,15 +582,23 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
             scratch / "checkpoint", storage.join(checkpoints_uri, step_name(step)), updater.checkpoint_parts(),
             {"method": config.method, "step": step, "version": version,
              "data_position": ledger.low_water_mark, "stream": ledger.to_state(),
-             "extra": updater.extra_state(), "config": json.loads(json.dumps(asdict(config), default=list))}, ctx)
+             "extra": updater.extra_state(), "counters": run_counters(),
+             "config": json.loads(json.dumps(asdict(config), default=list))}, ctx)
+
+    def dropped_by_reason() -> Counter:
+        """Trajectories dropped over the whole run: before this process (checkpoint, replay) and by it."""
+        return run["dropped_by_reason"] + pending.dropped_by_reason
+
+    def run_counters() -> dict[str, Any]:
+        return {"trained_trajectories": run["trained_trajectories"], "trained_tokens": run["trained_tokens"],
+                "dropped_by_reason": dict(dropped_by_reason()), "requeued": run["requeued"] + pending.requeued,
+                "first_rewards": run["first_rewards"], "last_rewards": run["last_rewards"]}
 
     pending = Pending(config, ledger)
     metrics_path = scratch / "metrics.jsonl"  # s3:// outputs: MetricsLog copies it to <output>/metrics.jsonl
     if not storage.is_s3_uri(config.output):
         metrics_path = Path(config.output) / "metrics.jsonl"
-    trained_trajectories = trained_tokens = 0
-    first_rewards: list[float] = []
-    last_rewards: list[float] = []
+    trained_trajectories = trained_tokens = 0      # by this process (its throughput)
     summary: dict[str, Any] | None = None
     waited = 0.0
 
@@ -581,6 +656,13 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
 
         _gather_batch(ctx, connect)
         with MetricsLog(config.output, metrics_path, resume=config.resume, enabled=ctx.is_main) as metrics_log:
+            # One line per step: the replayed steps the killed process had not logged yet, marked replayed.
+            logged = metrics_log.steps() if ctx.is_main else set()
+            for record in replayed_records:
+                if record["step"] not in logged and (record["step"] % config.log_every == 0
+                                                     or record["step"] == config.steps):
+                    metrics_log.append(record)
+            metrics_log.sync()
             while step < config.steps:
                 chosen = _gather_batch(ctx, next_batch)
                 trajectories = [t for t, _ in chosen]
@@ -615,15 +697,13 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                     services.resume()
                 trained_trajectories += len(trajectories)
                 trained_tokens += int(batch.action_mask.sum())
-                rewards = [t.reward for t in trajectories]
-                if len(first_rewards) < 3 * config.batch_size:
-                    first_rewards += rewards
-                last_rewards = (last_rewards + rewards)[-3 * config.batch_size:]
+                count_trained(trajectories, int(batch.action_mask.sum()))
                 elapsed = time.time() - started
                 record = {"step": step, "version": version, **metrics,
                           "staleness": {str(k): v for k, v in sorted(staleness.items())},
-                          "dropped_total": pending.dropped, "dropped_by_reason": dict(pending.dropped_by_reason),
-                          "requeued_total": pending.requeued, "positions_owed": ledger.owed_count(),
+                          "dropped_total": sum(dropped_by_reason().values()),
+                          "dropped_by_reason": dict(dropped_by_reason()),
+                          "requeued_total": run["requeued"] + pending.requeued, "positions_owed": ledger.owed_count(),
                           "stream_low_water_mark": ledger.low_water_mark, **pending.bias.step_record(),
                           "learner_wait_s": waited,
                           "update_s": time.monotonic() - step_began, "weight_push_s": push_seconds,
@@ -651,13 +731,14 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         if ctx.is_main:
             summary = {
                 "method": config.method, "steps": step, "version": version, "replayed_steps": replayed,
-                "trained_trajectories": trained_trajectories, "dropped": pending.dropped,
-                "dropped_by_reason": dict(pending.dropped_by_reason), "requeued": pending.requeued,
+                "trained_trajectories": run["trained_trajectories"], "trained_tokens": run["trained_tokens"],
+                "dropped": sum(dropped_by_reason().values()), "dropped_by_reason": dict(dropped_by_reason()),
+                "requeued": run["requeued"] + pending.requeued,
                 "admission": config.admission, "length_bias": pending.bias.summary(),
                 "stream": {"low_water_mark": ledger.low_water_mark, "frontier": ledger.frontier,
                            "owed": ledger.owed_count(), "outcomes": dict(ledger.outcomes)},
-                "reward_first": sum(first_rewards) / max(1, len(first_rewards)),
-                "reward_last": sum(last_rewards) / max(1, len(last_rewards)),
+                "reward_first": sum(run["first_rewards"]) / max(1, len(run["first_rewards"])),
+                "reward_last": sum(run["last_rewards"]) / max(1, len(run["last_rewards"])),
                 "seconds": time.time() - started, "checkpoint": last_checkpoint, "model": model_uri,
                 "critic": critic_uri, "resumed_from": latest, "world_size": ctx.world_size,
             }
@@ -670,5 +751,4 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
             services.stop(shutdown=config.shutdown_services)
         if server is not None:
             server.stop()
-        shutil.rmtree(scratch, ignore_errors=True)
     return broadcast_object(summary, ctx)

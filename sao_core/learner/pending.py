@@ -15,6 +15,9 @@ from sao_core.rollout.trajectory import Trajectory
 # Episodes that ended through no doing of the policy: an engine or environment error (both reported as
 # env_error by the episode runner) or the episode's timeout. Their reward says nothing about the actions.
 FAILED_REASONS = ("env_error", "timeout")
+# The drop reason of a trajectory without a sampled token (e.g. a prompt that filled the token budget, so the
+# episode ended at once as "length"): nothing to train, and the critic must not run over its prompt.
+NO_ACTION_TOKENS = "no_action_tokens"
 
 
 def position_of(t: Trajectory) -> int:
@@ -32,8 +35,8 @@ def admitted_of(t: Trajectory) -> int:
 
 @dataclass
 class Drop:
-    """A trajectory the learner will not train: `reason` is stale, env_error, timeout or group (a member of
-    a group dropped for another member's reason). `requeue`: its position is rolled out once more."""
+    """A trajectory the learner will not train: `reason` is stale, env_error, timeout, no_action_tokens or group
+    (a member of a group dropped for another member's reason). `requeue`: its position is rolled out once more."""
 
     trajectory: Trajectory
     service: int
@@ -102,12 +105,15 @@ class Pending:
         # version, never ahead of ours).
         if trajectory.staleness(version) > self.config.max_staleness or trajectory.finish_reason == "stale":
             return "stale"
+        if trajectory.num_action_tokens == 0:
+            return NO_ACTION_TOKENS
         return None
 
     def drop_unusable(self, version: int) -> list[Drop]:
         """Remove the trajectories that must not be trained, whole groups for the group methods: older than
-        max_staleness, ended early by the service as "stale", or failed (unless `failed_episodes="train"`;
-        a failed episode without a sampled token is dropped either way). With admission "requeue" a group
+        max_staleness, ended early by the service as "stale", failed (unless `failed_episodes="train"`;
+        a failed episode without a sampled token is dropped either way), or without a sampled token
+        (no_action_tokens). With admission "requeue" a group
         dropped only for staleness on its first attempt is re-queued instead of settled."""
         reasons: dict[tuple, list[str]] = {}
         for t, _ in self.items.values():

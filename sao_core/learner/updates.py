@@ -119,13 +119,22 @@ class Updater:
             self.critic_sched = build_scheduler(self.critic_opt, config, config.steps)
         self.baseline = RunningMeanBaseline(window=config.baseline_window)
 
-    def step(self, batch: RLBatch, step_index: int) -> tuple[dict[str, float], bool]:
+    def step(self, batch: RLBatch, step_index: int, allow_empty_rows: bool = False) -> tuple[dict[str, float], bool]:
         """One learner step on the whole batch (every rank passes the same batch); returns (metrics, whether
-        the policy changed). Metrics are the same on every rank."""
+        the policy changed). Metrics are the same on every rank.
+
+        A trajectory without action tokens is refused (the learner drops it as "no_action_tokens" before it
+        reaches a batch: it has nothing to train, and its prompt may be long enough to stall the critic's
+        forward pass); `allow_empty_rows` only for replaying a journal written before that rule."""
         method = self.config.method
         if len(batch.trajectories) < self.ctx.world_size:
             raise ValueError(f"a batch of {len(batch.trajectories)} trajectories cannot be shared by "
                              f"{self.ctx.world_size} ranks")
+        if not allow_empty_rows:
+            empty = [t.id for t in batch.trajectories if t.num_action_tokens == 0]
+            if empty:
+                raise ValueError(f"trajectory {empty[0]} has no action tokens ({len(empty)} in this batch); the "
+                                 "learner must drop such trajectories (no_action_tokens), not train on them")
         # Scalar advantages need the whole batch (groups, running-mean history): computed on every rank.
         scalar = None
         if method == "running_mean":

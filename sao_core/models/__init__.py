@@ -15,6 +15,7 @@ from sao_core.models.loading import (
     model_context_length,
     resolve_dtype,
     resolve_model,
+    verify_model_dir,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "model_context_length",
     "resolve_dtype",
     "resolve_model",
+    "verify_model_dir",
 ]

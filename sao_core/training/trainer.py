@@ -121,10 +121,10 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
 
     # Rank 0 resolves the model first so concurrent ranks never build or download the same cache entry.
     if ctx.is_main:
-        model, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir)
+        model, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir, unverified=config.unverified)
     barrier(ctx)
     if not ctx.is_main:
-        model, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir)
+        model, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir, unverified=config.unverified)
 
     torch.manual_seed(config.seed)
     impl = impl_cls(config, tokenizer, ctx)
@@ -184,7 +184,9 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
     metrics_path = local_run / "metrics.jsonl"
     first_loss = last_loss = None
     tokens_total = 0.0
-    with MetricsLog(config.output, metrics_path, resume=local_resume is not None, enabled=ctx.is_main) as metrics_log:
+    # Resumed: the steps after the checkpoint are trained again, so their lines from the killed run go.
+    with MetricsLog(config.output, metrics_path, resume=local_resume is not None, enabled=ctx.is_main,
+                    keep_through=step) as metrics_log:
         while step < config.steps:
             picked = order.take(cursor, config.batch_size)
             mine = picked[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]

@@ -260,14 +260,15 @@ class HFEngine:
     `dtype` "auto" (the default): bfloat16 on a CUDA device, float32 on CPU (`sao_core.models.resolve_dtype`);
     float32, bfloat16 and float16 are used as given. `context_length` is the model's context
     (`max_position_embeddings` in its config): the rollout manager refuses plans whose `max_total_tokens`
-    exceed it.
+    exceed it. `unverified`: a local model folder without a manifest is loaded as it is
+    (`sao_core.models.verify_model_dir`); weight updates are always verified.
     """
 
     context_source = "the model's max_position_embeddings"
 
     def __init__(self, model: str, cache_dir: str, max_batch: int = 32, device: str = "cpu",
                  dtype: str = "auto", seed: int = 0, kv_cache: bool = True, prefix_cache_entries: int = 0,
-                 recompute_kv_on_update: bool = False):
+                 recompute_kv_on_update: bool = False, unverified: bool = False):
         from sao_core.models import context_length_of, load_model_and_tokenizer, resolve_dtype
 
         if max_batch < 1:
@@ -282,7 +283,8 @@ class HFEngine:
         except ValueError as err:
             raise EngineError(str(err)) from err
         self.max_batch = max_batch
-        self.model, self.tokenizer = load_model_and_tokenizer(model, cache_dir, dtype=self.dtype)
+        self.model, self.tokenizer = load_model_and_tokenizer(model, cache_dir, dtype=self.dtype,
+                                                              unverified=unverified)
         self.model.to(self.device)
         self.context_length = context_length_of(self.model.config.to_dict())
         _use_gqa_attention(self.model)

@@ -124,8 +124,9 @@ class VLLMEngine:
     context_source = "max_model_len"
 
     def __init__(self, model: str, cache_dir: str, max_model_len: int = 0, gpu_memory_utilization: float = 0.5,
-                 dtype: str = "auto", seed: int = 0, **engine_kwargs):
-        """`model` is a model reference (see `sao_core.models`); `engine_kwargs` go to vLLM's
+                 dtype: str = "auto", seed: int = 0, unverified: bool = False, **engine_kwargs):
+        """`model` is a model reference (see `sao_core.models`; `unverified`: a local folder without a manifest
+        is loaded as it is, `sao_core.models.verify_model_dir`); `engine_kwargs` go to vLLM's
         `AsyncEngineArgs` (e.g. `kv_cache_memory_bytes`, `enforce_eager`, `tensor_parallel_size`).
         On CPU `gpu_memory_utilization` is the share of the memory node vLLM reserves; give
         `kv_cache_memory_bytes` to size the KV cache explicitly instead. `enforce_eager` defaults to True
@@ -155,11 +156,11 @@ class VLLMEngine:
         self._TokensPrompt = TokensPrompt
         self._delta = RequestOutputKind.DELTA
         try:
-            resolved = resolve_model(model, cache_dir)
+            resolved = resolve_model(model, cache_dir, unverified)
             if resolved.gguf_file:
                 raise EngineError(f"model {model!r} is a GGUF file; the vllm engine needs a Hugging Face directory "
                                   "(safetensors), e.g. a checkpoint exported by the trainer")
-            self.tokenizer = load_tokenizer(model, cache_dir)
+            self.tokenizer = load_tokenizer(resolved, cache_dir)
         except ModelLoadError as err:
             raise EngineError(str(err)) from err
         self.model_ref = model

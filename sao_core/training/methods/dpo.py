@@ -53,7 +53,8 @@ class DPOMethod(Method):
         if self.config.reference_model:
             from sao_core.models import load_model
 
-            reference = load_model(self.config.reference_model, self.config.cache_dir).to(self.ctx.device)
+            reference = load_model(self.config.reference_model, self.config.cache_dir,
+                                   unverified=self.config.unverified).to(self.ctx.device)
         was_training = reference.training
         reference.eval()
         size = self.config.batch_size

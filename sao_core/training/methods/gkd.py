@@ -43,7 +43,8 @@ class GKDMethod(Method):
     def setup(self, model, examples):
         from sao_core.models import load_model_and_tokenizer
 
-        teacher, teacher_tokenizer = load_model_and_tokenizer(self.config.teacher_model, self.config.cache_dir)
+        teacher, teacher_tokenizer = load_model_and_tokenizer(self.config.teacher_model, self.config.cache_dir,
+                                                             unverified=self.config.unverified)
         if teacher_tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise ValueError(f"teacher {self.config.teacher_model!r} and student {self.config.model!r} use "
                              "different tokenizers; GKD needs one shared vocabulary")
