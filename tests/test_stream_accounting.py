@@ -355,16 +355,14 @@ def test_a_trajectory_without_action_tokens_is_dropped_never_batched():
 def _prepared_with_a_long_prompt(root: Path, rows: int, chars: int) -> str:
     """A prepared rl dataset of `rows` tool_arith rows and one more whose prompt has `chars` characters (as a
     preparation without a length bound wrote them)."""
-    raw = root / "raw.jsonl"
-    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
-                                       "metadata": t.metadata}) + "\n" for t in tool_arith_tasks(rows, seed=4)))
-    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(root / "rl")))
-    data = root / "rl" / "data.jsonl"
-    long_row = json.loads(data.read_text().splitlines()[0])
+    records = [{"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer, "metadata": t.metadata}
+               for t in tool_arith_tasks(rows, seed=4)]
     text = "Compute 1 + 2 (left to right) "
-    long_row.update(id="long-prompt", prompt=[{"role": "user", "content": (text * (chars // len(text) + 1))[:chars]}])
-    with data.open("a") as f:
-        f.write(json.dumps(long_row) + "\n")
+    records.append({**records[0], "id": "long-prompt",
+                    "prompt": [{"role": "user", "content": (text * (chars // len(text) + 1))[:chars]}]})
+    raw = root / "raw.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in records))
+    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(root / "rl"), max_prompt_tokens=None))
     return str(root / "rl")
 
 
