@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from sao_core.rollout.auth import REALM, same_token
 from sao_core.rollout.engines.base import SEED_LIMIT, SamplingParams
@@ -39,12 +39,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _no_bool(value):
+    if isinstance(value, bool):
+        raise ValueError("a token id is an integer, not true / false")
+    return value
+
+
+#: a token id (JSON true / false are not integers, though pydantic's lax mode takes them)
+TokenId = Annotated[int, BeforeValidator(_no_bool)]
+
+
 class PlanRequest(_Strict):
     dataset: str = Field(min_length=1, description="prepared rl dataset: directory, data.jsonl or s3:// URI")
     rollouts_per_prompt: int = Field(1, ge=1, le=1024)
     epochs: int = Field(1, ge=0)
     shuffle: bool = True
-    seed: int = Field(0, ge=0, lt=SEED_LIMIT)
+    seed: int = Field(0, ge=0, le=SEED_LIMIT - 1)
     limit: int | None = Field(None, ge=1)
     max_in_flight: int = Field(64, ge=1, le=100_000)
     env_concurrency: dict[str, int] = Field(default_factory=dict)
@@ -89,14 +99,14 @@ class ShutdownRequest(_Strict):
 
 
 class GenerateRequest(_Strict):
-    prompts: list[list[dict[str, Any]] | list[int]] = Field(min_length=1, max_length=10_000,
+    prompts: list[list[dict[str, Any]] | list[TokenId]] = Field(min_length=1, max_length=10_000,
                                                           description="chat messages or token ids per prompt")
     n: int = Field(1, ge=1, le=1024)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(256, ge=1, le=1_000_000)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="sample k of prompt i uses seed + i * n + k "
+    seed: int | None = Field(None, ge=0, le=SEED_LIMIT - 1, description="sample k of prompt i uses seed + i * n + k "
                                                                      "(mod 2^63)")
 
 
@@ -116,7 +126,7 @@ UNAUTHORIZED = {401: {**_error("missing or wrong bearer token"),
                       "headers": {"WWW-Authenticate": {"description": f'Bearer realm="{REALM}"',
                                                        "schema": {"type": "string"}}}}}
 TOO_LARGE = {413: _error("request body above the service's max_body_bytes")}
-BAD_REQUEST = {400: _error("the request cannot be honoured (the message says why)")}
+BAD_REQUEST = {400: _error("the request cannot be honoured, or its body is not JSON (the message says why)")}
 CONFLICT = {409: _error("the request conflicts with the service's state")}
 FORBIDDEN = {403: _error("authenticated, but not allowed (e.g. weights outside the allowed roots)")}
 
@@ -251,7 +261,7 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
         await manager.resume()
         return {"paused": False}
 
-    @app.post("/v1/shutdown", **guarded, responses={**UNAUTHORIZED, **TOO_LARGE})
+    @app.post("/v1/shutdown", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
     async def shutdown(body: ShutdownRequest | None = None) -> dict:
         grace = body.grace_s if body else 30.0
 
