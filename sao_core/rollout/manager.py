@@ -197,6 +197,8 @@ class RolloutManager:
             rows, kind, uri = load_prepared(plan.dataset)
         except TrainingError as err:
             raise RolloutError(str(err)) from err
+        except (OSError, ValueError) as err:   # e.g. a path with a NUL byte (found by schemathesis)
+            raise RolloutError(f"cannot read the dataset {plan.dataset!r}: {err}") from err
         if kind is not None and kind != "rl":
             raise RolloutError(f"{uri} was prepared with --kind {kind}; rollouts need --kind rl")
         try:

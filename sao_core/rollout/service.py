@@ -34,6 +34,10 @@ from sao_core.rollout.manager import ConflictError, ForbiddenError, RolloutError
 
 log = logging.getLogger(__name__)
 
+#: the largest seed a request may give: 2^53 - 1, the largest integer every JSON client (and JSON-schema
+#: tools, which compare bounds as floats) holds exactly; the engines themselves take [0, 2^63)
+SEED_MAX = 2**53 - 1
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -54,7 +58,7 @@ class PlanRequest(_Strict):
     rollouts_per_prompt: int = Field(1, ge=1, le=1024)
     epochs: int = Field(1, ge=0)
     shuffle: bool = True
-    seed: int = Field(0, ge=0, le=SEED_LIMIT - 1)
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     limit: int | None = Field(None, ge=1)
     max_in_flight: int = Field(64, ge=1, le=100_000)
     env_concurrency: dict[str, int] = Field(default_factory=dict)
@@ -106,7 +110,7 @@ class GenerateRequest(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(256, ge=1, le=1_000_000)
-    seed: int | None = Field(None, ge=0, le=SEED_LIMIT - 1, description="sample k of prompt i uses seed + i * n + k "
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="sample k of prompt i uses seed + i * n + k "
                                                                      "(mod 2^63)")
 
 
