@@ -140,7 +140,8 @@ class ServiceProcess:
     this process do not share one interpreter lock."""
 
     def __init__(self, model: str, engine: str = "hf", max_batch: int = 32, engine_options: dict | None = None,
-                 cache_dir: str | None = None, log_path: Path | None = None, start_timeout_s: float = 600.0):
+                 cache_dir: str | None = None, log_path: Path | None = None, start_timeout_s: float = 600.0,
+                 weight_roots: list[str] | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "sao_core.cli", "--quiet", "--threads", "1", "--log-level", "WARNING",
@@ -148,6 +149,8 @@ class ServiceProcess:
                "--engine", engine, "--port", str(self.port), "--max-batch", str(max_batch)]
         if engine_options:
             cmd += ["--engine-options", json.dumps(engine_options)]
+        if weight_roots:
+            cmd += ["--allowed-weight-roots", ",".join(weight_roots)]
         self.log_path = Path(log_path) if log_path else None
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, cwd=str(ROOT), env={**os.environ, **THREAD_ENV}, stdout=log,

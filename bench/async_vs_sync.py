@@ -140,12 +140,14 @@ def length_bias(trajectories: list[Trajectory], tasks: list, seed: int, summary:
 class _ThreadService:
     """The rollout service on a thread of this process (tests; shares this interpreter with the learner)."""
 
-    def __init__(self, model: str, engine: str, max_batch: int, engine_options: dict | None):
+    def __init__(self, model: str, engine: str, max_batch: int, engine_options: dict | None,
+                 weight_roots: list[str] | None = None):
         from sao_core.rollout.server import RolloutServer, ServeConfig
 
         self.server = RolloutServer(ServeConfig(model=model, engine=engine, port=0, max_batch=max_batch,
                                                 cache_dir=_setup.default_cache_dir(),
-                                                engine_options=engine_options or {})).start()
+                                                engine_options=engine_options or {},
+                                                allowed_weight_roots=weight_roots or [])).start()
         self.url = self.server.url
 
     def cpu_seconds(self) -> None:
@@ -159,10 +161,11 @@ def _service(s: Settings, model: str, log_path: Path):
     options = None
     if s.engine == "vllm":
         options = {"max_model_len": s.max_total_tokens + 64, "kv_cache_memory_bytes": 256 << 20}
+    roots = [str(log_path.parent)]      # the arm's run directory: its learner publishes weights under it
     if s.service == "thread":
-        return _ThreadService(model, s.engine, s.max_batch, options)
+        return _ThreadService(model, s.engine, s.max_batch, options, weight_roots=roots)
     return _setup.ServiceProcess(model, engine=s.engine, max_batch=s.max_batch, engine_options=options,
-                                 log_path=log_path)
+                                 log_path=log_path, weight_roots=roots)
 
 
 def _env_options(tail: dict) -> dict:

@@ -77,7 +77,8 @@ def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, mod
     if placement == "external":
         from sao_core.rollout.server import RolloutServer, ServeConfig
 
-        server = RolloutServer(ServeConfig(model=model, port=0, cache_dir=cache_dir)).start()
+        server = RolloutServer(ServeConfig(model=model, port=0, cache_dir=cache_dir,
+                                           allowed_weight_roots=[str(output / "weights")])).start()
         services = [server.url]
     cmd = learner_command(data, output, model, steps, batch_size, services, method, admission)
     killed: list[dict] = []

@@ -78,7 +78,7 @@ def measure_one(engine: str, size: str, reps: int, store_root: str, scratch: Pat
     options = VLLM_OPTIONS if engine == "vllm" else None
     began = time.monotonic()
     service = _setup.ServiceProcess(str(model_dir), engine=engine, engine_options=options,
-                                    log_path=log_dir / f"service-{engine}-{size}.log")
+                                    log_path=log_dir / f"service-{engine}-{size}.log", weight_roots=[store_root])
     start_s = time.monotonic() - began
     client = RolloutClient(service.url, consumer="bench-weight-push", timeout_s=600)
     samples: dict[str, list[float]] = {"export": [], "publish": [], "load": [], "service_load": [], "copy": []}

@@ -5,7 +5,9 @@ Calls :func:`sao_core.rollout.server.serve`. The task runs until a client sends
 KFP 2.17 has no Service primitive, so in a cluster expose the pod with a Kubernetes Service (or use
 the colocated service of ``sao_train`` / ``grpo_train``, or the multi-node TrainJob). With ``plan``
 the service starts rolling out at once (RolloutPlan fields: dataset, rollouts_per_prompt,
-max_in_flight, ...).
+max_in_flight, ...). On 0.0.0.0 it needs a bearer token: give the task the Secret as
+``$SAO_ROLLOUT_TOKEN`` (``kubernetes.use_secret_as_env``) or ``$SAO_ROLLOUT_TOKEN_FILE`` (README "Security
+model"); it loads no weights (no allowed_weight_roots).
 """
 
 from typing import Optional

@@ -20,6 +20,7 @@ conditions, jobsStatus, pods and their logs. ``calls`` records (verb, resource) 
 
 from __future__ import annotations
 
+import base64
 import copy
 import datetime as dt
 import json
@@ -176,6 +177,9 @@ class FakeKubeAPI:
             if len(parts) == 7 and parts[6] == "log" and method == "GET":
                 return self._guard("get", "pods/log") or self._read_log(namespace, parts[5], query)
             return 405, _status(405, "MethodNotAllowed", f"{method} {url.path}"), "application/json"
+        # --- core: secrets (the launcher's per-run token Secret)
+        if parts[:2] == ["api", "v1"] and len(parts) in (5, 6) and parts[2] == "namespaces" and parts[4] == "secrets":
+            return self._secret(method, parts[3], parts[5] if len(parts) == 6 else "", body)
         # --- kueue
         if parts[:3] == ["apis", "kueue.x-k8s.io", "v1beta2"] and len(parts) == 7 and parts[5] == "localqueues":
             if guard := self._guard("get", "localqueues"):
@@ -213,6 +217,36 @@ class FakeKubeAPI:
                 for other in [k for k, o in self.objects.items()
                               if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences", []))]:
                     del self.objects[other]  # garbage collection of owned objects
+                return 200, _status(200, "", "deleted") | {"status": "Success"}, "application/json"
+            if method == "PATCH":
+                self.objects[key] = _merge(self.objects[key], json.loads(body or b"{}"))
+                return 200, self.objects[key], "application/json"
+        return 405, _status(405, "MethodNotAllowed", method), "application/json"
+
+    def _secret(self, method: str, namespace: str, name: str, body: bytes) -> tuple[int, Any, str]:
+        verb = {"POST": "create", "GET": "get", "DELETE": "delete", "PATCH": "patch"}.get(method, method.lower())
+        if guard := self._guard(verb, "secrets"):
+            return guard
+        with self.lock:
+            if method == "POST" and not name:
+                obj = json.loads(body or b"{}")
+                name = obj["metadata"]["name"]
+                if ("secrets", namespace, name) in self.objects:
+                    return 409, _status(409, "AlreadyExists", f'secrets "{name}" already exists',
+                                        {"name": name, "kind": "secrets"}), "application/json"
+                stored = self._stored(obj)
+                stored["data"] = {k: base64.b64encode(v.encode()).decode()
+                                  for k, v in stored.pop("stringData", {}).items()}
+                self.objects[("secrets", namespace, name)] = stored
+                return 201, stored, "application/json"
+            key = ("secrets", namespace, name)
+            if key not in self.objects:
+                return 404, _status(404, "NotFound", f'secrets "{name}" not found', {"name": name, "kind": "secrets"}), \
+                    "application/json"
+            if method == "GET":
+                return 200, self.objects[key], "application/json"
+            if method == "DELETE":
+                del self.objects[key]
                 return 200, _status(200, "", "deleted") | {"status": "Success"}, "application/json"
             if method == "PATCH":
                 self.objects[key] = _merge(self.objects[key], json.loads(body or b"{}"))

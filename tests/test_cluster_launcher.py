@@ -9,6 +9,7 @@ test publishing a checkpoint to a real S3 server on loopback (moto).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -103,6 +104,14 @@ def test_success_returns_the_verified_final_checkpoint(kube, moto_s3, tmp_path):
     assert {j["name"]: j.get("replicas", 1) for j in runtime["spec"]["template"]["spec"]["replicatedJobs"]} == \
         {"rollout": 3, "node": 1}
     assert runtime["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]  # goes with its TrainJob
+    # the run's rollout token: a random Secret per run, owned by the TrainJob, read by learner and replicas
+    kube.wait_for(lambda: kube.objects[("secrets", NS, f"{name}-rollout-token")]["metadata"].get("ownerReferences"))
+    secret = kube.get("secrets", f"{name}-rollout-token", NS)
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) >= 32 and token not in json.dumps(job) and not any(token in line for line in lines)
+    assert {"name": "SAO_ROLLOUT_TOKEN", "valueFrom": {"secretKeyRef": {"name": f"{name}-rollout-token",
+                                                                        "key": "token"}}} in job["spec"]["trainer"]["env"]
     assert job["metadata"]["labels"][names.KUEUE_QUEUE_LABEL] == "team-a-gpu"
     assert job["spec"]["suspend"] is True
     args = job["spec"]["trainer"]["args"]
@@ -133,6 +142,7 @@ def test_success_returns_the_verified_final_checkpoint(kube, moto_s3, tmp_path):
     assert any("jobs: rollout: active 3, ready 3; node: active 1" in line for line in lines)
     # finished: the TrainJob and its runtime are gone; every API call was one deploy/rbac.yaml grants
     assert kube.get("trainjobs", name, NS) is None and kube.get("trainingruntimes", name, NS) is None
+    assert kube.get("secrets", f"{name}-rollout-token", NS) is None
     assert set(kube.calls) <= allowed_by_rbac(), set(kube.calls) - allowed_by_rbac()
     assert not kube.rejected
 

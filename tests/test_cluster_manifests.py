@@ -52,7 +52,9 @@ def test_runtimes_and_trainjobs_of_many_shapes_validate():
         runtime, trainjob = launcher.render_launch(cfg, "team-a")
         assert schema.validate(runtime) == [] and schema.validate(trainjob) == [], shape
     _, ambient = launcher.render_launch(launch_config(s3_ambient_credentials=True, s3_secret_name=""), "team-a")
-    assert schema.validate(ambient) == [] and "env" not in ambient["spec"]["trainer"]
+    # Ambient S3 credentials: the learner's only secret is the run's rollout token.
+    assert schema.validate(ambient) == [] and [e["name"] for e in ambient["spec"]["trainer"]["env"]] == [
+        "SAO_ROLLOUT_TOKEN"]
 
 
 def _run_options(job) -> dict:
@@ -249,3 +251,22 @@ def test_deploy_manifests_parse_and_rbac_names_every_resource():
     assert set(manifests.S3_SECRET_KEYS) == set(secret["stringData"])
     example = yaml.safe_load((DEPLOY / "examples" / "per-run-trainjob.yaml").read_text())
     assert example["metadata"]["labels"][names.KUEUE_QUEUE_LABEL] == queue["LocalQueue"]["metadata"]["name"]
+
+
+def test_the_rollout_token_secret_is_wired_into_the_learner_and_every_replica():
+    """One Secret per run (<trainjob>-rollout-token, key "token"): the learner and the rollout container read
+    it as SAO_ROLLOUT_TOKEN; the replicas load weights only from the run's <output>/weights."""
+    cfg = launch_config()
+    _, trainjob = launcher.render_launch(cfg, "team-a")
+    name = trainjob["metadata"]["name"]
+    ref = {"secretKeyRef": {"name": f"{name}-rollout-token", "key": "token"}}
+    learner_env = {e["name"]: e for e in trainjob["spec"]["trainer"]["env"]}
+    assert learner_env["SAO_ROLLOUT_TOKEN"]["valueFrom"] == ref
+    patch = trainjob["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    rollout_env = {e["name"]: e for e in patch["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert rollout_env["SAO_ROLLOUT_TOKEN"]["valueFrom"] == ref
+    assert rollout_env["SAO_ROLLOUT_WEIGHT_ROOTS"]["value"] == cfg.output.rstrip("/") + "/weights"
+    secret = manifests.token_secret_manifest(f"{name}-rollout-token", "team-a", "t" * 43)
+    assert secret["kind"] == "Secret" and secret["stringData"] == {"token": "t" * 43}
+    with pytest.raises(names.ClusterConfigError, match="SAO_ROLLOUT_TOKEN is set by the runtime"):
+        manifests.check_env({"SAO_ROLLOUT_TOKEN": "x"})

@@ -169,7 +169,8 @@ def test_bad_runs_stop_before_training(rl_data, tmp_path, sao_cache, tiny_model_
 
 
 def test_learner_waits_for_a_restarted_service(rl_data, tmp_path, sao_cache, tiny_model_dir, caplog):
-    config = ServeConfig(model=tiny_model_dir, port=0, cache_dir=str(sao_cache))
+    config = ServeConfig(model=tiny_model_dir, port=0, cache_dir=str(sao_cache),
+                                       allowed_weight_roots=[str(tmp_path)])
     server = RolloutServer(config).start()
     port = server.port
     result: dict = {}
@@ -193,7 +194,8 @@ def test_learner_waits_for_a_restarted_service(rl_data, tmp_path, sao_cache, tin
             time.sleep(0.05)
         server.stop()
         time.sleep(2.0)
-        server = RolloutServer(ServeConfig(model=tiny_model_dir, port=port, cache_dir=str(sao_cache))).start()
+        server = RolloutServer(ServeConfig(model=tiny_model_dir, port=port, cache_dir=str(sao_cache),
+                                       allowed_weight_roots=[str(tmp_path)])).start()
         thread.join(240)
         assert not thread.is_alive()
         assert "error" not in result, result.get("error")
@@ -304,7 +306,8 @@ def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao
     after it restarts on the same port (re-synced to the current weights). Nothing is trained twice.
     A small in-flight cap (one batch per service) keeps the learner from running on items it took
     before the restart, so the restarted replica's work must be trained."""
-    servers = [RolloutServer(ServeConfig(model=tiny_model_dir, port=0, cache_dir=str(sao_cache))).start()
+    servers = [RolloutServer(ServeConfig(model=tiny_model_dir, port=0, cache_dir=str(sao_cache),
+                                       allowed_weight_roots=[str(tmp_path)])).start()
                for _ in range(2)]
     port = servers[1].port
     result: dict = {}
@@ -333,7 +336,8 @@ def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao
         while len(steps_seen) < down_at + 2 and thread.is_alive():  # progress on replica 0 alone
             time.sleep(0.05)
         back_at = len(steps_seen)
-        servers[1] = RolloutServer(ServeConfig(model=tiny_model_dir, port=port, cache_dir=str(sao_cache))).start()
+        servers[1] = RolloutServer(ServeConfig(model=tiny_model_dir, port=port, cache_dir=str(sao_cache),
+                                       allowed_weight_roots=[str(tmp_path)])).start()
         thread.join(240)
         assert not thread.is_alive()
         assert "error" not in result, result.get("error")
@@ -428,7 +432,8 @@ def test_fresh_run_with_resume_waits_for_a_service_that_starts_late(rl_data, tmp
     thread = threading.Thread(target=run)
     thread.start()
     time.sleep(3.0)
-    server = RolloutServer(ServeConfig(model=tiny_model_dir, port=port, cache_dir=str(sao_cache))).start()
+    server = RolloutServer(ServeConfig(model=tiny_model_dir, port=port, cache_dir=str(sao_cache),
+                                       allowed_weight_roots=[str(tmp_path)])).start()
     try:
         thread.join(120)
         assert not thread.is_alive()

@@ -42,8 +42,9 @@ def _rl_dataset(root: Path, count: int, seed: int = 3) -> str:
 
 
 @pytest.fixture
-def service(warm_model, sao_cache):
-    server = RolloutServer(ServeConfig(model=warm_model, port=0, cache_dir=str(sao_cache), max_batch=16)).start()
+def service(warm_model, sao_cache, tmp_path):
+    server = RolloutServer(ServeConfig(model=warm_model, port=0, cache_dir=str(sao_cache), max_batch=16,
+                                       allowed_weight_roots=[str(tmp_path)])).start()
     client = RolloutClient(server.url, consumer="learner-a")
     yield server, client
     client.close()

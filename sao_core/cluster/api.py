@@ -149,9 +149,13 @@ class KubeAPI:
 
     # ------------------------------------------------------------------ trainer objects
     def create(self, obj: dict) -> dict:
-        """Create a TrainJob or (Cluster)TrainingRuntime; returns the stored object."""
+        """Create a TrainJob, a (Cluster)TrainingRuntime or a Secret; returns the stored object (a Secret's
+        without its data)."""
         kind, name = obj["kind"], obj["metadata"]["name"]
         what = f"create {kind} {name}"
+        if kind == "Secret":
+            created = self._call(what, self.core.create_namespaced_secret, obj["metadata"]["namespace"], obj)
+            return self._secret_meta(created)
         if kind == "ClusterTrainingRuntime":
             return self._call(what, self.custom.create_cluster_custom_object, *TRAINER, PLURALS[kind], obj,
                               field_validation="Strict")
@@ -161,6 +165,9 @@ class KubeAPI:
     def get(self, kind: str, name: str, namespace: str | None = None) -> dict | None:
         """The object, or None when it does not exist."""
         try:
+            if kind == "Secret":
+                return self._secret_meta(self._call(f"get Secret {namespace}/{name}", self.core.read_namespaced_secret,
+                                                    name, namespace))
             if kind == "ClusterTrainingRuntime":
                 return self._call(f"get {kind} {name}", self.custom.get_cluster_custom_object, *TRAINER,
                                   PLURALS[kind], name)
@@ -176,6 +183,9 @@ class KubeAPI:
         from kubernetes import client
 
         try:
+            if kind == "Secret":
+                self._call(f"delete Secret {namespace}/{name}", self.core.delete_namespaced_secret, name, namespace)
+                return True
             self._call(f"delete {kind} {namespace}/{name}", self.custom.delete_namespaced_custom_object, *TRAINER,
                        namespace, PLURALS[kind], name, body=client.V1DeleteOptions(propagation_policy="Background"))
             return True
@@ -185,9 +195,17 @@ class KubeAPI:
             raise
 
     def patch(self, kind: str, name: str, namespace: str, patch: dict) -> dict:
-        """JSON merge patch of a namespaced trainer object."""
+        """JSON merge patch of a namespaced trainer object (or a Secret's metadata)."""
+        if kind == "Secret":
+            return self._secret_meta(self._call(f"patch Secret {namespace}/{name}", self.core.patch_namespaced_secret,
+                                                name, namespace, patch))
         return self._call(f"patch {kind} {namespace}/{name}", self.custom.patch_namespaced_custom_object, *TRAINER,
                           namespace, PLURALS[kind], name, patch)
+
+    def _secret_meta(self, secret: Any) -> dict:
+        """A Secret as a dict without its data (the token never leaves the API call)."""
+        body = secret if isinstance(secret, dict) else self.api_client.sanitize_for_serialization(secret)
+        return {k: v for k, v in (body or {}).items() if k not in ("data", "stringData")}
 
     # ------------------------------------------------------------------ Kueue
     def local_queue_exists(self, name: str, namespace: str) -> bool | None:

@@ -78,6 +78,9 @@ def rollout_serve_config(environ: Mapping[str, str], cache_dir: str):
     values.update(model=environ.get(names.ENV_MODEL, "").strip() or "embedded:tiny",
                   engine=environ.get(names.ENV_ENGINE, "vllm").strip() or "vllm", host="0.0.0.0",
                   port=environ.get(names.ENV_PORT, "8000") or "8000", engine_options=options, cache_dir=cache_dir)
+    roots = [r.strip() for r in environ.get(manifests.ENV_WEIGHT_ROOTS, "").split(",") if r.strip()]
+    if roots:
+        values["allowed_weight_roots"] = roots
     try:
         return build_config(ServeConfig, values, source="rollout replica environment")
     except ConfigError as err:
@@ -133,13 +136,17 @@ def wait_healthy(urls: list[str], wait_s: float, say: Callable[[str], None] = pr
     return urls
 
 
-def shutdown_replicas(urls: list[str], grace_s: float = 30.0, say: Callable[[str], None] = print) -> int:
-    """``POST /v1/shutdown`` to every replica; returns how many accepted. Unreachable ones are skipped."""
+def shutdown_replicas(urls: list[str], grace_s: float = 30.0, say: Callable[[str], None] = print,
+                      token: str | None = None) -> int:
+    """``POST /v1/shutdown`` (with the run's bearer `token`) to every replica; returns how many accepted.
+    Unreachable ones are skipped."""
     accepted = 0
     body = json.dumps({"grace_s": grace_s}).encode()
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     for url in urls:
-        request = urllib.request.Request(f"{url}/v1/shutdown", data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(f"{url}/v1/shutdown", data=body, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
                 accepted += int(response.status == 200)
@@ -196,5 +203,12 @@ def run_learner(train_args: list[str], environ: Mapping[str, str], cache_dir: st
     code = run(argv)
     say(f"learner node {rank}: training exited with code {code}")
     if rank == 0:
-        shutdown_replicas(urls, say=say)
+        from sao_core.rollout.auth import TokenError, resolve_token
+
+        try:
+            token = resolve_token(environ=environ)
+        except TokenError as err:
+            say(f"warning: {err}; shutting the replicas down without a token")
+            token = None
+        shutdown_replicas(urls, say=say, token=token)
     return code

@@ -393,8 +393,14 @@ def render_launch(config: LaunchConfig, namespace: str, data_uri: str | None = N
         env={k: str(v) for k, v in config.env.items()}, node_selector=dict(config.node_selector),
         tolerations=list(config.tolerations), service_account=config.service_account,
         queue_name=config.queue_name, priority_class=config.priority_class, labels=labels,
-        active_deadline_s=config.timeout_s)
+        active_deadline_s=config.timeout_s, token_secret_name=token_secret_name(name),
+        weight_roots=[storage.join(config.output, "weights")])
     return runtime, manifests.trainjob_manifest(parts)
+
+
+def token_secret_name(trainjob: str) -> str:
+    """The per-run Secret with the rollout token of TrainJob `trainjob` (created by the launcher)."""
+    return f"{trainjob}-rollout-token"
 
 
 class _Launch:
@@ -460,6 +466,7 @@ class _Launch:
                 if existing is None or not self._ours(existing):
                     raise LaunchError(f"a TrainingRuntime {self.namespace}/{self.name} already exists and was not "
                                       "created by this run; delete it or choose another name") from None
+        self.create_token_secret()
         try:
             created = self.api.create(trainjob)
             self.say(f"created TrainJob {self.namespace}/{self.name} (runtime "
@@ -476,8 +483,15 @@ class _Launch:
                 raise LaunchError(f"a TrainJob {self.namespace}/{self.name} already exists and was not created by "
                                   "this run; delete it (`sao cluster delete NAME`) or choose another name") from None
             self.say(f"re-attaching to the existing TrainJob {self.namespace}/{self.name} of this run")
+        uid = (created.get("metadata") or {}).get("uid")
+        if uid:  # the token Secret goes away with the TrainJob even if nobody deletes it
+            try:
+                self.api.patch("Secret", token_secret_name(self.name), self.namespace, {"metadata": {
+                    "ownerReferences": [{"apiVersion": manifests.API_VERSION, "kind": "TrainJob", "name": self.name,
+                                         "uid": uid}]}})
+            except ClusterError as err:
+                self.say(f"warning: could not make the TrainJob own its token Secret ({err}); it is deleted explicitly")
         if runtime is not None:
-            uid = (created.get("metadata") or {}).get("uid")
             if uid:  # the runtime goes away with the TrainJob even if nobody deletes it
                 try:
                     self.api.patch("TrainingRuntime", self.name, self.namespace, {"metadata": {"ownerReferences": [{
@@ -485,6 +499,24 @@ class _Launch:
                 except ClusterError as err:
                     self.say(f"warning: could not make the TrainJob own its runtime ({err}); it is deleted explicitly")
         return created
+
+    def create_token_secret(self) -> None:
+        """The run's rollout token (random, one per run) in a Secret the learner and the replicas read; a
+        relaunch of the same run re-uses it."""
+        from sao_core.rollout.auth import new_token
+
+        name = token_secret_name(self.name)
+        secret = manifests.token_secret_manifest(name, self.namespace, new_token(), labels={TRAINJOB_LABEL: self.name})
+        try:
+            self.api.create(secret)
+            self.say(f"created Secret {self.namespace}/{name} (the run's rollout token)")
+        except ClusterError as err:
+            if err.status != 409:
+                raise
+            existing = self.api.get("Secret", name, self.namespace)
+            if existing is None or not self._ours(existing):
+                raise LaunchError(f"a Secret {self.namespace}/{name} already exists and was not created by this run; "
+                                  "delete it or choose another name") from None
 
     # -------------------------------------------------------------- clean-up
     def delete(self, why: str) -> None:
@@ -661,6 +693,13 @@ def delete_trainjob(name: str, namespace: str = "", api: KubeAPI | None = None, 
     runtime = api.get("TrainingRuntime", name, namespace)
     if runtime is not None and ((runtime.get("metadata") or {}).get("labels") or {}).get(TRAINJOB_LABEL) == name:
         runtime_deleted = api.delete("TrainingRuntime", name, namespace)
+    try:  # owned by the TrainJob (gone with it), unless making it the owner failed
+        secret = api.get("Secret", token_secret_name(name), namespace)
+        if secret is not None and ((secret.get("metadata") or {}).get("labels") or {}).get(TRAINJOB_LABEL) == name:
+            api.delete("Secret", token_secret_name(name), namespace)
+    except ClusterError as err:
+        if err.status != 403:
+            raise
     deadline = clock() + wait_s
     while wait_s > 0 and clock() < deadline and api.get("TrainJob", name, namespace) is not None:
         time.sleep(min(2.0, max(0.05, deadline - clock())))

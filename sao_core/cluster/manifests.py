@@ -49,8 +49,15 @@ S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": True, "AWS_SECRET_ACCESS_KEY": True, "AWS
 SHAPE_ENGINE_KEYS = ("tensor_parallel_size", "data_parallel_size")
 _RESERVED_ENV = {names.ENV_TRAINJOB, names.ENV_REPLICAS, names.ENV_PORT, names.ENV_URLS, names.ENV_MODEL,
                  names.ENV_ENGINE, names.ENV_ENGINE_OPTIONS, "SAO_ROLLOUT_RUN_OPTIONS", names.ENV_CACHE,
-                 names.ENV_SERVICE_WAIT, *S3_SECRET_KEYS}
+                 names.ENV_SERVICE_WAIT, *S3_SECRET_KEYS, "SAO_ROLLOUT_TOKEN", "SAO_ROLLOUT_TOKEN_FILE",
+                 "SAO_ROLLOUT_WEIGHT_ROOTS"}
 ENV_RUN_OPTIONS = "SAO_ROLLOUT_RUN_OPTIONS"
+#: the run's rollout token (sao_core.rollout.auth), from the per-run Secret, in the learner and the replicas
+ENV_ROLLOUT_TOKEN = "SAO_ROLLOUT_TOKEN"
+#: the key of the token in that Secret
+TOKEN_SECRET_KEY = "token"
+#: where the replicas load weights from (comma-separated; the run's <output>/weights)
+ENV_WEIGHT_ROOTS = "SAO_ROLLOUT_WEIGHT_ROOTS"
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 _RESOURCE_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
@@ -436,6 +443,23 @@ class TrainJobParts:
     priority_class: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     active_deadline_s: float = 0.0         # 0: none
+    token_secret_name: str = ""            # Secret holding the run's rollout token (key "token"); '' = none
+    weight_roots: list[str] = field(default_factory=list)   # the replicas' allowed_weight_roots
+
+
+def token_env(secret_name: str) -> dict[str, Any]:
+    """``SAO_ROLLOUT_TOKEN`` from key ``token`` of `secret_name` (required: a pod without it does not start)."""
+    return {"name": ENV_ROLLOUT_TOKEN, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": TOKEN_SECRET_KEY}}}
+
+
+def token_secret_manifest(name: str, namespace: str, token: str, labels: dict[str, str] | None = None
+                          ) -> dict[str, Any]:
+    """The per-run Secret with the rollout token (the launcher creates it; the TrainJob then owns it)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": name, "namespace": namespace,
+                         "labels": {**names.MANAGED_BY, "app.kubernetes.io/component": "sao-rl-token",
+                                    **(labels or {})}},
+            "stringData": {TOKEN_SECRET_KEY: token}}
 
 
 def trainjob_manifest(parts: TrainJobParts) -> dict[str, Any]:
@@ -449,6 +473,10 @@ def trainjob_manifest(parts: TrainJobParts) -> dict[str, Any]:
     if parts.s3_secret_name and not names.is_dns1123_subdomain(parts.s3_secret_name):
         raise ClusterConfigError(f"s3_secret_name {parts.s3_secret_name!r} is not a valid Secret name (lower-case "
                                  "letters, digits, '-', '.')")
+    if parts.token_secret_name and not names.is_dns1123_subdomain(parts.token_secret_name):
+        raise ClusterConfigError(f"token_secret_name {parts.token_secret_name!r} is not a valid Secret name")
+    if any("," in root for root in parts.weight_roots):
+        raise ClusterConfigError(f"weight roots may not contain ',' ({parts.weight_roots!r})")
     if parts.service_account and not names.is_dns1123_subdomain(parts.service_account):
         raise ClusterConfigError(f"service_account {parts.service_account!r} is not a valid ServiceAccount name")
     check_env(parts.env)
@@ -463,6 +491,8 @@ def trainjob_manifest(parts: TrainJobParts) -> dict[str, Any]:
             raise ClusterConfigError(f"label {key!r}: {value!r} is not a valid Kubernetes label")
     user_env = [_env(k, str(v)) for k, v in sorted(parts.env.items())]
     secret_env = s3_env(parts.s3_secret_name) if parts.s3_secret_name else []
+    if parts.token_secret_name:
+        secret_env = [token_env(parts.token_secret_name), *secret_env]
     labels = {**names.MANAGED_BY, "app.kubernetes.io/component": "sao-rl", **parts.labels}
     if parts.queue_name:
         labels[names.KUEUE_QUEUE_LABEL] = parts.queue_name
@@ -496,6 +526,8 @@ def trainjob_manifest(parts: TrainJobParts) -> dict[str, Any]:
 
     rollout_env = [_env(names.ENV_MODEL, parts.model), _env(names.ENV_ENGINE, parts.engine),
                    _env(ENV_RUN_OPTIONS, parts.run_engine_options), *secret_env, *user_env]
+    if parts.weight_roots:
+        rollout_env.insert(3, _env(ENV_WEIGHT_ROOTS, ",".join(parts.weight_roots)))
     job_patches = []
     for job, containers in ((names.ROLLOUT_JOB, [{"name": names.ROLLOUT_CONTAINER, "env": rollout_env}]),
                             (names.NODE_JOB, None)):

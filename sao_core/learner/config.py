@@ -26,6 +26,7 @@ class RLConfig(CoreConfig):
 
     method: str = "sao"                        # sao | grpo | grpo_async | grpo_dis | running_mean
     services: tuple[str, ...] = ()             # rollout service URLs; empty: start one in this process
+    service_token_file: str = ""              # file with the services' bearer token (else $SAO_ROLLOUT_TOKEN[_FILE])
     engine: str = "hf"                         # engine of the colocated service: hf | vllm
     batch_size: int = 32                       # trajectories per step (B)
     group_size: int = 8                        # G for the GRPO methods (batch_size must be a multiple)

@@ -41,7 +41,8 @@ from sao_core.learner.config import RLConfig
 from sao_core.learner.ledger import TRAINED, StreamLedger
 from sao_core.learner.pending import FAILED_REASONS, Drop, Pending, position_of
 from sao_core.learner.updates import Updater
-from sao_core.rollout.client import RolloutClient, RolloutRequestError, RolloutUnavailable
+from sao_core.rollout.auth import TokenError, new_token, resolve_token
+from sao_core.rollout.client import RolloutAuthError, RolloutClient, RolloutRequestError, RolloutUnavailable
 from sao_core.rollout.trajectory import Trajectory
 from sao_core.training.checkpointing import (
     STATE_FILE,
@@ -76,12 +77,19 @@ class ServiceSet:
     `plan_for(index, num_shards)` gives the stream fields of a plan (re)started on service `index` (the owed
     positions of its shard, from the ledger); `on_restart(index)` is told when a service had lost its plan,
     so what it delivered earlier and was not trained is rolled out again rather than held twice.
+
+    Weights: after every push each service must answer with the learner's own version and digest, or the
+    run stops (LearnerError naming the service): a service whose weights are not the learner's would hand
+    out trajectories of another policy. A push is a plain "next version" update for a service known to
+    hold the previous one, and a resync otherwise (a rejoining service, the first push after a resume).
+    `token`: the run's bearer token, sent with every request.
     """
 
     def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float, probe_s: float = 2.0,
                  plan_for: Callable[[int, int], dict] | None = None,
-                 on_restart: Callable[[int], None] | None = None):
-        self.clients = [RolloutClient(url, consumer=consumer) for url in urls]
+                 on_restart: Callable[[int], None] | None = None, token: str | None = None):
+        self.clients = [RolloutClient(url, consumer=consumer, token=token) for url in urls]
+        self.holds: dict[int, int] = {}                     # index -> weights version verified on that service
         self.plan = plan
         self.plan_for = plan_for
         self.on_restart = on_restart
@@ -97,13 +105,44 @@ class ServiceSet:
     def live(self) -> list[int]:
         return [i for i in range(len(self.clients)) if i not in self.down]
 
+    def _push_one(self, index: int, version: int, uri: str, digest: str, resync: bool) -> None:
+        """Push `version` to service `index` and check its answer (LearnerError unless it now serves it)."""
+        client = self.clients[index]
+        try:
+            answer = client.push_weights(version, uri, digest, resync=resync)
+        except RolloutAuthError as err:
+            raise LearnerError(f"rollout service {client.url} refused the learner's token ({err}); give the run's "
+                               "token (service_token_file, $SAO_ROLLOUT_TOKEN or $SAO_ROLLOUT_TOKEN_FILE)") from err
+        except RolloutRequestError as err:
+            raise LearnerError(f"rollout service {client.url} refused weights version {version} of this learner: "
+                               f"{err}. Its weights are not the learner's (was it given weights by someone else?); "
+                               "stopping rather than training on another policy's trajectories") from err
+        if answer.get("version") != version or answer.get("sha256", digest) != digest:
+            raise LearnerError(f"rollout service {client.url} answered weights version {answer.get('version')} "
+                               f"(digest {answer.get('sha256')}) to the learner's push of version {version} "
+                               f"(digest {digest}); its weights are not the learner's, stopping")
+        self.holds[index] = version
+
     def _sync(self, index: int) -> None:
         client = self.clients[index]
-        status = client.status()
+        self.holds.pop(index, None)
+        try:
+            status = client.status()
+        except RolloutAuthError as err:
+            raise LearnerError(f"rollout service {client.url} refused the learner's token ({err}); give the run's "
+                               "token (service_token_file, $SAO_ROLLOUT_TOKEN or $SAO_ROLLOUT_TOKEN_FILE)") from err
         if self.weights is not None:
             version, uri, digest = self.weights
-            if status["version"] < version:
-                client.push_weights(version, uri, digest)
+            if status["version"] != version or status.get("weights_sha256", digest) != digest:
+                self._push_one(index, version, uri, digest, resync=True)
+            else:
+                self.holds[index] = version
+        elif status["version"] != 0:
+            raise LearnerError(f"rollout service {client.url} serves weights version {status['version']}, but this "
+                               "learner has pushed none yet (its policy is version 0): the service holds another "
+                               "run's or someone else's weights; restart it")
+        else:
+            self.holds[index] = 0
         if status.get("plan") is None:
             n = len(self.clients)
             stream = self.plan_for(index, n) if self.plan_for else {}
@@ -216,16 +255,17 @@ class ServiceSet:
         return True, min(oldest, default=None)
 
     def push(self, version: int, uri: str, digest: str) -> None:
+        """Every live service loads `version` and confirms it (LearnerError naming a service that does not)."""
         self.weights = (version, uri, digest)
+        def push_one(index: int) -> None:
+            held = self.holds.get(index)
+            if held != version:   # (a service that just rejoined was given `version` by its re-sync)
+                self._push_one(index, version, uri, digest, resync=held != version - 1)
 
-        def push_one(client):
-            try:
-                client.push_weights(version, uri, digest)
-            except RolloutRequestError as err:
-                if "not newer" not in str(err):  # already at this version (e.g. after a resume)
-                    raise
-
-        self._each(push_one)
+        for index in range(len(self.clients)):
+            self._try(index, lambda c, index=index: push_one(index))
+        if not self.live:
+            self._wait_for_any()
 
     def pause(self) -> None:
         self._each(lambda c: c.pause())
@@ -338,7 +378,8 @@ def colocated_serve_config(config: RLConfig):
     from sao_core.rollout.server import ServeConfig
 
     fixed = {"model": config.model, "engine": config.engine, "port": 0, "cache_dir": config.cache_dir,
-             "max_batch": config.rollout_max_batch, "seed": config.seed, "unverified": config.unverified}
+             "max_batch": config.rollout_max_batch, "seed": config.seed, "unverified": config.unverified,
+             "allowed_weight_roots": [storage.join(config.output, "weights")]}
     clash = sorted(set(fixed) & set(config.rollout_options))
     if clash:
         raise LearnerError(f"rollout_options cannot set {', '.join(clash)} (set by the run itself)")
@@ -381,6 +422,12 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         raise LearnerError(str(err)) from err
     if not config.services:
         colocated_serve_config(config)  # bad rollout options fail before any model is loaded
+        token = new_token()             # the colocated service's own, for this run only
+    else:
+        try:
+            token = resolve_token(token_file=config.service_token_file)
+        except TokenError as err:
+            raise LearnerError(str(err)) from None
     ctx = init_distributed()
     if config.batch_size < ctx.world_size:
         raise LearnerError(f"batch_size {config.batch_size} is smaller than the {ctx.world_size} ranks; every "
@@ -401,7 +448,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     started = time.time()
     scratch = Path(tempfile.mkdtemp(prefix="sao-learner-"))
     try:
-        return _train(config, progress, ctx, scratch, started, latest, checkpoints_uri)
+        return _train(config, progress, ctx, scratch, started, latest, checkpoints_uri, token)
     finally:  # every exit: a finished run, a failure while loading or resuming, an error in a step
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -418,8 +465,9 @@ def _counters_from(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: DistContext, scratch: Path,
-           started: float, latest: str | None, checkpoints_uri: str) -> dict[str, Any]:
-    """The run itself, once the checks passed and `scratch` exists (`train_rl` removes it on every exit)."""
+           started: float, latest: str | None, checkpoints_uri: str, token: str | None) -> dict[str, Any]:
+    """The run itself, once the checks passed and `scratch` exists (`train_rl` removes it on every exit).
+    `token`: the bearer token the services (or the colocated one) expect."""
     from sao_core.models import load_model_and_tokenizer, resolve_model
     from sao_core.models.value import ValueModel
 
@@ -550,7 +598,7 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
         if not urls:
             from sao_core.rollout.server import RolloutServer
 
-            server = RolloutServer(colocated_serve_config(config)).start()
+            server = RolloutServer(colocated_serve_config(config), token=token).start()
             urls = [server.url]
         plan = {"dataset": config.data, "rollouts_per_prompt": config.rollouts_per_prompt, "epochs": 0,
                 "shuffle": True, "seed": config.seed, "max_in_flight": per_service_in_flight(config, len(urls)),
@@ -559,7 +607,7 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 "abandon_after_versions": config.max_staleness, "admission": config.admission}
         services = ServiceSet(urls, consumer, plan, config.service_retry_s,
                               plan_for=lambda index, n: ledger.plan_fields(index, n),
-                              on_restart=lambda index: pending.forget_service(index))
+                              on_restart=lambda index: pending.forget_service(index), token=token)
 
     def publish_weights() -> float:
         """Gather the policy (collective); rank 0 publishes version `version` and pushes it to every service."""

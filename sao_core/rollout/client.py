@@ -15,13 +15,22 @@ class RolloutRequestError(ValueError):
     """The service refused a request (4xx); the message is the service's."""
 
 
-class RolloutClient:
-    """Talks to one rollout service as one consumer (a learner's identity for leases)."""
+class RolloutAuthError(RolloutRequestError):
+    """The service refused the token (401): none was given, or not the run's."""
 
-    def __init__(self, url: str, consumer: str = "learner", timeout_s: float = 30.0):
+
+class RolloutClient:
+    """Talks to one rollout service as one consumer (a learner's identity for leases). `token`: the run's
+    bearer token (see sao_core.rollout.auth.resolve_token), sent with every request; None sends none."""
+
+    def __init__(self, url: str, consumer: str = "learner", timeout_s: float = 30.0, token: str | None = None):
         self.url = url.rstrip("/")
         self.consumer = consumer
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
+
+    def __repr__(self) -> str:
+        return f"RolloutClient({self.url!r}, consumer={self.consumer!r})"
 
     def _call(self, method: str, path: str, timeout_s: float | None = None, **kwargs) -> dict:
         try:
@@ -33,7 +42,8 @@ class RolloutClient:
                 detail = response.json().get("detail")
             except ValueError:
                 detail = response.text
-            raise RolloutRequestError(f"{method} {path} -> {response.status_code}: {detail}")
+            error = RolloutAuthError if response.status_code == 401 else RolloutRequestError
+            raise error(f"{method} {path} -> {response.status_code}: {detail}")
         return response.json()
 
     def health(self) -> dict:
@@ -61,9 +71,13 @@ class RolloutClient:
             body["requeue"] = list(requeue)
         return self._call("POST", "/v1/trajectories/ack", json=body)
 
-    def push_weights(self, version: int, uri: str, sha256: str) -> dict:
-        return self._call("POST", "/v1/weights", timeout_s=600.0,
-                          json={"version": version, "uri": uri, "sha256": sha256})
+    def push_weights(self, version: int, uri: str, sha256: str, resync: bool = False) -> dict:
+        """Load `version` (the service's next one, or any with `resync`); the answer holds the version and
+        the manifest digest the service now serves."""
+        body = {"version": version, "uri": uri, "sha256": sha256}
+        if resync:
+            body["resync"] = True
+        return self._call("POST", "/v1/weights", timeout_s=600.0, json=body)
 
     def pause(self) -> dict:
         return self._call("POST", "/v1/pause")

@@ -91,7 +91,15 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
     deadline = started + limits.timeout_s if limits.timeout_s else None
     try:
         messages = await in_thread(env.reset, task)
-        add(prompt_tokens(tokenizer, messages), action=False)
+        opening = prompt_tokens(tokenizer, messages)
+        if len(opening) >= limits.max_total_tokens:
+            # No room for a single action token: a failed episode (the policy is not at fault), delivered
+            # without its tokens so that nothing downstream encodes an over-long prompt.
+            finish = "env_error"
+            info = {"error": f"prompt too long: {len(opening)} tokens leave no room within max_total_tokens "
+                             f"{limits.max_total_tokens}", "prompt_tokens": len(opening)}
+            raise _PromptTooLong
+        add(opening, action=False)
         while True:
             budget = limits.max_total_tokens - len(tokens)
             if budget <= 0 or turns >= env.max_turns:
@@ -132,6 +140,8 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
                 reward, finish, info = step.reward, step.finish_reason or "stop", step.info
                 break
             add(observation_tokens(tokenizer, step.observation or ""), action=False)
+    except _PromptTooLong:
+        pass
     except Exception as err:
         if finish == "stop":
             finish, info = "env_error", {"error": f"{type(err).__name__}: {err}"}
@@ -143,6 +153,10 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
         action_mask=mask, rollout_logprobs=logprobs, versions=versions, reward=float(reward), num_turns=turns,
         finish_reason=finish, timings=timings, sample_index=sample_index, metadata={"info": info} if info else {},
     )
+
+
+class _PromptTooLong(Exception):
+    """The opening prompt alone fills the episode's token budget."""
 
 
 async def _with_deadline(awaitable, deadline: float | None):

@@ -40,6 +40,10 @@ class ConflictError(RolloutError):
     """The request conflicts with the current state (HTTP 409)."""
 
 
+class ForbiddenError(RolloutError):
+    """The request is authenticated but not allowed, e.g. weights outside the allowed roots (HTTP 403)."""
+
+
 @dataclass
 class RolloutPlan:
     """What to roll out. `rollouts_per_prompt` = 1 for SAO, G for GRPO groups (started together)."""
@@ -139,8 +143,13 @@ class _Lease:
 class RolloutManager:
     """Owns the engine, the plan's producer task, the outbox of finished trajectories and the leases."""
 
-    def __init__(self, engine: Engine, tokenizer, cache_dir: str, lease_seconds: float = 600.0):
+    def __init__(self, engine: Engine, tokenizer, cache_dir: str, lease_seconds: float = 600.0,
+                 allowed_weight_roots: list[str] | None = None):
         self.engine = engine
+        # Weights load only from inside these (local paths or s3:// prefixes); empty: no weight loads at all.
+        self.allowed_weight_roots = list(allowed_weight_roots or [])
+        self.weights_sha256: str | None = None   # manifest digest of the weights loaded last (None: the initial)
+        self._weights_lock = asyncio.Lock()
         self.tokenizer = tokenizer
         self.cache_dir = cache_dir
         self.lease_seconds = lease_seconds
@@ -189,6 +198,8 @@ class RolloutManager:
             prepared = open_prepared(plan.dataset)
         except DataError as err:
             raise RolloutError(str(err)) from err
+        except (OSError, ValueError) as err:   # e.g. a path with a NUL byte (found by schemathesis)
+            raise RolloutError(f"cannot read the dataset {plan.dataset!r}: {err}") from err
         rows, kind, uri = prepared.rows, prepared.kind, prepared.data_uri
         if kind is not None and kind != "rl":
             raise RolloutError(f"{uri} was prepared with --kind {kind}; rollouts need --kind rl")
@@ -382,27 +393,46 @@ class RolloutManager:
         self._new_ready.set()
 
     # ---------------------------------------------------------------- weights, pause, status
-    async def update_weights(self, version: int, uri: str, sha256: str) -> dict:
-        """Load new weights: the checkpoint's manifest must hash to `sha256` and every file must match
-        the manifest; otherwise nothing changes."""
-        if version <= self.engine.version:
-            raise ConflictError(f"version {version} is not newer than the current version {self.engine.version}")
-        started = time.monotonic()
-        try:
-            actual = await asyncio.to_thread(storage.checkpoint_digest, uri)
-        except storage.StorageError as err:
-            raise RolloutError(f"cannot read the weights at {uri}: {err}") from err
-        if actual != sha256:
-            raise RolloutError(f"checksum mismatch for {uri}: its manifest hashes to {actual}, the request says "
-                               f"{sha256}; the current weights (version {self.engine.version}) stay")
-        try:
-            local = await asyncio.to_thread(storage.fetch_checkpoint, uri, Path(self.cache_dir) / "weights")
-            await self.engine.load_weights(str(local), version)
-        except Exception as err:
-            raise RolloutError(f"cannot load the weights at {uri}: {err}; the current weights (version "
-                               f"{self.engine.version}) stay") from err
-        self.last_weight_load_seconds = time.monotonic() - started
-        return {"version": self.engine.version, "seconds": self.last_weight_load_seconds}
+    async def update_weights(self, version: int, uri: str, sha256: str, resync: bool = False) -> dict:
+        """Load new weights: `uri` must lie inside `allowed_weight_roots` (ForbiddenError), `version` must be
+        the next one (current + 1) unless `resync` (a learner re-syncing a service, e.g. after its own
+        resume: any version; the same version and digest again is a no-op) (ConflictError), the checkpoint's
+        manifest must hash to `sha256` and every file must match the manifest; otherwise nothing changes."""
+        from sao_core.rollout.auth import within_roots
+
+        if not self.allowed_weight_roots:
+            raise ForbiddenError("this rollout service loads no weights: it was started without "
+                                 "allowed_weight_roots (the run's output prefix, e.g. s3://bucket/run/weights)")
+        if not within_roots(uri, self.allowed_weight_roots):
+            raise ForbiddenError(f"{uri} is outside the allowed weight roots ({', '.join(self.allowed_weight_roots)}); "
+                                 f"the current weights (version {self.engine.version}) stay")
+        async with self._weights_lock:   # one update at a time: the version check and the load are one step
+            current = self.engine.version
+            if resync and version == current and sha256 == self.weights_sha256:
+                return {"version": current, "sha256": self.weights_sha256, "seconds": 0.0, "unchanged": True}
+            if not resync and version <= current:
+                raise ConflictError(f"version {version} is not newer than the current version {current}; "
+                                    f"the service takes only version {current + 1} next (or a resync)")
+            if not resync and version != current + 1:
+                raise ConflictError(f"version {version} skips versions: the service is at version {current} and "
+                                    f"takes only version {current + 1} next (a learner re-syncing sends resync=true)")
+            started = time.monotonic()
+            try:
+                actual = await asyncio.to_thread(storage.checkpoint_digest, uri)
+            except storage.StorageError as err:
+                raise RolloutError(f"cannot read the weights at {uri}: {err}") from err
+            if actual != sha256:
+                raise RolloutError(f"checksum mismatch for {uri}: its manifest hashes to {actual}, the request says "
+                                   f"{sha256}; the current weights (version {current}) stay")
+            try:
+                local = await asyncio.to_thread(storage.fetch_checkpoint, uri, Path(self.cache_dir) / "weights")
+                await self.engine.load_weights(str(local), version)
+            except Exception as err:
+                raise RolloutError(f"cannot load the weights at {uri}: {err}; the current weights (version "
+                                   f"{self.engine.version}) stay") from err
+            self.weights_sha256 = sha256
+            self.last_weight_load_seconds = time.monotonic() - started
+            return {"version": self.engine.version, "sha256": sha256, "seconds": self.last_weight_load_seconds}
 
     async def pause(self) -> None:
         self._paused = True
@@ -434,6 +464,7 @@ class RolloutManager:
         running = len(self._episodes)
         return {
             "version": self.engine.version,
+            "weights_sha256": self.weights_sha256,
             "running": running,
             "ready": len(self._ready),
             "taken": len(self._leased),

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
+from sao_core.rollout.auth import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, is_loopback, resolve_token
 from sao_core.rollout.manager import RolloutManager, RolloutPlan
-from sao_core.rollout.service import create_app
+from sao_core.rollout.service import DEFAULT_MAX_BODY_BYTES, create_app
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,12 @@ class ServeConfig:
     max_model_len: int = 0                  # context length in tokens; 0: the model's (config.json)
     prefix_caching: bool = True             # reuse the KV cache of shared prompt prefixes
     unverified: bool = False                # load a local model folder without a manifest.json as it is (weight pushes are always verified)
+    # Security (README "Security model"). The token itself is never a field: it comes from token_file,
+    # $SAO_ROLLOUT_TOKEN or $SAO_ROLLOUT_TOKEN_FILE (or a colocated learner hands its own in).
+    token_file: str = ""                    # file holding the bearer token (a mounted Kubernetes Secret)
+    insecure: bool = False                  # serve without a token on a non-loopback address
+    allowed_weight_roots: list[str] = field(default_factory=list)  # weights load only from inside these (paths, s3:// prefixes)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies get 413
 
     def validate(self) -> None:
         if self.engine not in ("hf", "vllm"):
@@ -55,6 +62,12 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.max_batch must be >= 1, got {self.max_batch}")
         if not self.lease_seconds > 0:
             raise ValueError(f"ServeConfig.lease_seconds must be > 0, got {self.lease_seconds}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"ServeConfig.seed must be in [0, 2^63), got {self.seed}")
+        if not 1024 <= self.max_body_bytes <= 2**31:
+            raise ValueError(f"ServeConfig.max_body_bytes must be in [1024, 2^31], got {self.max_body_bytes}")
+        if any(not str(root).strip() for root in self.allowed_weight_roots):
+            raise ValueError("ServeConfig.allowed_weight_roots may not hold empty entries")
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -90,11 +103,29 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class RolloutServer:
-    """A rollout service on its own thread and event loop. `url` is ready once `start()` returns."""
+def service_token(config: ServeConfig, token: str | None = None) -> str | None:
+    """The token the service will require (see sao_core.rollout.auth), or None when it may run without one:
+    on a loopback address or with `insecure`. ValueError when it may not (the message never holds a token)."""
+    try:
+        resolved = resolve_token(token, config.token_file)
+    except TokenError as err:
+        raise ValueError(str(err)) from None
+    if resolved is None and not config.insecure and not is_loopback(config.host):
+        raise ValueError(f"refusing to serve on {config.host} without a token: set ${ENV_TOKEN}, "
+                         f"${ENV_TOKEN_FILE} or token_file (a mounted Kubernetes Secret), or bind to 127.0.0.1; "
+                         "insecure=true serves anyone who can reach the port")
+    return resolved
 
-    def __init__(self, config: ServeConfig, plan: RolloutPlan | None = None):
+
+class RolloutServer:
+    """A rollout service on its own thread and event loop. `url` is ready once `start()` returns.
+
+    `token`: the bearer token to require (default: from config.token_file or the environment)."""
+
+    def __init__(self, config: ServeConfig, plan: RolloutPlan | None = None, token: str | None = None):
         config.validate()
+        self._token = service_token(config, token)
+        self.authenticated = self._token is not None
         self.config = config
         self.plan = plan
         self.port = config.port or _free_port(config.host)
@@ -116,8 +147,10 @@ class RolloutServer:
         options.update(self.config.engine_options)
         options["unverified"] = self.config.unverified or bool(options.get("unverified"))
         engine = make_engine(self.config.engine, self.config.model, self.config.cache_dir, **options)
-        manager = RolloutManager(engine, engine.tokenizer, self.config.cache_dir, self.config.lease_seconds)
-        app = create_app(manager, on_shutdown=self._request_exit)
+        manager = RolloutManager(engine, engine.tokenizer, self.config.cache_dir, self.config.lease_seconds,
+                                 allowed_weight_roots=self.config.allowed_weight_roots)
+        app = create_app(manager, on_shutdown=self._request_exit, token=self._token,
+                         max_body_bytes=self.config.max_body_bytes)
         return manager, app
 
     def _request_exit(self) -> None:
@@ -163,5 +196,7 @@ class RolloutServer:
 def serve(config: ServeConfig, plan: RolloutPlan | None = None) -> None:
     """Run the service in the foreground until it is shut down (POST /v1/shutdown or Ctrl-C)."""
     server = RolloutServer(config, plan)
-    log.info("rollout service on %s (engine %s, model %s)", server.url, config.engine, config.model)
+    log.info("rollout service on %s (engine %s, model %s, %s, weights from %s)", server.url, config.engine,
+             config.model, "bearer token required" if server.authenticated else "NO authentication",
+             ", ".join(config.allowed_weight_roots) or "nowhere (no allowed_weight_roots)")
     asyncio.run(server.serve_async())

@@ -8,7 +8,12 @@
     POST /v1/pause | /v1/resume  pause or resume generation
     POST /v1/shutdown            graceful shutdown
     POST /v1/generate            evaluation: k samples per prompt, any sampling settings
-    GET  /v1/status | /healthz | /metrics
+    GET  /v1/status              counters, plan, weights version
+    GET  /healthz | /metrics     open: liveness and Prometheus metrics (text)
+
+Every /v1 endpoint needs ``Authorization: Bearer <token>`` when the service has a token (see
+:mod:`sao_core.rollout.auth`); /healthz, /metrics, /openapi.json and /docs are open. Request bodies above
+`max_body_bytes` get 413.
 """
 
 from __future__ import annotations
@@ -18,18 +23,34 @@ import logging
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from sao_core.rollout.engines.base import SamplingParams
-from sao_core.rollout.manager import ConflictError, RolloutError, RolloutManager, RolloutPlan
+from sao_core.rollout.auth import REALM, same_token
+from sao_core.rollout.engines.base import SEED_LIMIT, SamplingParams
+from sao_core.rollout.manager import ConflictError, ForbiddenError, RolloutError, RolloutManager, RolloutPlan
 
 log = logging.getLogger(__name__)
+
+#: the largest seed a request may give: 2^53 - 1, the largest integer every JSON client (and JSON-schema
+#: tools, which compare bounds as floats) holds exactly; the engines themselves take [0, 2^63)
+SEED_MAX = 2**53 - 1
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _no_bool(value):
+    if isinstance(value, bool):
+        raise ValueError("a token id is an integer, not true / false")
+    return value
+
+
+#: a token id (JSON true / false are not integers, though pydantic's lax mode takes them)
+TokenId = Annotated[int, BeforeValidator(_no_bool)]
 
 
 class PlanRequest(_Strict):
@@ -37,7 +58,7 @@ class PlanRequest(_Strict):
     rollouts_per_prompt: int = Field(1, ge=1, le=1024)
     epochs: int = Field(1, ge=0)
     shuffle: bool = True
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     limit: int | None = Field(None, ge=1)
     max_in_flight: int = Field(64, ge=1, le=100_000)
     env_concurrency: dict[str, int] = Field(default_factory=dict)
@@ -73,6 +94,8 @@ class WeightsRequest(_Strict):
     version: int = Field(ge=0)
     uri: str = Field(min_length=1, description="checkpoint directory or s3:// prefix (published with a manifest)")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the checkpoint's manifest.json")
+    resync: bool = Field(False, description="a learner re-syncing this service (e.g. after its own resume): any "
+                                            "version is taken; without it only the current version + 1")
 
 
 class ShutdownRequest(_Strict):
@@ -80,21 +103,97 @@ class ShutdownRequest(_Strict):
 
 
 class GenerateRequest(_Strict):
-    prompts: list[list[dict[str, Any]] | list[int]] = Field(min_length=1, max_length=10_000,
+    prompts: list[list[dict[str, Any]] | list[TokenId]] = Field(min_length=1, max_length=10_000,
                                                           description="chat messages or token ids per prompt")
     n: int = Field(1, ge=1, le=1024)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(256, ge=1, le=1_000_000)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="sample k of prompt i uses seed + i * n + k "
+                                                                     "(mod 2^63)")
 
 
-def create_app(manager: RolloutManager, on_shutdown=None) -> FastAPI:
-    """The FastAPI application around a manager. `on_shutdown()` is called after a graceful shutdown."""
+class ErrorBody(BaseModel):
+    detail: str
+
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def _error(description: str) -> dict:
+    return {"model": ErrorBody, "description": description}
+
+
+#: documented error responses (FastAPI adds 422 for request validation)
+UNAUTHORIZED = {401: {**_error("missing or wrong bearer token"),
+                      "headers": {"WWW-Authenticate": {"description": f'Bearer realm="{REALM}"',
+                                                       "schema": {"type": "string"}}}}}
+TOO_LARGE = {413: _error("request body above the service's max_body_bytes")}
+BAD_REQUEST = {400: _error("the request cannot be honoured, or its body is not JSON (the message says why)")}
+CONFLICT = {409: _error("the request conflicts with the service's state")}
+FORBIDDEN = {403: _error("authenticated, but not allowed (e.g. weights outside the allowed roots)")}
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body above `max_bytes`, by its Content-Length or, for a body sent
+    without one (chunked), as soon as the bytes received pass the bound."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _message(self) -> str:
+        return f"request body above the limit of {self.max_bytes} bytes"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+                if declared > self.max_bytes:
+                    return await JSONResponse({"detail": self._message()}, status_code=413,
+                                              headers={"Connection": "close"})(scope, receive, send)
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # Raised inside the route's body read: FastAPI turns an HTTPException there into its response.
+                    raise HTTPException(status_code=413, detail=self._message())
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI application around a manager. `on_shutdown()` is called after a graceful shutdown.
+
+    `token`: the bearer token every /v1 endpoint needs (None: no authentication, loopback or insecure use).
+    """
     from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
+    bearer = HTTPBearer(auto_error=False, scheme_name="rolloutToken",
+                        description="the run's rollout token ($SAO_ROLLOUT_TOKEN or a mounted Secret file)")
+
+    async def authenticated(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if token is None:
+            return
+        if credentials is None or not same_token(credentials.credentials, token):
+            raise HTTPException(status_code=401, detail="missing or wrong bearer token (Authorization: Bearer ...)",
+                                headers={"WWW-Authenticate": f'Bearer realm="{REALM}"'})
+
     app = FastAPI(title="SAO rollout service", version="1")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    guarded = {"dependencies": [Depends(authenticated)]}
     shutdown_tasks: set[asyncio.Task] = set()
     registry = CollectorRegistry()
     gauges = {name: Gauge(f"sao_rollout_{name}", doc, registry=registry) for name, doc in {
@@ -109,6 +208,10 @@ def create_app(manager: RolloutManager, on_shutdown=None) -> FastAPI:
                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
     manager.listeners.append(lambda t: tool_latency.observe(t.timings.tool_seconds))
 
+    @app.exception_handler(ForbiddenError)
+    async def _forbidden(_: Request, err: ForbiddenError):
+        return JSONResponse(status_code=403, content={"detail": str(err)})
+
     @app.exception_handler(ConflictError)
     async def _conflict(_: Request, err: ConflictError):
         return JSONResponse(status_code=409, content={"detail": str(err)})
@@ -121,20 +224,20 @@ def create_app(manager: RolloutManager, on_shutdown=None) -> FastAPI:
     async def healthz() -> dict:
         return {"ok": True, "version": manager.engine.version}
 
-    @app.get("/v1/status")
+    @app.get("/v1/status", **guarded, responses={**UNAUTHORIZED})
     async def status() -> dict:
         return manager.status()
 
-    @app.post("/v1/rollouts/start")
+    @app.post("/v1/rollouts/start", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
     async def start(plan: PlanRequest) -> dict:
         return manager.start(RolloutPlan(**plan.model_dump()))
 
-    @app.post("/v1/rollouts/stop")
+    @app.post("/v1/rollouts/stop", **guarded, responses={**UNAUTHORIZED})
     async def stop() -> dict:
         await manager.stop()
         return manager.status()
 
-    @app.get("/v1/trajectories")
+    @app.get("/v1/trajectories", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED})
     async def take(consumer: str = Query(min_length=1, max_length=200),
                    max: int = Query(1, ge=1, le=10_000),  # noqa: A002 - the wire name
                    wait_s: float = Query(0.0, ge=0, le=300),
@@ -144,25 +247,25 @@ def create_app(manager: RolloutManager, on_shutdown=None) -> FastAPI:
         return {"trajectories": [t.to_dict() for t in items], "redelivered": redelivered,
                 "version": manager.engine.version, "plan_done": manager.plan_done and not manager.status()["ready"]}
 
-    @app.post("/v1/trajectories/ack")
+    @app.post("/v1/trajectories/ack", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
     async def ack(body: AckRequest) -> dict:
         return manager.ack(body.ids, body.dropped, body.requeue)
 
-    @app.post("/v1/weights")
+    @app.post("/v1/weights", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **FORBIDDEN, **CONFLICT, **TOO_LARGE})
     async def weights(body: WeightsRequest) -> dict:
-        return await manager.update_weights(body.version, body.uri, body.sha256)
+        return await manager.update_weights(body.version, body.uri, body.sha256, resync=body.resync)
 
-    @app.post("/v1/pause")
+    @app.post("/v1/pause", **guarded, responses={**UNAUTHORIZED})
     async def pause() -> dict:
         await manager.pause()
         return {"paused": True}
 
-    @app.post("/v1/resume")
+    @app.post("/v1/resume", **guarded, responses={**UNAUTHORIZED})
     async def resume() -> dict:
         await manager.resume()
         return {"paused": False}
 
-    @app.post("/v1/shutdown")
+    @app.post("/v1/shutdown", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
     async def shutdown(body: ShutdownRequest | None = None) -> dict:
         grace = body.grace_s if body else 30.0
 
@@ -183,7 +286,7 @@ def create_app(manager: RolloutManager, on_shutdown=None) -> FastAPI:
         task.add_done_callback(shutdown_tasks.discard)
         return {"shutting_down": True, "grace_s": grace}
 
-    @app.post("/v1/generate")
+    @app.post("/v1/generate", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
     async def generate(body: GenerateRequest) -> dict:
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                 max_new_tokens=body.max_new_tokens, seed=body.seed)
@@ -201,12 +304,21 @@ def create_app(manager: RolloutManager, on_shutdown=None) -> FastAPI:
                     prompt_ids.append(prompt_tokens(tokenizer, prompt))
                 except Exception as err:
                     raise RolloutError(f"prompts[{i}]: not valid chat messages ({err})") from err
+        limit = getattr(manager.engine, "context_length", None)
+        if limit is not None:
+            for i, ids in enumerate(prompt_ids):
+                if len(ids) >= limit:
+                    raise RolloutError(f"prompts[{i}]: {len(ids)} tokens; the engine's context is {limit} tokens "
+                                       f"({getattr(manager.engine, 'context_source', 'max_model_len')}), which "
+                                       "leaves no room to generate")
         jobs = []
         for i, ids in enumerate(prompt_ids):
+            # Generation stops at the end of the context (finish_reason "length").
+            room = params.max_new_tokens if limit is None else min(params.max_new_tokens, limit - len(ids))
             for k in range(body.n):
-                seeded = params if body.seed is None else SamplingParams(**{**params.__dict__,
-                                                                           "seed": body.seed + i * body.n + k})
-                jobs.append(manager.engine.generate(ids, seeded))
+                seed = None if body.seed is None else (body.seed + i * body.n + k) % SEED_LIMIT
+                jobs.append(manager.engine.generate(ids, SamplingParams(**{**params.__dict__, "seed": seed,
+                                                                          "max_new_tokens": room})))
         results = await asyncio.gather(*jobs)
         out = []
         for i in range(len(prompt_ids)):
@@ -216,7 +328,7 @@ def create_app(manager: RolloutManager, on_shutdown=None) -> FastAPI:
                          if g.versions else manager.engine.version} for g in samples])
         return {"results": out}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"}})
     async def metrics() -> PlainTextResponse:
         stats = manager.engine.stats()
         elapsed = max(time.time() - manager.started_at, 1e-9)

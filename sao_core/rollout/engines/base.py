@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+#: sampling seeds are in [0, SEED_LIMIT) (a signed 64-bit integer, what torch and vLLM take)
+SEED_LIMIT = 2**63
+
 
 class EngineError(RuntimeError):
     """The engine cannot do what was asked; the message says why."""
@@ -30,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
 
 
 def check_training_sampling(params: SamplingParams) -> None:

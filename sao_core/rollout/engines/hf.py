@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sao_core.rollout.engines.base import EngineError, Generation, SamplingParams
+from sao_core.rollout.engines.base import SEED_LIMIT, EngineError, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ class HFEngine:
             raise EngineError("engine is closed")
         loop = asyncio.get_running_loop()
         self._counter += 1
-        seed = params.seed if params.seed is not None else self._seed * 1_000_003 + self._counter
+        seed = params.seed if params.seed is not None else (self._seed * 1_000_003 + self._counter) % SEED_LIMIT
         request = _Request(list(prompt_ids), params, loop, loop.create_future(), torch.Generator().manual_seed(seed))
         self._inbox.put(request)
         self._wake.set()
