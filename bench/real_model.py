@@ -181,10 +181,11 @@ def evaluate_greedy(model: str, rows: list[dict], s: Settings) -> dict:
             "seconds": time.time() - began, "model": model}
 
 
-def _service(s: Settings, model: str, log_path: Path):
+def _service(s: Settings, model: str, log_path: Path, weight_roots: list[str]):
     if s.service == "thread":
-        return _ThreadService(model, "hf", s.engine_max_batch, None)
-    return _setup.ServiceProcess(model, engine="hf", max_batch=s.engine_max_batch, log_path=log_path)
+        return _ThreadService(model, "hf", s.engine_max_batch, None, weight_roots=weight_roots)
+    return _setup.ServiceProcess(model, engine="hf", max_batch=s.engine_max_batch, log_path=log_path,
+                                 weight_roots=weight_roots)
 
 
 def run_arm(arm: str, s: Settings, model: str, data: str, out: Path, say) -> dict:
@@ -194,7 +195,8 @@ def run_arm(arm: str, s: Settings, model: str, data: str, out: Path, say) -> dic
     run_dir.mkdir(parents=True)
     before = _setup.conditions()
     service_began = time.time()
-    service = _service(s, model, run_dir / "service.log")
+    # The learner publishes under <run_dir>/run/weights: the only place the service may load weights from.
+    service = _service(s, model, run_dir / "service.log", [str(run_dir / "run" / "weights")])
     service_s = time.time() - service_began
     client = RolloutClient(service.url, consumer="bench-observer")
     budget_s = s.minutes_per_arm * 60.0

@@ -63,6 +63,8 @@ def open_prepared(data: str, settings: storage.S3Settings | None = None) -> Prep
 
     Raises :class:`PreparedDataError` naming the folder (and the file and line where one is at fault).
     """
+    if "\x00" in str(data):  # os calls would raise a bare ValueError ("embedded null byte")
+        raise PreparedDataError(f"cannot read the dataset {str(data)!r}: the path holds a NUL byte")
     folder, uri = locate(data)
     try:
         reason = failure_of(folder, settings)
