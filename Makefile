@@ -7,6 +7,8 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export OMP_WAIT_POLICY := PASSIVE
 PYTEST_ARGS ?=
+# pytest-xdist workers for the parallel phase of `make test` (scripts/run_tests.py); auto: one per core.
+TEST_WORKERS ?= 2
 
 .PHONY: help install install-dev system-deps vllm smollm2 demo test test-fast test-image lint clean
 
@@ -59,11 +61,12 @@ smollm2: $(VENV)/.train-installed
 demo: $(VENV)/.train-installed
 	$(BIN)/sao --threads 2 demo --pipeline --output local_outputs/demo
 
+# Two phases: the suite over TEST_WORKERS processes, then the timing-sensitive `serial` tests alone.
 test: $(VENV)/.dev-installed $(VENV)/.vllm-installed system-deps
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python scripts/run_tests.py --workers $(TEST_WORKERS) -- $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.dev-installed system-deps
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow and not serial" $(PYTEST_ARGS)
 
 # The CPU image, built with buildah from a debootstrapped Debian base (no Docker engine or registry
 # needed; see images/README.md), then the prepare_data and evaluate components run inside it.

@@ -121,6 +121,7 @@ def test_one_update_moves_the_policy_towards_rewarded_actions(method, sao_cache,
 
 
 @pytest.mark.slow
+@pytest.mark.serial   # the asynchronous schedule depends on timing: run alone (scripts/run_tests.py)
 @pytest.mark.parametrize("method, group_size, margin", [("sao", 4, 0.08), ("grpo", 8, 0.07)])
 def test_rl_raises_the_reward(method, group_size, margin, rl_data, rl_warm_model, tmp_path, sao_cache):
     """100 steps of 32 after the early-stopped SFT. Calibration (bench/sao_stability.py, same settings),

@@ -310,6 +310,9 @@ class RolloutManager:
         self.tool_seconds.append(trajectory.timings.tool_seconds)
         for listener in self.listeners:
             listener(trajectory)
+        # The done callback removes the task only on a later turn of the loop; a status read in between
+        # counted the episode twice (running and ready), so in_flight could exceed max_in_flight.
+        self._episodes.discard(asyncio.current_task())
         self._ready[trajectory.id] = trajectory
         self._new_ready.set()
 

@@ -1,0 +1,47 @@
+"""`make test`: the suite in two phases on a fresh clone.
+
+1. Every test not marked `serial`, spread over `--workers` pytest-xdist processes (a file's tests stay in
+   one worker, so its module fixtures are built once).
+2. The `serial` tests (the reward-rising learning runs: their asynchronous schedule depends on timing and a
+   busy machine weakens how far the reward rises) alone, after phase 1.
+
+The same pytest arguments go to both phases. A phase that selects nothing (pytest exit 5) is fine when the
+other one ran tests; the exit status is the first failing phase's, 5 when neither phase ran a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+NO_TESTS = 5
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", default="2", help="pytest-xdist workers of phase 1 (a number, or auto)")
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest (after --)")
+    args = parser.parse_args(argv)
+    extra = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    if args.workers != "auto" and not (args.workers.isdigit() and int(args.workers) >= 1):
+        parser.error(f"--workers must be a positive number or auto, got {args.workers!r}")
+    phases = [("parallel", ["-n", args.workers, "--dist", "loadfile", "-m", "not serial"]),
+              ("serial", ["-m", "serial"])]
+    codes, seconds = [], []
+    for name, selection in phases:
+        began = time.monotonic()
+        print(f"== tests, {name} phase: pytest {' '.join(selection + extra)}", flush=True)
+        codes.append(subprocess.call([sys.executable, "-m", "pytest", *selection, *extra]))
+        seconds.append(time.monotonic() - began)
+    print("== tests: " + ", ".join(f"{name} phase exit {code} in {s:.0f} s"
+                                   for (name, _), code, s in zip(phases, codes, seconds)), flush=True)
+    failing = [c for c in codes if c not in (0, NO_TESTS)]
+    if failing:
+        return failing[0]
+    return NO_TESTS if all(c == NO_TESTS for c in codes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
