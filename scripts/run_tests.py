@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         codes.append(subprocess.call([sys.executable, "-m", "pytest", *selection, *extra]))
         seconds.append(time.monotonic() - began)
     print("== tests: " + ", ".join(f"{name} phase exit {code} in {s:.0f} s"
-                                   for (name, _), code, s in zip(phases, codes, seconds)), flush=True)
+                                   for (name, _), code, s in zip(phases, codes, seconds, strict=True)), flush=True)
     failing = [c for c in codes if c not in (0, NO_TESTS)]
     if failing:
         return failing[0]
