@@ -19,11 +19,12 @@ Outputs (in `EvalConfig.output`, a folder or an ``s3://`` prefix):
   (generated tokens), ``prompt_tokens, turns, seconds`` (wall time of the sample), ``generation_seconds,
   tool_seconds, grade_seconds, seed, groups`` (category, repository, ...), ``response`` (the end of the
   last model turn), SWE: ``patch`` and ``tests`` (test counts), plus ``judge`` when the LLM judge ruled;
-- ``summary.json``: per benchmark its data set record, scores, counts, graders, breakdowns, token
-  statistics and per-problem results, plus the flat metrics and the comparison with a previous run;
+- ``summary.json``: per benchmark its data set record, scores, counts, graders (with the grading
+  libraries' versions, ``library_versions``), breakdowns, token statistics and per-problem results, plus the flat metrics and the comparison with a previous run;
 - ``metrics.json``: the flat ``name -> float`` metrics (KFP-ready, e.g. ``imo_answerbench/avg@4``);
 - ``report.html``: the report (`sao_core.eval.report.write_report`);
-- ``run.json``: the settings that make samples comparable (checked when resuming);
+- ``run.json``: the settings that make samples comparable (checked when resuming), and the versions of
+  the grading libraries (``library_versions``: ``swebench``, ``math-verify``, ...; recorded only);
 - ``datasets/<benchmark>/``: the normalised data (``data.jsonl``, ``rejects.jsonl``, ``stats.json``).
 
 Resuming: with `resume` (the default), samples already in ``samples.jsonl`` with status ``graded`` or
@@ -53,6 +54,7 @@ from sao_core import storage
 from sao_core.eval.benchmarks import LoadedBenchmark, get_benchmark, group_values, load_benchmark, task_for
 from sao_core.eval.config import EvalConfig, EvalError
 from sao_core.eval.graders import ImoGrader, IntegerGrader, LLMJudge, Verdict, verdict_from_swe_report
+from sao_core.eval.versions import grader_versions, versions_for_grader
 from sao_core.eval.metrics import benchmark_metrics, compare, flat_metrics
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,8 @@ def run_settings(config: EvalConfig, loaded: list[LoadedBenchmark]) -> dict[str,
                      "seed": config.seed},
         "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
         "datasets": {b.spec.name: b.dataset.version for b in loaded},
+        # the grading libraries' versions (swebench's harness, math-verify, ...): recorded, not checked on resume
+        "library_versions": grader_versions(),
     }
 
 
@@ -606,6 +610,7 @@ def summarize(config: EvalConfig, loaded: list[LoadedBenchmark], samples: dict[s
         benchmarks[spec.name] = {
             "title": spec.title,
             "grader": spec.grader,
+            "library_versions": versions_for_grader(spec.grader),
             "dataset": bench.dataset.to_dict(),
             **metrics,
             "unsettled_total": len(unsettled),
