@@ -54,8 +54,8 @@ from sao_core import storage
 from sao_core.eval.benchmarks import LoadedBenchmark, get_benchmark, group_values, load_benchmark, task_for
 from sao_core.eval.config import EvalConfig, EvalError
 from sao_core.eval.graders import ImoGrader, IntegerGrader, LLMJudge, Verdict, verdict_from_swe_report
-from sao_core.eval.versions import grader_versions, versions_for_grader
 from sao_core.eval.metrics import benchmark_metrics, compare, flat_metrics
+from sao_core.eval.versions import grader_versions, versions_for_grader
 
 log = logging.getLogger(__name__)
 
