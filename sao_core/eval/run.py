@@ -18,7 +18,8 @@ Outputs (in `EvalConfig.output`, a folder or an ``s3://`` prefix):
   error), ``correct, grade, grader, settled, answer, detail, finish_reason, timed_out, tokens``
   (generated tokens), ``prompt_tokens, turns, seconds`` (wall time of the sample), ``generation_seconds,
   tool_seconds, grade_seconds, seed, groups`` (category, repository, ...), ``response`` (the end of the
-  last model turn), SWE: ``patch`` and ``tests`` (test counts), plus ``judge`` when the LLM judge ruled;
+  last model turn), SWE: ``patch``, ``tests`` (test counts) and ``harness`` (swebench version, log
+  parser, resolution status, whether the log was a valid run), plus ``judge`` when the LLM judge ruled;
 - ``summary.json``: per benchmark its data set record, scores, counts, graders (with the grading
   libraries' versions, ``library_versions``), breakdowns, token statistics and per-problem results, plus the flat metrics and the comparison with a previous run;
 - ``metrics.json``: the flat ``name -> float`` metrics (KFP-ready, e.g. ``imo_answerbench/avg@4``);
@@ -346,6 +347,8 @@ async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, An
     status = "timeout" if finish == "timeout" else "error" if finish in ("env_error", "tool_error") else "graded"
     if spec.env == "swe":
         extra["tests"] = {k: v for k, v in verdict.extra.items() if k.endswith(("_total", "_passed", "_failed"))}
+        if verdict.extra.get("harness"):     # what the SWE-bench harness decided, and which one
+            extra["harness"] = {k: verdict.extra.get(k) for k in ("harness", "log_parser", "resolution", "log_valid")}
     if "judge" in verdict.extra:
         extra["judge"] = verdict.extra["judge"]
         extra["rule_grade"] = verdict.extra.get("rule_grade")
