@@ -52,6 +52,7 @@ __all__ = [
     "parser_for",
     "report_for_log",
     "swebench_version",
+    "tests_report",
 ]
 
 #: The version pyproject.toml pins (and the images install).
