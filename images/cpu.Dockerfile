@@ -35,6 +35,7 @@ RUN set -eu; \
     pip install --no-cache-dir --upgrade pip; \
     pip install --no-cache-dir $links $index "torch==2.13.0"; \
     pip install --no-cache-dir $links ".[train]"; \
+    pip install --no-cache-dir $links --no-deps "swebench==5.0.2"; \
     python -c "import torch; assert not torch.version.cuda, 'the CPU image got a CUDA torch'"; \
     sao --quiet build-model
 ENTRYPOINT ["sao"]

@@ -30,6 +30,7 @@ RUN set -eu; \
     pip install --no-cache-dir --upgrade pip; \
     pip install --no-cache-dir $index "torch==2.13.0"; \
     pip install --no-cache-dir ".[train]"; \
+    pip install --no-cache-dir --no-deps "swebench==5.0.2"; \
     python -c "import torch; assert torch.version.cuda, 'the CUDA image got a CPU-only torch'"; \
     sao --quiet build-model
 ENTRYPOINT ["sao"]

@@ -28,6 +28,7 @@ RUN set -eu; \
     pip install --no-cache-dir --upgrade pip; \
     pip install --no-cache-dir "torch==2.13.0" "vllm==0.32.0"; \
     pip install --no-cache-dir ".[train,serve]"; \
+    pip install --no-cache-dir --no-deps "swebench==5.0.2"; \
     python -c "import torch, vllm; assert torch.version.cuda and torch.__version__.startswith('2.13.0'), torch.__version__"; \
     sao --quiet build-model
 ENTRYPOINT ["sao"]

@@ -178,8 +178,9 @@ def test_slugify_lowercase(text, expected):
 '''},
             breaking={"textkit/slug.py": SLUG.replace('return "-".join(words)', 'return "-".join(w.lower() for w in words)')
                       .replace('text[: n - 1] + "~"', "text[:n]")},
-            fail_to_pass=["tests/test_slug.py::test_slugify_lowercase[Hello World-hello-world]",
-                          "tests/test_slug.py::test_slugify_lowercase[ABC def-abc-def]"],
+            # ids with a space are listed as the SWE-bench harness's parser reads them: cut at the space
+            fail_to_pass=["tests/test_slug.py::test_slugify_lowercase[Hello",
+                          "tests/test_slug.py::test_slugify_lowercase[ABC"],
             pass_to_pass=["tests/test_slug.py::test_truncate[short]", "tests/test_slug.py::test_truncate[long]",
                           "tests/test_slug.py::test_slugify_words"],
             broken_p2p=["tests/test_slug.py::test_truncate[long]"],

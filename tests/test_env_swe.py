@@ -33,9 +33,7 @@ from sao_core.envs.swe_grading import (
     apply_patch,
     django_test_labels,
     grade,
-    parse_django_log,
-    parse_pytest_log,
-    parse_sympy_log,
+    parse_test_log,
     patch_files,
     runner_spec_for,
 )
@@ -204,35 +202,41 @@ ERROR tests/test_broken.py - ImportError: cannot import name 'x'
 """
 
 
-def test_parse_pytest_log_realistic():
-    st = parse_pytest_log(REALISTIC_LOG)
-    assert st["tests/test_io.py::test_read[a b]"] == "PASSED"
+def test_parse_test_log_is_the_harness_parser():
+    """The parsers are swebench's: ids are cut at the first space (as the SWE-bench data set spells
+    them), the last line of a test wins, a coloured status word is not read, -v lines are not read."""
+    st = parse_test_log(REALISTIC_LOG)                                 # unknown repo: parse_log_pytest
+    assert st["tests/test_io.py::test_read[a"] == "PASSED"
     assert st["tests/test_io.py::TestC::test_m[x-1]"] == "PASSED"
-    assert st["tests/test_io.py::test_skip_me"] == "SKIPPED"          # from the -v line
     assert st["tests/test_io.py::test_known"] == "XFAIL"
     assert st["tests/test_io.py::test_conn"] == "ERROR"
     assert st["tests/test_io.py::test_teardown"] == "ERROR"           # passed, then teardown error
-    assert st["tests/test_io.py::test_parse[c - d]"] == "FAILED"      # " - " inside the id
-    assert st["tests/test_io.py::test_color"] == "FAILED"             # ANSI colours stripped
+    assert st["tests/test_io.py::test_parse[c"] == "FAILED"
     assert st["tests/test_broken.py"] == "ERROR"                       # collection error
-    assert not any(k.startswith("[1]") or ":40" in k for k in st)      # -rA skip line has no id
+    assert "tests/test_io.py::test_skip_me" not in st and "tests/test_io.py::test_color" not in st
+    assert not any(k.startswith("[1]") for k in st)                    # -rA skip line has no id
+    assert parse_test_log(REALISTIC_LOG, "pytest") == st
+    # requests' parser (parse_log_pytest_options) names a long path option by its last part
+    assert parse_test_log(REALISTIC_LOG, repo="psf/requests")["tests/test_io.py::test_path[/data.csv]"] == "PASSED"
+    with pytest.raises(ValueError, match="unknown log parser"):
+        parse_test_log("", "nope")
 
 
-def test_grade_counts_missing_and_aliases():
-    st = parse_pytest_log(REALISTIC_LOG)
-    report = grade(st, ["tests/test_io.py::test_read[a b]", "tests/test_io.py::test_known"],
+def test_grade_status_map_by_the_harness():
+    st = parse_test_log(REALISTIC_LOG)
+    report = grade(st, ["tests/test_io.py::test_read[a", "tests/test_io.py::test_known"],
                    ["tests/test_io.py::TestC::test_m[x-1]", "tests/test_io.py::test_nowhere"])
-    assert not report.resolved
+    assert not report.resolved and report.resolution == "RESOLVED_NO"
     assert (report.fail_to_pass_total, report.fail_to_pass_passed) == (2, 2)       # XFAIL passes
     assert (report.pass_to_pass_total, report.pass_to_pass_passed) == (2, 1)
     assert report.pass_to_pass_failed == ["tests/test_io.py::test_nowhere"]
     assert report.statuses["tests/test_io.py::test_nowhere"] == "MISSING"
-    # SWE-bench spells ids cut at the first space, and long path options by their last part
-    report = grade(st, ["tests/test_io.py::test_read[a", "tests/test_io.py::test_path[/data.csv]"], [])
-    assert report.resolved, report.statuses
-    report = grade(st, ["tests/test_io.py::test_skip_me"], [])
-    assert not report.resolved and report.failed_tests == ["tests/test_io.py::test_skip_me"]
-    assert not grade({}, [], []).resolved                              # nothing to check
+    assert grade(st, ["tests/test_io.py::test_read[a"], []).resolved
+    report = grade({"t::skip": "SKIPPED", "t::ok": "PASSED"}, ["t::ok"], ["t::skip"])
+    assert report.resolved                                              # a skipped PASS_TO_PASS is kept
+    report = grade({"t::skip": "SKIPPED"}, ["t::skip"], [])
+    assert not report.resolved and report.failed_tests == ["t::skip"]   # a skipped FAIL_TO_PASS fails
+    assert not grade({}, [], []).resolved                              # nothing ran
     assert json.dumps(report.to_dict())
 
 
@@ -250,15 +254,15 @@ A docstring first line. ... ok
 ======================================================================
 FAIL: test_fail (auth_tests.test_views.LoginTest)
 """
-    st = parse_django_log(django)
+    st = parse_test_log(django, repo="django/django")
     assert st["test_basic (auth_tests.test_views.LoginTest)"] == "PASSED"
     assert st["test_fail (auth_tests.test_views.LoginTest)"] == "FAILED"
     assert st["test_err (auth_tests.test_views.LoginTest)"] == "ERROR"
     assert st["test_skip (auth_tests.test_views.LoginTest)"] == "SKIPPED"
-    assert st["test_xf (auth_tests.test_views.LoginTest)"] == "XFAIL"
+    assert "test_xf (auth_tests.test_views.LoginTest)" not in st      # the harness reads no "expected failure"
     assert st["test_noisy (auth_tests.test_views.LoginTest)"] == "PASSED"
     assert st["A docstring first line."] == "PASSED"
-    assert grade(st, ["test_new (m.tests.T)"], []).resolved          # Python 3.11 spelling alias
+    assert not grade(st, ["test_new (m.tests.T)"], []).resolved       # no Python 3.11 spelling alias
     assert django_test_labels(["tests/auth_tests/test_views.py", "tests/x/__init__.py", "docs/a.txt"]) == [
         "auth_tests.test_views", "x"]
     sympy = """\
@@ -266,13 +270,16 @@ sympy/core/tests/test_basic.py[3]
 test_a ok
 test_b F
 test_c E
+test_d f
 ________________________________ sympy/core/tests/test_basic.py:test_b ________________________________
 """
-    st = parse_sympy_log(sympy)
+    st = parse_test_log(sympy, repo="sympy/sympy")
     assert st == {"test_a": "PASSED", "test_b": "FAILED", "test_c": "ERROR",
-                  "sympy/core/tests/test_basic.py:test_b": "FAILED"}
-    assert runner_spec_for("django/django").parser == "django"
-    assert runner_spec_for("sympy/sympy").parser == "sympy"
+                  "sympy/core/tests/test_basic.py:test_b": "FAILED"}       # "f" (expected failure): not read
+    assert runner_spec_for("django/django").parser == "parse_log_django"
+    assert runner_spec_for("sympy/sympy").parser == "parse_log_sympy"
+    assert runner_spec_for("sphinx-doc/sphinx").parser == "parse_log_sphinx"
+    assert runner_spec_for("local/mypkg").parser == "parse_log_pytest"     # not a SWE-bench repository
     assert runner_spec_for("pallets/flask").command.startswith("python -m pytest -rA")
 
 

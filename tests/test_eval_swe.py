@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from eval_fixtures import ScriptedEngine, needs_bwrap, swe_repos, swe_sandbox_options  # noqa: F401  (fixtures)
 
+from sao_core.envs.swebench_harness import SWEBENCH_PIN, swebench_version
 from sao_core.eval.benchmarks import get_benchmark, load_benchmark
 from sao_core.eval.config import EvalConfig, EvalError
 from sao_core.eval.graders import grade_swe_patch
@@ -96,8 +97,11 @@ def test_runner_plays_and_grades_agent_episodes(tmp_path, swe_repos, swe_sandbox
     assert won["grader"] == "swe_tests" and won["turns"] == 2 and "raise ValueError" in won["patch"]
     assert won["tests"] == {"fail_to_pass_total": 1, "fail_to_pass_passed": 1, "fail_to_pass_failed": [],
                             "pass_to_pass_total": 2, "pass_to_pass_passed": 2, "pass_to_pass_failed": []}
+    assert won["harness"] == {"harness": f"swebench {swebench_version()}", "log_parser": "parse_log_pytest",
+                              "resolution": "RESOLVED_FULL", "log_valid": True}
     lost = samples[(inventory.instance_id, 1)]
     assert lost["tests"]["pass_to_pass_failed"] == inventory.broken_p2p
+    assert lost["harness"]["resolution"] == "RESOLVED_NO"
     gave_up = samples[(textkit.instance_id, 1)]
     assert gave_up["grader"] is None and gave_up["finish_reason"] == "length" and gave_up["turns"] == 3
     assert swe["counts"]["correct"] == 2 and swe["counts"]["empty"] == 1 and swe["counts"]["length"] == 1
@@ -105,6 +109,12 @@ def test_runner_plays_and_grades_agent_episodes(tmp_path, swe_repos, swe_sandbox
     report = (tmp_path / "run" / "report.html").read_text()
     assert "Resolved rate over all 3 instances (avg@2): <b>33.3%</b>" in report
     assert "SWE-Bench Verified: avg@2 per repo" in report and "patch_does_not_apply" not in report
+    # the grading library's version: in run.json, in the summary and in the report
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["library_versions"]["swebench"] == swebench_version() == SWEBENCH_PIN
+    assert set(run["library_versions"]) >= {"swebench", "math-verify", "sympy", "latex2sympy2_extended"}
+    assert swe["library_versions"] == {"swebench": SWEBENCH_PIN}
+    assert f"<code>swebench {SWEBENCH_PIN}</code>" in report and "official SWE-bench harness" in report
 
 
 def test_kubernetes_sandbox_without_a_cluster_fails_every_sample_clearly(tmp_path, swe_repos, tiny_model_dir,  # noqa: F811

@@ -49,7 +49,8 @@ image (`image_template`), working in the repository dir (``sandbox_options``: na
 
 Tests run with `test_command` (None: per repository, `runner_spec_for`: pytest ``-rA`` for most,
 Django's ``tests/runtests.py`` and sympy's ``bin/test`` as in the SWE-bench harness) on the files the
-test patch touches, parsed by the matching log parser (`sao_core.envs.swe_grading`).
+test patch touches; the official SWE-bench harness (PyPI ``swebench``) parses the log with the
+repository's parser and decides "resolved" (`sao_core.envs.swe_grading`, `sao_core.envs.swebench_harness`).
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ from sao_core.envs.swe_grading import (
     RepoShell,
     RunnerSpec,
     apply_patch,
-    grade,
-    parse_test_log,
+    grade_test_log,
     patch_files,
     run_tests,
     runner_spec_for,
@@ -422,9 +422,15 @@ def grade_in_shell(
     step_timeout_s: float = 120,
 ) -> GradeReport:
     """Grade `patch_text` in a repository that is clean at `base`: apply it, reset the test
-    files, apply the test patch, run the tests, parse, `grade`."""
+    files, apply the test patch, run the tests; the SWE-bench harness grades the captured output
+    and exit status (`grade_test_log`)."""
     started = time.monotonic()
     f2p, p2p = list(instance.fail_to_pass), list(instance.pass_to_pass)
+
+    def harness_grade(output: str = "", exit_code: int | None = None, timed_out: bool = False,
+                      applied: bool = True) -> GradeReport:
+        return grade_test_log(output, f2p, p2p, exit_code=exit_code, timed_out=timed_out, repo=instance.repo,
+                              log_parser=spec.parser, instance_id=instance.id, patch_applied=applied)
 
     def finish(report: GradeReport, **fields: Any) -> GradeReport:
         report = replace(report, **fields)
@@ -436,7 +442,7 @@ def grade_in_shell(
     if not empty:
         ok, method, apply_log = apply_patch(shell, patch_text, name="model.diff", timeout_s=step_timeout_s)
         if not ok:
-            return finish(grade({}, f2p, p2p), patch_empty=False, patch_applied=False,
+            return finish(harness_grade(applied=False), patch_empty=False, patch_applied=False,
                           apply_log=apply_log[-20_000:], error="the patch does not apply")
     _reset_test_files(shell, base, instance.test_patch, step_timeout_s)
     test_patch_ok: bool | None = None
@@ -444,12 +450,12 @@ def grade_in_shell(
         test_patch_ok, _, test_log = apply_patch(shell, instance.test_patch, name="test.diff",
                                                  timeout_s=step_timeout_s)
         if not test_patch_ok:
-            return finish(grade({}, f2p, p2p), patch_empty=empty, patch_applied=None if empty else True,
+            return finish(harness_grade(applied=False), patch_empty=empty, patch_applied=None if empty else True,
                           apply_method=method, test_patch_applied=False, apply_log=test_log[-20_000:],
                           error="the test patch does not apply")
     targets = spec.target_list(instance.test_patch, [*f2p, *p2p])
     log, code, timed_out, command = run_tests(shell, spec, targets, timeout_s=test_timeout_s)
-    report = grade(parse_test_log(log, spec.parser), f2p, p2p)
+    report = harness_grade(log, code, timed_out)
     return finish(report, patch_empty=empty, patch_applied=None if empty else True, apply_method=method,
                   test_patch_applied=test_patch_ok, tests_run=True, test_command=command,
                   test_exit_code=code, tests_timed_out=timed_out, apply_log=apply_log[-20_000:],

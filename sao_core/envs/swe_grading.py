@@ -1,4 +1,4 @@
-"""Grading for the `swe` environment: apply patches, run tests, parse test logs, decide "resolved".
+"""Grading for the `swe` environment: apply patches, run tests, let the SWE-bench harness decide "resolved".
 
 Pieces (each usable on its own; `sao_core.envs.swe.grade_patch` chains them):
 
@@ -8,20 +8,18 @@ Pieces (each usable on its own; `sao_core.envs.swe.grade_patch` chains them):
 - `apply_patch(sandbox, patch_text)`: write the patch under ``.git/sao/`` and try, in order,
   ``git apply --verbose``, ``git apply --verbose --reject`` and ``patch --batch --fuzz=5 -p1 -i``;
   a failed fallback is rolled back (work tree restored from a snapshot) before the next one runs.
-- Log parsers, ``text -> {test_id: status}`` with statuses from `STATUSES`:
-  `parse_pytest_log` (``-rA`` summary lines and ``-v`` lines, parametrised ids with spaces,
-  ``" - "`` and brackets), `parse_django_log` (``runtests.py --verbosity 2``) and
-  `parse_sympy_log` (``bin/test --verbose``). `LOG_PARSERS` names them.
-- `grade(statuses, fail_to_pass, pass_to_pass) -> GradeReport`: resolved only when every
-  FAIL_TO_PASS and PASS_TO_PASS test passed (PASSED or XFAIL); a test missing from the log failed.
-  Ids are matched exactly first, then through aliases that reproduce how the SWE-bench data set
-  spells some ids (cut at the first space; ``[/long/path/x]`` options as ``[/x]``;
-  ``MouseButton.LEFT``/``RIGHT`` as ``1``/``3``; Python 3.11 unittest names ``t (m.C.t)`` as
-  ``t (m.C)``).
+- `run_tests`: run the test command, capture its output and exit status.
+- `grade_test_log(output, fail_to_pass, pass_to_pass, exit_code=, timed_out=, repo=)`: the decision,
+  made by the official ``swebench`` harness (`sao_core.envs.swebench_harness`): the output is
+  written as the harness's ``test_output.txt`` (its markers, the exit status, a timeout marker) and
+  ``swebench.harness.grading.get_eval_report`` grades it with the repository's parser from
+  ``swebench.harness.log_parsers``. `parse_test_log` and `grade` expose the parsers and the
+  report on a status map. No parsing or resolved rule of our own is left here.
 - `RunnerSpec` / `runner_spec_for(repo)`: the test command, log parser and target derivation per
   repository. pytest everywhere except ``django/django`` (``tests/runtests.py``, module labels)
   and ``sympy/sympy`` (``bin/test``); tests run on the files the test patch touches, as the
-  SWE-bench harness does.
+  SWE-bench harness does. The parser is the harness's for the repository (``parse_log_pytest``
+  for a repository it does not know).
 """
 
 from __future__ import annotations
@@ -30,17 +28,25 @@ import base64
 import re
 import shlex
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sao_core.envs.swebench_harness import (
+    HarnessReport,
+    harness,
+    parser_for,
+    report_for_log,
+    swebench_version,
+    tests_report,
+)
+from sao_core.envs.swebench_harness import harness_log as harness_log
 from sao_core.sandbox.base import ExecResult, Sandbox, SandboxError
 
 __all__ = [
     "DEFAULT_TEST_COMMAND",
     "FAILING_STATUSES",
     "GradeReport",
-    "LOG_PARSERS",
     "PASSING_STATUSES",
     "REPO_RUNNERS",
     "RepoShell",
@@ -49,17 +55,15 @@ __all__ = [
     "apply_patch",
     "django_test_labels",
     "grade",
-    "lookup_status",
-    "parse_django_log",
-    "parse_pytest_log",
-    "parse_sympy_log",
+    "grade_test_log",
+    "harness_log",
     "parse_test_log",
     "patch_files",
     "run_tests",
     "runner_spec_for",
 ]
 
-STATUSES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+STATUSES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL")   # swebench.harness.constants.TestStatus
 PASSING_STATUSES = frozenset({"PASSED", "XFAIL"})      # as the SWE-bench harness counts them
 FAILING_STATUSES = frozenset({"FAILED", "ERROR"})
 MISSING = "MISSING"                                      # in reports: the test is not in the log
@@ -67,149 +71,18 @@ MISSING = "MISSING"                                      # in reports: the test 
 DEFAULT_TEST_COMMAND = "python -m pytest -rA -p no:cacheprovider"
 SCRATCH = "sao"                                          # our files live in <git dir>/sao/
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
+# ---------------------------------------------------------------------------------------- log parsers
 
-def _clean(line: str) -> str:
-    return _ANSI.sub("", line).replace("\r", "").rstrip()
-
-
-def _merge(statuses: dict[str, str], test_id: str, status: str) -> None:
-    """Record a status; a failure (FAILED/ERROR) is never overwritten by a later non-failure, so a
-    test that passed its call but errored in teardown stays ERROR whichever line comes first."""
-    test_id = test_id.strip()
-    if not test_id:
-        return
-    old = statuses.get(test_id)
-    if old in FAILING_STATUSES and status not in FAILING_STATUSES:
-        return
-    statuses[test_id] = status
-
-
-# ---------------------------------------------------------------------------------------- pytest
-
-_PYTEST_STATUS = "|".join(STATUSES)
-_XDIST_PREFIX = re.compile(r"^\[gw\d+\]\s+(?:\[\s*\d+%\]\s+)?")
-_SUMMARY = re.compile(rf"^(?P<st>{_PYTEST_STATUS})\s+(?P<rest>.+)$")
-_VERBOSE = re.compile(
-    rf"^(?P<id>\S.*?)\s+(?P<st>{_PYTEST_STATUS})(?:\s+\(.*\))?(?:\s+\[\s*\d+%\])?$"
-)
-
-
-def _looks_like_node(test_id: str) -> bool:
-    head = test_id.split("::", 1)[0]
-    return "::" in test_id or head.endswith(".py")
-
-
-def _summary_id(status: str, rest: str) -> str | None:
-    """The node id at the start of a ``-rA`` summary line's remainder (after the status word).
-
-    Messages follow the id after ``" - "``, which may also occur inside a parametrised id, so the
-    id is the shortest ``" - "``-prefix that closes its ``[...]``; without brackets, the first."""
-    rest = rest.strip()
-    if status == "SKIPPED" and rest.startswith("["):      # "SKIPPED [1] path:line: reason": no id
-        return None
-    pieces = rest.split(" - ")
-    if len(pieces) == 1:
-        candidate = rest
-        # older pytest: "XPASS id reason" without " - "; ids without brackets have no spaces
-        if status in ("XFAIL", "XPASS") and "[" not in candidate and " " in candidate:
-            candidate = candidate.split()[0]
-        return candidate
-    for i in range(1, len(pieces) + 1):
-        candidate = " - ".join(pieces[:i])
-        if "[" not in candidate.split("::")[-1] or candidate.endswith("]"):
-            return candidate
-    return pieces[0]
-
-
-def parse_pytest_log(text: str) -> dict[str, str]:
-    """``{node_id: status}`` from a pytest log.
-
-    Reads the short summary of ``-rA`` (``PASSED id``, ``FAILED id - msg``, ``ERROR id - msg``,
-    ``XFAIL id - reason``, ``XPASS id - reason``) and verbose ``-v`` lines (``id PASSED [ 10%]``,
-    ``id SKIPPED (reason)``), with pytest-xdist's ``[gw0] [ 10%]`` prefix and ANSI colours removed.
-    ``-rA`` prints skips as ``SKIPPED [1] file:line: reason`` without an id, so a skipped test
-    appears only with ``-v``. A collection error appears under the file's path. When a test has
-    several lines (passed, then errored in teardown) a failure wins."""
-    statuses: dict[str, str] = {}
-    for raw in text.splitlines():
-        line = _XDIST_PREFIX.sub("", _clean(raw))
-        if not line:
-            continue
-        m = _SUMMARY.match(line)
-        if m:
-            test_id = _summary_id(m["st"], m["rest"])
-            if test_id and _looks_like_node(test_id):
-                _merge(statuses, test_id, m["st"])
-            continue
-        m = _VERBOSE.match(line)
-        if m and _looks_like_node(m["id"]):
-            _merge(statuses, m["id"], m["st"])
-    return statuses
-
-
-# ---------------------------------------------------------------------------------------- django
-
-_DJANGO_RESULTS = {
-    "ok": "PASSED",
-    "OK": "PASSED",
-    "FAIL": "FAILED",
-    "ERROR": "ERROR",
-    "expected failure": "XFAIL",
-    "unexpected success": "FAILED",   # unittest counts it as a failure of the run
-}
-_DJANGO_LINE = re.compile(r"^(?P<id>.+?) \.\.\. ?(?P<rest>.*)$")
-_DJANGO_HEADER = re.compile(r"^(?P<st>FAIL|ERROR): (?P<id>.+)$")
-_DJANGO_LATE = re.compile(r"^(ok|FAIL|ERROR)\b")
-
-
-def _django_result(rest: str) -> str | None:
-    rest = rest.strip()
-    if rest in _DJANGO_RESULTS:
-        return _DJANGO_RESULTS[rest]
-    if rest.startswith("skipped"):
-        return "SKIPPED"
-    return None
-
-
-def parse_django_log(text: str) -> dict[str, str]:
-    """``{test: status}`` from Django's ``tests/runtests.py --verbosity 2`` (unittest) output.
-
-    Result lines are ``<test> ... ok|FAIL|ERROR|skipped '...'|expected failure|unexpected
-    success``; ``<test>`` is ``test_x (module.Class)`` (Python 3.11+: ``test_x
-    (module.Class.test_x)``) or the first line of the test's docstring. When the test prints
-    something after ``...``, the result comes on a later line on its own; the last test still
-    waiting takes it. ``FAIL: <test>`` / ``ERROR: <test>`` headers of the failure details count
-    too."""
-    statuses: dict[str, str] = {}
-    pending: str | None = None
-    for raw in text.splitlines():
-        line = _clean(raw).strip()
-        if not line:
-            continue
-        m = _DJANGO_HEADER.match(line)
-        if m:
-            _merge(statuses, m["id"], "FAILED" if m["st"] == "FAIL" else "ERROR")
-            continue
-        m = _DJANGO_LINE.match(line)
-        if m:
-            status = _django_result(m["rest"])
-            if status is None:
-                pending = m["id"]        # output (or nothing yet) after "...": the result comes later
-            else:
-                _merge(statuses, m["id"], status)
-                pending = None
-            continue
-        if pending is not None:
-            status = _django_result(line)
-            if status is None:
-                word = _DJANGO_LATE.match(line)
-                status = _DJANGO_RESULTS[word.group(1)] if word else None
-            if status is not None:
-                _merge(statuses, pending, status)
-                pending = None
-    return statuses
+def parse_test_log(text: str, parser: str | None = None, repo: str | None = None) -> dict[str, str]:
+    """``{test: status}`` of a test log, by the SWE-bench harness's own parser: `parser` (a
+    ``swebench`` ``PARSER_REGISTRY`` name, or ``pytest`` / ``django`` / ``sympy``), else the one the
+    harness uses for `repo`, else its generic ``parse_log_pytest``."""
+    h = harness()
+    name = parser_for(repo, parser)
+    spec = h.TestSpec(instance_id="", image="", eval_script_list=[], repo=repo or "", version="",
+                      FAIL_TO_PASS=[], PASS_TO_PASS=[], log_parser=name)
+    return dict(h.log_parsers.PARSER_REGISTRY[name](text, spec))
 
 
 def django_test_labels(files: Iterable[str]) -> list[str]:
@@ -226,89 +99,12 @@ def django_test_labels(files: Iterable[str]) -> list[str]:
     return labels
 
 
-# ---------------------------------------------------------------------------------------- sympy
-
-_SYMPY_LINE = re.compile(r"^(?P<id>test_\w+)\s+(?P<st>ok|F|E|f|s|X|w)(?:\s.*)?$")
-_SYMPY_HEADER = re.compile(r"^_{3,} (?P<id>\S+\.py:\w+) _{3,}$")
-_SYMPY_MAP = {"ok": "PASSED", "F": "FAILED", "E": "ERROR", "f": "XFAIL", "s": "SKIPPED", "X": "XPASS",
-              "w": "SKIPPED"}
-
-
-def parse_sympy_log(text: str) -> dict[str, str]:
-    """``{test: status}`` from sympy's ``bin/test --verbose``: per-test lines ``test_name ok``
-    (``F``, ``E``, ``f`` expected failure, ``s`` skipped, ``X`` unexpected pass) and failure
-    headers ``____ sympy/x/tests/test_y.py:test_name ____`` (FAILED)."""
-    statuses: dict[str, str] = {}
-    for raw in text.splitlines():
-        line = _clean(raw).strip()
-        m = _SYMPY_HEADER.match(line)
-        if m:
-            _merge(statuses, m["id"], "FAILED")
-            continue
-        m = _SYMPY_LINE.match(line)
-        if m:
-            _merge(statuses, m["id"], _SYMPY_MAP[m["st"]])
-    return statuses
-
-
-LOG_PARSERS: dict[str, Callable[[str], dict[str, str]]] = {
-    "pytest": parse_pytest_log,
-    "django": parse_django_log,
-    "sympy": parse_sympy_log,
-}
-
-
-def parse_test_log(text: str, parser: str = "pytest") -> dict[str, str]:
-    """Parse `text` with the parser named `parser` (a key of `LOG_PARSERS`)."""
-    try:
-        fn = LOG_PARSERS[parser]
-    except KeyError:
-        raise ValueError(f"unknown log parser {parser!r}; expected one of: {', '.join(LOG_PARSERS)}") from None
-    return fn(text)
-
-
 # ---------------------------------------------------------------------------------------- grading
-
-_PATH_OPTION = re.compile(r"^(?P<main>.*?)\[(?P<opt>.*)\]$")
-_PY311_UNITTEST = re.compile(r"^(?P<name>\w+) \((?P<where>.+)\.(?P=name)\)$")
-
-
-def _aliases(test_id: str) -> list[str]:
-    """Other spellings of a parsed id under which data sets (SWE-bench) may list it."""
-    out = []
-    if any(ch.isspace() for ch in test_id):
-        out.append(test_id.split()[0])                     # the harness splits lines on whitespace
-    m = _PATH_OPTION.match(test_id)
-    if m and m["opt"].startswith("/") and not m["opt"].startswith("//") and "*" not in m["opt"]:
-        out.append(f"{m['main']}[/{m['opt'].split('/')[-1]}]")
-    if "MouseButton." in test_id:
-        out.append(test_id.replace("MouseButton.LEFT", "1").replace("MouseButton.RIGHT", "3"))
-    m = _PY311_UNITTEST.match(test_id)
-    if m:
-        out.append(f"{m['name']} ({m['where']})")
-    return [a for a in out if a and a != test_id]
-
-
-def _alias_index(statuses: Mapping[str, str]) -> dict[str, str]:
-    index: dict[str, str] = {}
-    for test_id, status in statuses.items():      # log order: a later line wins, as in the harness
-        for alias in _aliases(test_id):
-            if alias not in statuses:
-                index[alias] = status
-    return index
-
-
-def lookup_status(statuses: Mapping[str, str], test_id: str, aliases: Mapping[str, str] | None = None) -> str:
-    """The status of `test_id` (exact id, else an alias, else ``"MISSING"``)."""
-    if test_id in statuses:
-        return statuses[test_id]
-    index = aliases if aliases is not None else _alias_index(statuses)
-    return index.get(test_id, index.get(test_id.strip(), MISSING))
-
 
 @dataclass
 class GradeReport:
-    """Outcome of grading one patch. `resolved` is the reward-bearing bit."""
+    """Outcome of grading one patch. `resolved` is the reward-bearing bit (the harness's
+    ``RESOLVED_FULL``)."""
 
     resolved: bool
     fail_to_pass_total: int = 0
@@ -318,6 +114,12 @@ class GradeReport:
     pass_to_pass_passed: int = 0
     pass_to_pass_failed: list[str] = field(default_factory=list)
     statuses: dict[str, str] = field(default_factory=dict)   # status of every listed test (or MISSING)
+    # the harness's decision
+    resolution: str | None = None          # RESOLVED_FULL / RESOLVED_PARTIAL / RESOLVED_NO
+    log_valid: bool | None = None          # the harness accepted the log as a test run (get_logs_eval)
+    log_parser: str | None = None          # swebench PARSER_REGISTRY name
+    harness: str | None = None             # "swebench <version>"
+    infra_failure_reason: str | None = None
     # filled in by grade_patch
     patch_empty: bool | None = None
     patch_applied: bool | None = None
@@ -343,37 +145,67 @@ class GradeReport:
         return out
 
 
-def grade(statuses: Mapping[str, str], fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]) -> GradeReport:
-    """Resolved iff every FAIL_TO_PASS and every PASS_TO_PASS test passed (PASSED or XFAIL).
-
-    A test missing from `statuses` counts as failed; so does SKIPPED. With no FAIL_TO_PASS tests
-    nothing can be checked, and the patch is not resolved."""
-    index = _alias_index(statuses)
-    listed: dict[str, str] = {}
-
-    def check(tests: Sequence[str]) -> tuple[int, list[str]]:
-        passed, failed = 0, []
-        for test_id in tests:
-            status = lookup_status(statuses, test_id, index)
-            listed[test_id] = status
-            if status in PASSING_STATUSES:
-                passed += 1
-            else:
-                failed.append(test_id)
-        return passed, failed
-
-    f2p_passed, f2p_failed = check(list(fail_to_pass))
-    p2p_passed, p2p_failed = check(list(pass_to_pass))
+def _from_harness(hr: HarnessReport, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]) -> GradeReport:
+    f2p, p2p = list(fail_to_pass), list(pass_to_pass)
+    if hr.log_valid:
+        f2p_ok, p2p_ok = set(hr.fail_to_pass_success), set(hr.pass_to_pass_success)
+    else:
+        f2p_ok, p2p_ok = set(), set()          # no valid run: nothing was shown to pass
     return GradeReport(
-        resolved=bool(fail_to_pass) and not f2p_failed and not p2p_failed,
-        fail_to_pass_total=len(fail_to_pass),
-        fail_to_pass_passed=f2p_passed,
-        fail_to_pass_failed=f2p_failed,
-        pass_to_pass_total=len(pass_to_pass),
-        pass_to_pass_passed=p2p_passed,
-        pass_to_pass_failed=p2p_failed,
-        statuses=listed,
+        resolved=hr.resolved,
+        fail_to_pass_total=len(f2p), fail_to_pass_passed=sum(t in f2p_ok for t in f2p),
+        fail_to_pass_failed=[t for t in f2p if t not in f2p_ok],
+        pass_to_pass_total=len(p2p), pass_to_pass_passed=sum(t in p2p_ok for t in p2p),
+        pass_to_pass_failed=[t for t in p2p if t not in p2p_ok],
+        statuses={t: hr.statuses.get(t, MISSING) for t in [*f2p, *p2p]},
+        resolution=hr.resolution, log_valid=hr.log_valid, log_parser=hr.log_parser,
+        harness=f"swebench {hr.version}", infra_failure_reason=hr.infra_failure_reason,
     )
+
+
+def grade_test_log(
+    test_output: str,
+    fail_to_pass: Sequence[str],
+    pass_to_pass: Sequence[str],
+    *,
+    exit_code: int | None,
+    timed_out: bool = False,
+    repo: str | None = None,
+    log_parser: str | None = None,
+    instance_id: str = "instance",
+    version: str | None = None,
+    patch_applied: bool = True,
+) -> GradeReport:
+    """Grade one test run by the SWE-bench harness: `test_output` (what the test command printed),
+    its `exit_code` and whether it `timed_out` are written as the harness's ``test_output.txt``
+    (`harness_log`) and the harness's ``get_eval_report`` decides (`report_for_log`).
+
+    Resolved iff the harness says ``RESOLVED_FULL``: the log is a valid run (markers present, no
+    timeout / patch-failure marker, results parsed or the suite visibly ran, and a non-zero exit
+    status only together with a failed or errored test), every FAIL_TO_PASS test PASSED or XFAIL,
+    and every PASS_TO_PASS test PASSED, XFAIL or SKIPPED. A listed test missing from the log failed.
+    A test counted as passed by the harness is in neither failed list; when the log is not a valid
+    run, every listed test is in its failed list."""
+    log = harness_log(test_output, exit_code=exit_code, timed_out=timed_out, patch_applied=patch_applied)
+    hr = report_for_log(log, fail_to_pass, pass_to_pass, repo=repo, log_parser=log_parser,
+                        instance_id=instance_id, version=version, test_output=test_output)
+    return _from_harness(hr, fail_to_pass, pass_to_pass)
+
+
+def grade(statuses: Mapping[str, str], fail_to_pass: Sequence[str], pass_to_pass: Sequence[str],
+          repo: str | None = None) -> GradeReport:
+    """Grade a status map by the harness's ``get_eval_tests_report`` / ``get_resolution_status``
+    (no log, so none of the log-validity checks of `grade_test_log`; an empty map is not a valid
+    run and is never resolved)."""
+    report, resolution = tests_report(statuses, fail_to_pass, pass_to_pass, repo)
+    hr = HarnessReport(
+        resolved=bool(statuses) and resolution == "RESOLVED_FULL", resolution=resolution, log_valid=bool(statuses),
+        log_parser=None, eval_type="", statuses=dict(statuses), version=swebench_version(),
+        fail_to_pass_success=report["FAIL_TO_PASS"]["success"], fail_to_pass_failure=report["FAIL_TO_PASS"]["failure"],
+        pass_to_pass_success=report["PASS_TO_PASS"]["success"], pass_to_pass_failure=report["PASS_TO_PASS"]["failure"])
+    out = _from_harness(hr, fail_to_pass, pass_to_pass)
+    out.log_parser = None
+    return out
 
 
 # ---------------------------------------------------------------------------------------- sandbox side
@@ -559,10 +391,11 @@ def patch_files(patch_text: str) -> list[tuple[str, bool]]:
 @dataclass(frozen=True)
 class RunnerSpec:
     """How one repository's tests run: `command` (targets appended, shell-quoted), the log
-    `parser` (a `LOG_PARSERS` key) and how test-patch files become targets (`targets`)."""
+    `parser` (a ``swebench`` ``PARSER_REGISTRY`` name; None: the harness's parser for the
+    repository) and how test-patch files become targets (`targets`)."""
 
     command: str = DEFAULT_TEST_COMMAND
-    parser: str = "pytest"
+    parser: str | None = None
     targets: str = "files"          # "files": the .py files; "django": runtests.py module labels
 
     def target_list(self, test_patch: str, tests: Sequence[str] = ()) -> list[str]:
@@ -579,17 +412,18 @@ REPO_RUNNERS: dict[str, RunnerSpec] = {
     "django/django": RunnerSpec(
         command="LANG=en_US.UTF-8 LANGUAGE=en_US:en LC_ALL=en_US.UTF-8 "
                 "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1",
-        parser="django", targets="django"),
+        targets="django"),
     "sympy/sympy": RunnerSpec(
-        command="PYTHONWARNINGS='ignore::UserWarning,ignore::SyntaxWarning' bin/test -C --verbose",
-        parser="sympy"),
+        command="PYTHONWARNINGS='ignore::UserWarning,ignore::SyntaxWarning' bin/test -C --verbose"),
 }
 
 
 def runner_spec_for(repo: str | None, command: str | None = None, parser: str | None = None) -> RunnerSpec:
-    """The `RunnerSpec` for `repo` (``owner/name``), with `command` / `parser` overriding it."""
+    """The `RunnerSpec` for `repo` (``owner/name``), with `command` / `parser` overriding it; the
+    parser is resolved to a ``PARSER_REGISTRY`` name (`sao_core.envs.swebench_harness.parser_for`)."""
     base = REPO_RUNNERS.get((repo or "").strip().lower(), RunnerSpec())
-    return RunnerSpec(command=command or base.command, parser=parser or base.parser, targets=base.targets)
+    return RunnerSpec(command=command or base.command, parser=parser_for(repo, parser or base.parser),
+                      targets=base.targets)
 
 
 def run_tests(

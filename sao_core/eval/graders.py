@@ -339,7 +339,7 @@ def verdict_from_swe_report(report: Mapping[str, Any], patch: str | None = None)
     extra = {key: report.get(key) for key in (
         "fail_to_pass_total", "fail_to_pass_passed", "fail_to_pass_failed", "pass_to_pass_total",
         "pass_to_pass_passed", "pass_to_pass_failed", "apply_method", "patch_applied", "test_patch_applied",
-        "tests_run", "test_exit_code", "tests_timed_out", "error")}
+        "tests_run", "test_exit_code", "tests_timed_out", "error", "resolution", "log_valid", "log_parser", "harness")}
     seconds = float(report.get("seconds") or 0.0)
     failed = list(report.get("fail_to_pass_failed") or []) + list(report.get("pass_to_pass_failed") or [])
     if report.get("resolved"):
@@ -359,6 +359,9 @@ def verdict_from_swe_report(report: Mapping[str, Any], patch: str | None = None)
     else:
         grade = "unresolved"
         detail = f"{len(failed)} listed test(s) did not pass: {', '.join(failed[:5])}" + (" ..." if len(failed) > 5 else "")
+        if report.get("tests_run") and report.get("log_valid") is False:
+            detail = (f"the SWE-bench harness found no valid test run in the log (exit status "
+                      f"{report.get('test_exit_code')}; a crash, or no results)")
     return Verdict(False, grade, "swe_tests", None, detail, seconds=seconds, extra=extra)
 
 

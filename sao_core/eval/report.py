@@ -214,7 +214,15 @@ def _comparison(summary: Mapping[str, Any], previous: Mapping[str, Any] | None) 
 
 def _intro(name: str, b: Mapping[str, Any]) -> str:
     k = int(b["k"])
-    text = (f"<p>{b['problems']} problems × {k} samples; graded by <code>{escape(str(b.get('grader')))}</code>.")
+    text = (f"<p>{b['problems']} problems × {k} samples; graded by <code>{escape(str(b.get('grader')))}</code>")
+    versions = b.get("library_versions") or {}
+    if versions:
+        text += " with " + ", ".join(f"<code>{escape(str(lib))} {escape(str(v) if v else '(not installed)')}</code>"
+                                     for lib, v in versions.items())
+    text += "."
+    if b.get("grader") == "swe_tests":
+        text += (" Resolved as the official SWE-bench harness decides (<code>swebench.harness.grading."
+                 "get_eval_report</code> on the captured test log).")
     if name == "swe_verified":
         rate = (b.get("scores") or {}).get(f"avg@{k}")
         text += f" Resolved rate over all {b['problems']} instances (avg@{k}): <b>{_pct(rate)}</b>."

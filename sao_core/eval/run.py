@@ -18,12 +18,14 @@ Outputs (in `EvalConfig.output`, a folder or an ``s3://`` prefix):
   error), ``correct, grade, grader, settled, answer, detail, finish_reason, timed_out, tokens``
   (generated tokens), ``prompt_tokens, turns, seconds`` (wall time of the sample), ``generation_seconds,
   tool_seconds, grade_seconds, seed, groups`` (category, repository, ...), ``response`` (the end of the
-  last model turn), SWE: ``patch`` and ``tests`` (test counts), plus ``judge`` when the LLM judge ruled;
-- ``summary.json``: per benchmark its data set record, scores, counts, graders, breakdowns, token
-  statistics and per-problem results, plus the flat metrics and the comparison with a previous run;
+  last model turn), SWE: ``patch``, ``tests`` (test counts) and ``harness`` (swebench version, log
+  parser, resolution status, whether the log was a valid run), plus ``judge`` when the LLM judge ruled;
+- ``summary.json``: per benchmark its data set record, scores, counts, graders (with the grading
+  libraries' versions, ``library_versions``), breakdowns, token statistics and per-problem results, plus the flat metrics and the comparison with a previous run;
 - ``metrics.json``: the flat ``name -> float`` metrics (KFP-ready, e.g. ``imo_answerbench/avg@4``);
 - ``report.html``: the report (`sao_core.eval.report.write_report`);
-- ``run.json``: the settings that make samples comparable (checked when resuming);
+- ``run.json``: the settings that make samples comparable (checked when resuming), and the versions of
+  the grading libraries (``library_versions``: ``swebench``, ``math-verify``, ...; recorded only);
 - ``datasets/<benchmark>/``: the normalised data (``data.jsonl``, ``rejects.jsonl``, ``stats.json``).
 
 Resuming: with `resume` (the default), samples already in ``samples.jsonl`` with status ``graded`` or
@@ -54,6 +56,7 @@ from sao_core.eval.benchmarks import LoadedBenchmark, get_benchmark, group_value
 from sao_core.eval.config import EvalConfig, EvalError
 from sao_core.eval.graders import ImoGrader, IntegerGrader, LLMJudge, Verdict, verdict_from_swe_report
 from sao_core.eval.metrics import benchmark_metrics, compare, flat_metrics
+from sao_core.eval.versions import grader_versions, versions_for_grader
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,8 @@ def run_settings(config: EvalConfig, loaded: list[LoadedBenchmark]) -> dict[str,
                      "seed": config.seed},
         "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest(),
         "datasets": {b.spec.name: b.dataset.version for b in loaded},
+        # the grading libraries' versions (swebench's harness, math-verify, ...): recorded, not checked on resume
+        "library_versions": grader_versions(),
     }
 
 
@@ -342,6 +347,8 @@ async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, An
     status = "timeout" if finish == "timeout" else "error" if finish in ("env_error", "tool_error") else "graded"
     if spec.env == "swe":
         extra["tests"] = {k: v for k, v in verdict.extra.items() if k.endswith(("_total", "_passed", "_failed"))}
+        if verdict.extra.get("harness"):     # what the SWE-bench harness decided, and which one
+            extra["harness"] = {k: verdict.extra.get(k) for k in ("harness", "log_parser", "resolution", "log_valid")}
     if "judge" in verdict.extra:
         extra["judge"] = verdict.extra["judge"]
         extra["rule_grade"] = verdict.extra.get("rule_grade")
@@ -606,6 +613,7 @@ def summarize(config: EvalConfig, loaded: list[LoadedBenchmark], samples: dict[s
         benchmarks[spec.name] = {
             "title": spec.title,
             "grader": spec.grader,
+            "library_versions": versions_for_grader(spec.grader),
             "dataset": bench.dataset.to_dict(),
             **metrics,
             "unsettled_total": len(unsettled),
