@@ -180,16 +180,12 @@ def scenario_case(repo: str, family: str, scenario: tuple) -> tuple[str, int | N
     return output, exit_code, timed_out, tests[:2], tests[2:4]
 
 
-AGREEMENT: dict[str, list[bool]] = {}
-
-
 @pytest.mark.parametrize("repo,family", FAMILIES, ids=[r for r, _ in FAMILIES])
 def test_scenarios_agree_with_the_harness(tmp_path, repo, family):
     for scenario in SCENARIOS:
         output, code, timed_out, f2p, p2p = scenario_case(repo, family, scenario)
         want = reference_resolved(tmp_path, repo, output, code, timed_out, f2p, p2p)
         got = ours(repo, output, code, timed_out, f2p, p2p)
-        AGREEMENT.setdefault(family if family != "pytest" else repo, []).append(got == want)
         assert got == want, (repo, scenario[0], got, want)
         # the runs the issue lists: never resolved, whatever the parser
         if scenario[0] in ("crash after PASSED lines", "INTERNALERROR", "non-zero exit, no failure", "timed out",
@@ -279,8 +275,6 @@ def test_hand_written_logs_agree_with_the_harness(tmp_path, case):
     repo, output, code, timed_out, f2p, p2p, expected = case
     want = reference_resolved(tmp_path, repo, output, code, timed_out, f2p, p2p)
     got = ours(repo, output, code, timed_out, f2p, p2p)
-    family = {"django/django": "django", "sympy/sympy": "sympy"}.get(repo, repo)
-    AGREEMENT.setdefault(family, []).append(got == want)
     assert (got, want) == (expected, expected)
 
 
@@ -324,11 +318,3 @@ def test_pinned_version_is_installed_and_heavy_deps_not_imported():
     loaded = {name.split(".")[0] for name in sys.modules}
     assert not loaded & {"modal", "ghapi", "git"}, loaded & {"modal", "ghapi", "git"}
     assert "swebench.harness.docker_utils" not in sys.modules and "swebench.harness.run_evaluation" not in sys.modules
-
-
-def test_every_family_was_compared():
-    """Runs last in this file (pytest keeps file order): every family and log agreed."""
-    if len(AGREEMENT) < 12:
-        pytest.skip("run with the rest of this file")
-    assert all(all(v) for v in AGREEMENT.values())
-    print({family: f"{sum(v)}/{len(v)}" for family, v in AGREEMENT.items()})
