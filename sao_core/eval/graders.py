@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sao_core.envs.grading import MathGrader, answer_region, extract_boxed
+from sao_core.eval.exact import squeeze
 
 GRADERS = ("exact_int", "rule", "llm_judge", "swe_tests")
 
@@ -141,6 +142,19 @@ def normalize_answer(text: str) -> str:
     return re.sub(r"\s+", "", out).rstrip(".")
 
 
+_PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}(?![A-Za-z])")
+
+
+def prose_key(text: str) -> str:
+    """The comparison key of a prose answer: words of two or more letters outside ``$…$`` lower-cased
+    (``All`` = ``all``), single letters and formulas kept as written (``N`` is not ``n``), then
+    `squeeze` (`sao_core.eval.exact`)."""
+    pieces = text.split("$")
+    for i in range(0, len(pieces), 2):
+        pieces[i] = _PROSE_WORD.sub(lambda m: m.group(0).casefold(), pieces[i])
+    return squeeze("$".join(pieces))
+
+
 def is_prose(text: str) -> bool:
     """True when `text` carries words (three or more letters outside LaTeX commands), e.g. ``odd $n$``
     or ``$f(x)=x$ for all $x$``: math-verify would judge it on its formulas alone."""
@@ -164,27 +178,30 @@ class ImoGrader:
         self.judge_policy = judge_policy
 
     def rule(self, answer: str | None, gold: str, *, text_shortcut: bool = True) -> Verdict:
-        """The rules alone. `text_shortcut=False` makes math-verify decide even identical texts (used to
-        measure what math-verify itself settles)."""
+        """The rules alone (`sao_core.eval.exact`). `text_shortcut=False` makes the exact rules decide even
+        identical texts (used to measure what they settle by themselves). The rule that decided is in
+        ``extra["rule"]``."""
         started = time.monotonic()
         if answer is None or not answer.strip():
             return Verdict(False, "no_answer", self.name, answer, "no final \\boxed{} answer")
         if text_shortcut:
-            if normalize_answer(answer) == normalize_answer(gold):
-                return Verdict(True, "match", self.name, answer, "same text", seconds=time.monotonic() - started)
-            if (is_prose(gold) or is_prose(answer)) and \
-                    normalize_answer(answer).casefold() == normalize_answer(gold).casefold():
-                return Verdict(True, "match", self.name, answer, "same words", seconds=time.monotonic() - started)
+            if squeeze(answer) == squeeze(gold):
+                return Verdict(True, "match", self.name, answer, "same text", seconds=time.monotonic() - started,
+                               extra={"rule": "text"})
+            if (is_prose(gold) or is_prose(answer)) and prose_key(answer) == prose_key(gold):
+                return Verdict(True, "match", self.name, answer, "same words", seconds=time.monotonic() - started,
+                               extra={"rule": "words"})
         prose = [name for name, text in (("reference", gold), ("answer", answer)) if is_prose(text)]
         if prose:
             return Verdict(False, "unsettled", self.name, answer,
                            f"the {' and the '.join(prose)} {'is' if len(prose) == 1 else 'are'} worded in prose: "
-                           "rules cannot compare them", settled=False, seconds=time.monotonic() - started)
-        result = self.math_grader.grade(answer, gold, self.timeout_s, text_shortcut=text_shortcut)
+                           "rules cannot compare them", settled=False, seconds=time.monotonic() - started,
+                           extra={"rule": "prose"})
+        result = self.math_grader.grade(answer, gold, self.timeout_s, text_shortcut=text_shortcut, mode="exact")
         settled = result.reason in ("match", "mismatch")
-        return Verdict(result.correct, result.reason, self.name, answer,
-                       result.detail or ("math-verify" if settled else ""), settled=settled,
-                       seconds=time.monotonic() - started)
+        grade = result.reason if result.reason in ("match", "mismatch", "timeout", "error") else "unsettled"
+        return Verdict(result.correct, grade, self.name, answer, result.detail, settled=settled,
+                       seconds=time.monotonic() - started, extra={"rule": result.rule or result.reason})
 
     def grade(self, answer: str | None, gold: str, problem: Mapping[str, Any] | None = None) -> Verdict:
         verdict = self.rule(answer, gold)
