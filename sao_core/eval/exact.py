@@ -193,6 +193,8 @@ class _Parser:
                 rhs = self.unary()
                 value = value * rhs if tok == "*" else value / rhs
             elif self._starts_primary(tok) or (tok == "|" and self._abs_open_ok()):
+                if tok == "\\frac" and self.i > 0 and self.t[self.i - 1][0].isdigit():
+                    raise ParseError("a number before a fraction (a mixed number?) is ambiguous")
                 value = value * self.power()
             else:
                 return value
@@ -508,12 +510,12 @@ def _node(tokens: list[str]) -> Node:
         if ops == ["="] and _is_label(chain[0]):
             return Node("label", text, (_text(chain[0]), _node(chain[1])))
         try:
-            sides = [parse_expression(_text(side)) for side in chain]
+            sides = [parse_expression(" ".join(side)) for side in chain]
         except (ParseError, TypeError, ValueError, ZeroDivisionError, RecursionError):
             return Node("opaque", text)
         return Node("rel", text, (ops, sides))
     try:
-        return Node("expr", text, parse_expression(text))
+        return Node("expr", text, parse_expression(" ".join(tokens)))
     except (ParseError, TypeError, ValueError, ZeroDivisionError, RecursionError):
         return Node("opaque", text)
     except Exception:     # noqa: BLE001  sympy raises many kinds on odd input: not readable
@@ -585,6 +587,12 @@ def _differs(a: Any, b: Any, values: dict[Any, Any]) -> bool | None:
 def _differs_at(a: Any, b: Any, values: dict[Any, Any]) -> bool | None:
     import sympy
 
+    try:
+        exact = (a - b).subs(values) if values else a - b
+    except Exception:    # noqa: BLE001
+        exact = None
+    if exact is not None and exact.is_Rational:          # integers, fractions: decided exactly
+        return exact != 0
     try:
         da = a.subs(values).evalf(60) if values else a.evalf(60)
         db = b.subs(values).evalf(60) if values else b.evalf(60)

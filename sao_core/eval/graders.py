@@ -156,9 +156,9 @@ def prose_key(text: str) -> str:
 
 
 def is_prose(text: str) -> bool:
-    """True when `text` carries words (three or more letters outside LaTeX commands), e.g. ``odd $n$``
-    or ``$f(x)=x$ for all $x$``: math-verify would judge it on its formulas alone."""
-    return bool(_WORD.search(_COMMAND.sub(" ", text)))
+    """True when `text` carries words (three or more letters outside LaTeX commands, other than ``and``),
+    e.g. ``odd $n$`` or ``$f(x)=x$ for all $x$``: formula rules would judge it on its formulas alone."""
+    return any(word.group(0).lower() not in ("and", "or") for word in _WORD.finditer(_COMMAND.sub(" ", text)))
 
 
 class ImoGrader:
