@@ -3,7 +3,8 @@
 - **BeyondAIME** (`IntegerGrader`, grader ``exact_int``): the last ``\\boxed{}`` after any reasoning
   block (`sao_core.envs.grading.extract_boxed`) must hold an integer equal to the reference. Accepted
   integer spellings: an optional sign, digits with optional thousands separators (``1,000``,
-  ``1{,}000``, ``1\\,000``), surrounding ``$``, ``\\text{}``/``\\mathbf{}`` wrappers, a leading
+  ``1{,}000``, ``1\\,000``, ``1 000``: groups of exactly three digits after the first, one kind of
+  separator throughout; ``4 2`` or ``1,00`` is not an integer), surrounding ``$``, ``\\text{}``/``\\mathbf{}`` wrappers, a leading
   ``x =`` and a trailing full stop. Anything else is ``unparseable`` (wrong).
 - **IMO-AnswerBench** (`ImoGrader`): rules first (grader ``rule``): the same text after light
   normalisation is a match; otherwise math-verify decides in a worker process with a timeout
@@ -62,7 +63,8 @@ class Verdict:
 
 _WRAPPERS = re.compile(r"^\\(?:text|textbf|mathbf|mathrm|boxed|displaystyle)\s*\{(?P<body>.*)\}$", re.S)
 _INTEGER = re.compile(r"[+-]?\d+")
-_GROUPED = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+")
+_SEPARATOR = re.compile(r",|\{,\}|\\,|\\ | ")
+_SEPARATED = re.compile(r"[+-]?\d{1,3}(?:(?:,|\{,\}|\\,|\\ | )\d{3})+")
 _ASSIGN = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*=\s*")
 
 
@@ -84,9 +86,9 @@ def parse_integer(answer: str | None) -> int | None:
         text = _ASSIGN.sub("", text.strip())
         if text == before:
             break
-    text = text.replace("{,}", ",").replace("\\,", ",").replace("\\!", "").replace("~", "").replace(" ", "")
-    if _GROUPED.fullmatch(text):
-        text = text.replace(",", "")
+    match = _SEPARATED.fullmatch(text)
+    if match and len({sep for sep in _SEPARATOR.findall(text)}) == 1:
+        return int(re.sub(r"\D", "", text)) * (-1 if text.startswith("-") else 1)
     if _INTEGER.fullmatch(text):
         return int(text)
     return None
