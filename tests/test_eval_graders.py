@@ -38,13 +38,17 @@ def math_grader():
     ("42", 42), (" 42 ", 42), ("-7", -7), ("+3", 3), ("042", 42), ("$42$", 42), ("42.", 42),
     ("1,000", 1000), ("1{,}000", 1000), ("1\\,000", 1000), ("12,345,678", 12345678),
     ("\\text{42}", 42), ("\\mathbf{42}", 42), ("x = 42", 42), ("n=17", 17), ("a_1 = 5", 5), ("$\\text{7}$.", 7),
+    ("1 234", 1234), ("12 345 678", 12345678), ("1\\ 234", 1234), ("-1,000", -1000), ("$1{,}234{,}567$", 1234567),
 ])
 def test_parse_integer_accepts(text, value):
     assert parse_integer(text) == value
 
 
 @pytest.mark.parametrize("text", [None, "", "4.5", "1/2", "\\frac{84}{2}", "42 or 43", "forty-two", "1,00", "2^{10}",
-                                  "10\\%", "42a", "x = y"])
+                                  "10\\%", "42a", "x = y",
+                                  # issue 18: only valid thousands separators are removed
+                                  "4 2", "\\boxed{4 2}", "4\\,2", "4~2", "4{,}2", "1 23", "42 43", "1,234 567",
+                                  "1,234,56", "12 3456", "4\\!2", "1 2 3"])
 def test_parse_integer_refuses(text):
     assert parse_integer(text) is None
 
@@ -66,6 +70,8 @@ def test_integer_grader_on_whole_responses():
     v = grade("\\boxed{\\frac{84}{2}}", 42)                             # integer exact match, not equivalence
     assert (v.correct, v.grade, v.answer) == (False, "unparseable", "\\frac{84}{2}")
     assert grade("\\boxed{1,000}", "1000").correct
+    v = grade("So the answer is \\boxed{4 2}.", 42)                   # issue 18: not 42
+    assert (v.correct, v.grade, v.answer) == (False, "unparseable", "4 2")
 
 
 # ------------------------------------------------------------------------------------------ IMO rules

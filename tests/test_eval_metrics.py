@@ -158,3 +158,73 @@ def test_flat_metrics_and_comparison():
     diff = compare({"a": 0.5, "b": 0.25, "c": 1.0}, {"a": 0.25, "b": 0.5, "d": 0.0})
     assert diff == {"a": {"current": 0.5, "previous": 0.25, "delta": 0.25},
                     "b": {"current": 0.25, "previous": 0.5, "delta": -0.25}}
+
+
+def _same_value(a, b):
+    """A stand-in for the grader's equivalence: answers equal as fractions."""
+    from fractions import Fraction
+
+    def value(text):
+        text = text.replace("$", "").replace("\\frac{", "").replace("}{", "/").replace("}", "").strip()
+        return Fraction(text)
+    try:
+        return value(a) == value(b)
+    except (ValueError, ZeroDivisionError):
+        return False
+
+
+def test_majority_vote_groups_wrong_answers_by_equivalence():
+    # issue 18: "\frac{1}{3}" and "1/3" are one wrong answer: 2 votes beat the correct singleton
+    samples = [_s(0, True, "1/2"), _s(1, False, "\\frac{1}{3}"), _s(2, False, "1/3")]
+    assert majority_correct(samples)                                  # by text: three groups of 1, correct first
+    assert not majority_correct(samples, equivalent=_same_value)      # by equivalence: {1/3: 2} wins
+    # ties by first appearance, with groups formed by equivalence
+    samples = [_s(0, False, "2/6"), _s(1, True, "1/2"), _s(2, True, "0.5"), _s(3, False, "\\frac{1}{3}")]
+    assert not majority_correct(samples, equivalent=_same_value)      # 2-2, the wrong group came first
+    samples = [_s(0, True, "1/2"), _s(1, False, "2/6"), _s(2, True, "0.5"), _s(3, False, "\\frac{1}{3}")]
+    assert majority_correct(samples, equivalent=_same_value)
+    # an answer joins the first group whose representative it equals; unequal answers stay apart
+    samples = [_s(0, True, "1/2"), _s(1, False, "1/3"), _s(2, False, "1/4"), _s(3, False, "2/8")]
+    assert not majority_correct(samples, equivalent=_same_value)
+
+
+def test_majority_equivalence_is_cached_per_pair():
+    calls = []
+
+    def counting(a, b):
+        calls.append((a, b))
+        return _same_value(a, b)
+
+    problems = [{"id": str(i)} for i in range(20)]
+    samples = [_s(j, False, ans, id=str(i), status="graded", grade="mismatch", grader="rule", settled=True)
+               for i in range(20) for j, ans in enumerate(["1/3", "2/6", "1/4", "3/9"])]
+    m = benchmark_metrics(problems, samples, k=4, equivalent=counting)
+    assert m["scores"]["maj@4"] == 0.0
+    # 4 answers per problem, the same 4 in every problem: at most C(4, 2) = 6 distinct comparisons
+    assert len(calls) <= 6
+
+
+def test_decided_counts_rules_judge_and_nobody():
+    from sao_core.eval.report import render_report
+
+    problems = [{"id": "a"}, {"id": "b"}]
+    samples = [
+        {"id": "a", "sample": 0, "correct": True, "grade": "match", "grader": "rule", "rule": "value", "status": "graded",
+         "settled": True, "answer": "1"},
+        {"id": "a", "sample": 1, "correct": False, "grade": "mismatch", "grader": "rule", "rule": "structure",
+         "status": "graded", "settled": True, "answer": "2"},
+        {"id": "a", "sample": 2, "correct": True, "grade": "match", "grader": "llm_judge", "status": "graded",
+         "settled": True, "answer": "one"},
+        {"id": "b", "sample": 0, "correct": False, "grade": "unsettled", "grader": "rule", "rule": "unparsed",
+         "status": "graded", "settled": False, "answer": "n \\equiv 3"},
+        {"id": "b", "sample": 1, "correct": False, "grade": "no_answer", "grader": "rule", "status": "graded",
+         "settled": True, "answer": None},
+        {"id": "b", "sample": 2, "correct": False, "grade": "error", "grader": None, "status": "error"},
+    ]
+    m = benchmark_metrics(problems, samples, k=3)
+    assert m["decided"] == {"rule": 2, "judge": 1, "nobody": 1, "not_graded": 2,
+                            "rules": {"value": 1, "structure": 1}}
+    summary = {"model": "m", "benchmarks": {"imo_answerbench": {"title": "IMO", "grader": "math_rule", **m}}}
+    html = render_report(summary, [dict(s, benchmark="imo_answerbench") for s in samples])
+    assert 'class="decided"' in html and "rule: value" in html and "LLM judge" in html
+    assert "nobody (unsettled: counted wrong, listed below)</td><td class=\"num\">1" in html

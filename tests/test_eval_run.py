@@ -27,7 +27,7 @@ from sao_core.eval.run import sample_seed
 DATA = Path(__file__).parent / "data" / "eval"
 BEYOND = DATA / "beyond_aime_sample.jsonl"
 SVG = "{http://www.w3.org/2000/svg}"
-SAMPLE_FIELDS = {"benchmark", "id", "sample", "status", "correct", "grade", "grader", "settled", "answer", "detail",
+SAMPLE_FIELDS = {"benchmark", "id", "sample", "status", "correct", "grade", "grader", "settled", "rule", "answer", "detail",
                  "finish_reason", "timed_out", "tokens", "prompt_tokens", "turns", "seconds", "generation_seconds",
                  "tool_seconds", "grade_seconds", "seed", "groups", "response"}
 

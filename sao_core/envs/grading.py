@@ -28,7 +28,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-GRADE_REASONS = ("match", "mismatch", "no_answer", "unparseable", "timeout", "error")
+GRADE_REASONS = ("match", "mismatch", "no_answer", "unparseable", "unsettled", "timeout", "error")
+#: Comparison modes: ``math_verify`` (training rewards: math-verify's equivalence) and ``exact``
+#: (evaluation of IMO-AnswerBench: the exact-value rules of `sao_core.eval.exact`).
+MODES = ("math_verify", "exact")
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _THINK_END = "</think>"
@@ -94,6 +97,7 @@ class GradeResult:
     reason: str
     detail: str = ""
     seconds: float = 0.0
+    rule: str = ""          # mode "exact": the rule that decided (see sao_core.eval.exact)
 
 
 _WS = re.compile(r"\s+")
@@ -115,28 +119,38 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise _Deadline()
 
 
-def _grade_here(answer: str, gold: str, timeout_s: float) -> tuple[str, str]:
-    """Grade in this process's main thread with a fractional-second deadline: (reason, detail)."""
-    from math_verify import parse, verify
-
+def _grade_here(answer: str, gold: str, timeout_s: float, mode: str = "math_verify",
+                text_shortcut: bool = True) -> tuple[str, str, str]:
+    """Grade in this process's main thread with a fractional-second deadline: (reason, detail, rule)."""
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, max(timeout_s, 1e-6))
     try:
-        gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=None)
-        if not gold_parsed:
-            return "unparseable", "reference answer could not be parsed"
-        answer_parsed = parse("\\boxed{" + answer + "}", parsing_timeout=None)
-        if not answer_parsed:
-            return "unparseable", "answer could not be parsed"
-        same = verify(gold_parsed, answer_parsed, timeout_seconds=None)
-        return ("match", "math-verify") if same else ("mismatch", "")
+        if mode == "exact":
+            from sao_core.eval.exact import compare
+
+            outcome = compare(answer, gold, text_shortcut=text_shortcut)
+            return outcome.grade, outcome.detail, outcome.rule
+        return (*_math_verify(answer, gold), "math_verify")
     except _Deadline:
-        return "timeout", f"math-verify took longer than {timeout_s:g} s"
+        return "timeout", f"{'the exact rules' if mode == 'exact' else 'math-verify'} took longer than {timeout_s:g} s", ""
     except Exception as exc:  # any failure of the grader counts as wrong, and is reported
-        return "error", f"{type(exc).__name__}: {exc}"[:500]
+        return "error", f"{type(exc).__name__}: {exc}"[:500], ""
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _math_verify(answer: str, gold: str) -> tuple[str, str]:
+    from math_verify import parse, verify
+
+    gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=None)
+    if not gold_parsed:
+        return "unparseable", "reference answer could not be parsed"
+    answer_parsed = parse("\\boxed{" + answer + "}", parsing_timeout=None)
+    if not answer_parsed:
+        return "unparseable", "answer could not be parsed"
+    same = verify(gold_parsed, answer_parsed, timeout_seconds=None)
+    return ("match", "math-verify") if same else ("mismatch", "")
 
 
 def _worker_main(conn: Any) -> None:
@@ -145,6 +159,8 @@ def _worker_main(conn: Any) -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" warnings
     try:
         import math_verify  # noqa: F401  (warm the import before reporting ready)
+
+        import sao_core.eval.exact  # noqa: F401
     except Exception as exc:
         conn.send(("failed", f"cannot import math_verify: {exc}"))
         return
@@ -156,11 +172,11 @@ def _worker_main(conn: Any) -> None:
             return
         if request is None:
             return
-        answer, gold, timeout_s = request
+        answer, gold, timeout_s, mode, text_shortcut = request
         try:
-            outcome = _grade_here(answer, gold, timeout_s)
+            outcome = _grade_here(answer, gold, timeout_s, mode, text_shortcut)
         except _Deadline:  # the timer fired between the grading and its cancellation
-            outcome = ("timeout", f"math-verify took longer than {timeout_s:g} s")
+            outcome = ("timeout", f"grading took longer than {timeout_s:g} s", "")
         conn.send(outcome)
 
 
@@ -287,14 +303,18 @@ class MathGrader:
     # -- grading ------------------------------------------------------------------------------------
 
     def grade(self, answer: str | None, gold: str, timeout_s: float | None = None, *,
-              text_shortcut: bool = True) -> GradeResult:
+              text_shortcut: bool = True, mode: str = "math_verify") -> GradeResult:
         """Is `answer` (an extracted final answer, e.g. a box's content) equal to `gold`?
 
-        `text_shortcut=False` skips the identical-text fast path, so math-verify decides every answer."""
+        `text_shortcut=False` skips the identical-text fast path, so math-verify (or the exact rules)
+        decides every answer. `mode` is one of :data:`MODES`: ``math_verify`` (the default, training
+        rewards) or ``exact`` (`sao_core.eval.exact`: reason ``unsettled`` when it cannot tell exactly)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         started = time.monotonic()
         if answer is None or not answer.strip():
             return GradeResult(False, "no_answer", "no final answer")
-        if text_shortcut and _plain(answer) == _plain(gold):
+        if text_shortcut and mode == "math_verify" and _plain(answer) == _plain(gold):
             return GradeResult(True, "match", "identical text", time.monotonic() - started)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         worker = self._acquire()
@@ -306,12 +326,12 @@ class MathGrader:
                 return GradeResult(False, "error", problem, time.monotonic() - started)
             sent = time.monotonic()
             try:
-                worker.conn.send((answer, gold, float(timeout)))
+                worker.conn.send((answer, gold, float(timeout), mode, text_shortcut))
                 if not worker.conn.poll(timeout + self.kill_grace_s):
                     self._count("timeouts")
                     return GradeResult(False, "timeout", f"grader worker killed after {timeout:g} s",
                                        time.monotonic() - sent)
-                reason, detail = worker.conn.recv()
+                reason, detail, rule = worker.conn.recv()
             except (EOFError, OSError, BrokenPipeError) as exc:
                 self._count("errors")
                 return GradeResult(False, "error", f"grader worker died ({type(exc).__name__})",
@@ -322,7 +342,7 @@ class MathGrader:
                 self._count("timeouts")
             elif reason == "error":
                 self._count("errors")
-            return GradeResult(reason == "match", reason, detail, time.monotonic() - sent)
+            return GradeResult(reason == "match", reason, detail, time.monotonic() - sent, rule)
         finally:
             self._release(worker, healthy)
 

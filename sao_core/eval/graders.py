@@ -3,7 +3,8 @@
 - **BeyondAIME** (`IntegerGrader`, grader ``exact_int``): the last ``\\boxed{}`` after any reasoning
   block (`sao_core.envs.grading.extract_boxed`) must hold an integer equal to the reference. Accepted
   integer spellings: an optional sign, digits with optional thousands separators (``1,000``,
-  ``1{,}000``, ``1\\,000``), surrounding ``$``, ``\\text{}``/``\\mathbf{}`` wrappers, a leading
+  ``1{,}000``, ``1\\,000``, ``1 000``: groups of exactly three digits after the first, one kind of
+  separator throughout; ``4 2`` or ``1,00`` is not an integer), surrounding ``$``, ``\\text{}``/``\\mathbf{}`` wrappers, a leading
   ``x =`` and a trailing full stop. Anything else is ``unparseable`` (wrong).
 - **IMO-AnswerBench** (`ImoGrader`): rules first (grader ``rule``): the same text after light
   normalisation is a match; otherwise math-verify decides in a worker process with a timeout
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sao_core.envs.grading import MathGrader, answer_region, extract_boxed
+from sao_core.eval.exact import squeeze
 
 GRADERS = ("exact_int", "rule", "llm_judge", "swe_tests")
 
@@ -61,7 +63,8 @@ class Verdict:
 
 _WRAPPERS = re.compile(r"^\\(?:text|textbf|mathbf|mathrm|boxed|displaystyle)\s*\{(?P<body>.*)\}$", re.S)
 _INTEGER = re.compile(r"[+-]?\d+")
-_GROUPED = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+")
+_SEPARATOR = re.compile(r",|\{,\}|\\,|\\ | ")
+_SEPARATED = re.compile(r"[+-]?\d{1,3}(?:(?:,|\{,\}|\\,|\\ | )\d{3})+")
 _ASSIGN = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*=\s*")
 
 
@@ -83,9 +86,9 @@ def parse_integer(answer: str | None) -> int | None:
         text = _ASSIGN.sub("", text.strip())
         if text == before:
             break
-    text = text.replace("{,}", ",").replace("\\,", ",").replace("\\!", "").replace("~", "").replace(" ", "")
-    if _GROUPED.fullmatch(text):
-        text = text.replace(",", "")
+    match = _SEPARATED.fullmatch(text)
+    if match and len({sep for sep in _SEPARATOR.findall(text)}) == 1:
+        return int(re.sub(r"\D", "", text)) * (-1 if text.startswith("-") else 1)
     if _INTEGER.fullmatch(text):
         return int(text)
     return None
@@ -141,10 +144,23 @@ def normalize_answer(text: str) -> str:
     return re.sub(r"\s+", "", out).rstrip(".")
 
 
+_PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}(?![A-Za-z])")
+
+
+def prose_key(text: str) -> str:
+    """The comparison key of a prose answer: words of two or more letters outside ``$…$`` lower-cased
+    (``All`` = ``all``), single letters and formulas kept as written (``N`` is not ``n``), then
+    `squeeze` (`sao_core.eval.exact`)."""
+    pieces = text.split("$")
+    for i in range(0, len(pieces), 2):
+        pieces[i] = _PROSE_WORD.sub(lambda m: m.group(0).casefold(), pieces[i])
+    return squeeze("$".join(pieces))
+
+
 def is_prose(text: str) -> bool:
-    """True when `text` carries words (three or more letters outside LaTeX commands), e.g. ``odd $n$``
-    or ``$f(x)=x$ for all $x$``: math-verify would judge it on its formulas alone."""
-    return bool(_WORD.search(_COMMAND.sub(" ", text)))
+    """True when `text` carries words (three or more letters outside LaTeX commands, other than ``and``),
+    e.g. ``odd $n$`` or ``$f(x)=x$ for all $x$``: formula rules would judge it on its formulas alone."""
+    return any(word.group(0).lower() not in ("and", "or") for word in _WORD.finditer(_COMMAND.sub(" ", text)))
 
 
 class ImoGrader:
@@ -164,27 +180,30 @@ class ImoGrader:
         self.judge_policy = judge_policy
 
     def rule(self, answer: str | None, gold: str, *, text_shortcut: bool = True) -> Verdict:
-        """The rules alone. `text_shortcut=False` makes math-verify decide even identical texts (used to
-        measure what math-verify itself settles)."""
+        """The rules alone (`sao_core.eval.exact`). `text_shortcut=False` makes the exact rules decide even
+        identical texts (used to measure what they settle by themselves). The rule that decided is in
+        ``extra["rule"]``."""
         started = time.monotonic()
         if answer is None or not answer.strip():
             return Verdict(False, "no_answer", self.name, answer, "no final \\boxed{} answer")
         if text_shortcut:
-            if normalize_answer(answer) == normalize_answer(gold):
-                return Verdict(True, "match", self.name, answer, "same text", seconds=time.monotonic() - started)
-            if (is_prose(gold) or is_prose(answer)) and \
-                    normalize_answer(answer).casefold() == normalize_answer(gold).casefold():
-                return Verdict(True, "match", self.name, answer, "same words", seconds=time.monotonic() - started)
+            if squeeze(answer) == squeeze(gold):
+                return Verdict(True, "match", self.name, answer, "same text", seconds=time.monotonic() - started,
+                               extra={"rule": "text"})
+            if (is_prose(gold) or is_prose(answer)) and prose_key(answer) == prose_key(gold):
+                return Verdict(True, "match", self.name, answer, "same words", seconds=time.monotonic() - started,
+                               extra={"rule": "words"})
         prose = [name for name, text in (("reference", gold), ("answer", answer)) if is_prose(text)]
         if prose:
             return Verdict(False, "unsettled", self.name, answer,
                            f"the {' and the '.join(prose)} {'is' if len(prose) == 1 else 'are'} worded in prose: "
-                           "rules cannot compare them", settled=False, seconds=time.monotonic() - started)
-        result = self.math_grader.grade(answer, gold, self.timeout_s, text_shortcut=text_shortcut)
+                           "rules cannot compare them", settled=False, seconds=time.monotonic() - started,
+                           extra={"rule": "prose"})
+        result = self.math_grader.grade(answer, gold, self.timeout_s, text_shortcut=text_shortcut, mode="exact")
         settled = result.reason in ("match", "mismatch")
-        return Verdict(result.correct, result.reason, self.name, answer,
-                       result.detail or ("math-verify" if settled else ""), settled=settled,
-                       seconds=time.monotonic() - started)
+        grade = result.reason if result.reason in ("match", "mismatch", "timeout", "error") else "unsettled"
+        return Verdict(result.correct, grade, self.name, answer, result.detail, settled=settled,
+                       seconds=time.monotonic() - started, extra={"rule": result.rule or result.reason})
 
     def grade(self, answer: str | None, gold: str, problem: Mapping[str, Any] | None = None) -> Verdict:
         verdict = self.rule(answer, gold)

@@ -8,9 +8,13 @@ retried) counts as a wrong answer, so scores are always over the whole evaluated
 - ``pass@j`` (j = 1, 2, 4, ..., k) = mean over problems of the unbiased estimator
   1 - C(k - c, j) / C(k, j) (Chen et al., 2021), computed as a product so it stays exact for large k.
 - ``maj@k`` (math) = share of problems whose most frequent answer among the k samples is correct.
-  Answers are grouped as equal when the grader accepted them (all correct answers equal the reference, so
-  they form one group) or when their normalised text is the same; samples without an answer do not
-  vote; ties go to the group that appeared first (lowest sample index).
+  Answers are grouped by the grader's equivalence, not by their text: the answers the grader accepted
+  form one group (they all equal the reference); every other answer joins the first group whose
+  representative (its first answer) has the same normalised text (BeyondAIME: the same integer) or is
+  equal to it by the `equivalent` function (IMO-AnswerBench: the exact rules, so ``\\frac{1}{3}`` and
+  ``1/3`` are one wrong group), else it starts a new group. Samples without an answer do not vote;
+  ties go to the group that appeared first (lowest sample index). Each distinct pair of answers is
+  compared once per benchmark (cached), at most k·(k-1)/2 comparisons per problem.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import math
 import re
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sao_core.eval.graders import normalize_answer, parse_integer
@@ -70,21 +74,51 @@ def answer_key(answer: str | None, integer: bool = False) -> str | None:
     return normalize_answer(answer) or None
 
 
-def majority_correct(samples: Sequence[Mapping[str, Any]], integer: bool = False) -> bool:
+Equivalent = Callable[[str, str], bool]
+
+
+def cached(equivalent: Equivalent) -> Equivalent:
+    """`equivalent` with its answers compared once per unordered pair (results kept)."""
+    memo: dict[tuple[str, str], bool] = {}
+
+    def same(a: str, b: str) -> bool:
+        key = (a, b) if a <= b else (b, a)
+        if key not in memo:
+            memo[key] = bool(equivalent(a, b))
+        return memo[key]
+
+    return same
+
+
+def majority_correct(samples: Sequence[Mapping[str, Any]], integer: bool = False,
+                     equivalent: Equivalent | None = None) -> bool:
     """maj@k for one problem: is the most frequent answer of `samples` (each ``answer``, ``correct``,
-    ``sample``) correct? See the module docstring for grouping and ties."""
-    counts: Counter[str] = Counter()
-    first: dict[str, int] = {}
+    ``sample``) correct? `equivalent(a, b)` says whether two answers are the same (the grader's
+    equivalence); without it answers are grouped by `answer_key`. See the module docstring."""
+    groups: list[list[Any]] = []          # [representative answer, key, votes, first sample]
+    correct = [0, None]
     for sample in sorted(samples, key=lambda s: s.get("sample", 0)):
-        key = "\x00correct" if sample.get("correct") else answer_key(sample.get("answer"), integer)
+        index = int(sample.get("sample", 0))
+        if sample.get("correct"):
+            correct[0] += 1
+            correct[1] = index if correct[1] is None else correct[1]
+            continue
+        key = answer_key(sample.get("answer"), integer)
         if key is None:
             continue
-        counts[key] += 1
-        first.setdefault(key, int(sample.get("sample", 0)))
-    if not counts:
+        answer = str(sample.get("answer"))
+        for group in groups:
+            if group[1] == key or (equivalent is not None and equivalent(answer, group[0])):
+                group[2] += 1
+                break
+        else:
+            groups.append([answer, key, 1, index])
+    best_wrong = max(groups, key=lambda g: (g[2], -g[3]), default=None)
+    if not correct[0]:
         return False
-    best = max(counts, key=lambda key: (counts[key], -first[key]))
-    return best == "\x00correct"
+    if best_wrong is None:
+        return True
+    return (correct[0], -correct[1]) > (best_wrong[2], -best_wrong[3])
 
 
 def outcome(sample: Mapping[str, Any]) -> str:
@@ -105,8 +139,19 @@ def outcome(sample: Mapping[str, Any]) -> str:
     return "wrong"
 
 
+def decided_by(sample: Mapping[str, Any]) -> str:
+    """Who decided a sample: ``rule``, ``judge``, ``nobody`` (unsettled) or ``not_graded``."""
+    if sample.get("status") == "error" or not sample.get("grader"):
+        return "not_graded"
+    if sample.get("grade") in ("no_answer", "empty_patch", "no_submission"):
+        return "not_graded"
+    if sample.get("settled") is False:
+        return "nobody"
+    return "judge" if sample.get("grader") == "llm_judge" else "rule"
+
+
 def _scores(per_problem: Mapping[str, list[Mapping[str, Any]]], k: int, majority: bool,
-            integer: bool) -> dict[str, float]:
+            integer: bool, equivalent: Equivalent | None = None) -> dict[str, float]:
     ids = list(per_problem)
     if not ids:
         return {}
@@ -117,7 +162,8 @@ def _scores(per_problem: Mapping[str, list[Mapping[str, Any]]], k: int, majority
         scores[f"pass@{j}"] = sum(pass_at_k(k, correct[p], j) for p in ids) / len(ids)
     if majority:
         scores[f"maj@{k}"] = sum(
-            majority_correct([s for s in per_problem[p] if s.get("status") != "error"], integer) for p in ids
+            majority_correct([s for s in per_problem[p] if s.get("status") != "error"], integer, equivalent)
+            for p in ids
         ) / len(ids)
     return scores
 
@@ -129,6 +175,7 @@ def benchmark_metrics(
     groups: Sequence[str] = (),
     majority: bool = True,
     integer: bool = False,
+    equivalent: Equivalent | None = None,
 ) -> dict[str, Any]:
     """Metrics of one benchmark.
 
@@ -136,8 +183,13 @@ def benchmark_metrics(
     records (``id``, ``sample`` in [0, k), ``correct``, ``answer``, ``grade``, ``grader``, ``status``,
     ``tokens`` ...; samples of other ids or indices are ignored, the last one of a slot wins). Returns
     ``{"problems", "k", "samples", "scores", "counts", "graders", "groups", "tokens", "per_problem"}``;
-    scores are fractions in [0, 1], tokens are generated (action) tokens per sample.
+    scores are fractions in [0, 1], tokens are generated (action) tokens per sample. `equivalent`
+    groups the maj@k votes (see the module docstring; cached here). ``decided`` counts who decided the
+    graded samples: ``rule`` (per rule: ``{"rule": {name: n}}``), ``judge`` (the LLM judge), ``nobody``
+    (unsettled: counted wrong and listed) and ``not_graded`` (no answer to grade, timeouts, errors).
     """
+    if equivalent is not None:
+        equivalent = cached(equivalent)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     ids = [str(p["id"]) for p in problems]
@@ -152,8 +204,14 @@ def benchmark_metrics(
         per_problem[pid].append(sample)
     counts = Counter({name: 0 for name in COUNTS})
     graders: Counter[str] = Counter()
+    rules: Counter[str] = Counter()
+    decided = {"rule": 0, "judge": 0, "nobody": 0, "not_graded": 0}
     for sample in slots.values():
         counts[outcome(sample)] += 1
+        who = decided_by(sample)
+        decided[who] += 1
+        if who == "rule":
+            rules[str(sample.get("rule") or sample.get("grader"))] += 1
         if sample.get("status") != "error" and sample.get("grader"):
             graders[str(sample["grader"])] += 1
     counts["missing"] = len(ids) * k - len(slots)
@@ -164,15 +222,17 @@ def benchmark_metrics(
         for problem in problems:
             members[str(problem.get(group) or "(none)")].append(str(problem["id"]))
         breakdown[group] = {
-            value: {"problems": len(pids), **_scores({p: per_problem[p] for p in pids}, k, majority, integer)}
+            value: {"problems": len(pids),
+                    **_scores({p: per_problem[p] for p in pids}, k, majority, integer, equivalent)}
             for value, pids in sorted(members.items())
         }
     return {
         "problems": len(ids),
         "k": k,
         "samples": len(slots),
-        "scores": _scores(per_problem, k, majority, integer),
+        "scores": _scores(per_problem, k, majority, integer, equivalent),
         "counts": dict(counts),
+        "decided": {**decided, "rules": dict(rules.most_common())},
         "graders": dict(graders.most_common()),
         "groups": breakdown,
         "tokens": {

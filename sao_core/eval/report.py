@@ -145,10 +145,21 @@ def _dataset_table(b: Mapping[str, Any]) -> str:
     return html
 
 
+def _decided_table(b: Mapping[str, Any]) -> str:
+    """How many samples the rules (each rule), the judge or nobody decided (``decided`` of the metrics)."""
+    d = b.get("decided") or {}
+    if not d:
+        return ""
+    rows = [[f"rule: {name}", n] for name, n in (d.get("rules") or {}).items()]
+    rows += [["LLM judge", d.get("judge", 0)], ["nobody (unsettled: counted wrong, listed below)", d.get("nobody", 0)],
+             ["not graded (no answer, timed out, error)", d.get("not_graded", 0)]]
+    return _table(["decided by", "samples"], rows, numeric=[1], cls="decided")
+
+
 def _graders_table(b: Mapping[str, Any], samples: Sequence[Mapping[str, Any]]) -> str:
     by = Counter((s.get("grader") or "(not graded)", s.get("grade")) for s in samples)
     rows = [[grader, grade, n] for (grader, grade), n in sorted(by.items(), key=lambda kv: (-kv[1], kv[0]))]
-    return _table(["decided by", "outcome", "samples"], rows, numeric=[2])
+    return _decided_table(b) + _table(["decided by", "outcome", "samples"], rows, numeric=[2])
 
 
 def _problem_table(b: Mapping[str, Any], samples: Sequence[Mapping[str, Any]]) -> str:

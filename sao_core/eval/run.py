@@ -362,6 +362,7 @@ async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, An
         "grade": verdict.grade,
         "grader": verdict.grader,
         "settled": verdict.settled,
+        "rule": verdict.extra.get("rule") if verdict.grader == "rule" else verdict.grader,
         "answer": verdict.answer,
         "detail": verdict.detail[:2000],
         "finish_reason": finish,
@@ -567,7 +568,7 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
         finally:
             store.close()
         samples = {b.spec.name: _in_scope(b, store.of(b.spec.name), config.k) for b in loaded}
-        summary = summarize(config, loaded, samples, previous)
+        summary = summarize(config, loaded, samples, previous, equivalent=_voting_equivalence(config, loaded))
         if engine is not None:
             summary["engine"] = f"{type(engine).__name__} (given)"
         summary.update(started_at=started_at, finished_at=_now(), seconds=round(time.monotonic() - started, 3),
@@ -597,15 +598,52 @@ def _in_scope(bench: LoadedBenchmark, samples: list[dict[str, Any]], k: int) -> 
     return [s for s in samples if str(s.get("id")) in ids and isinstance(s.get("sample"), int) and s["sample"] < k]
 
 
+class _Voting:
+    """The IMO-AnswerBench maj@k equivalence: two answers are one vote when the exact rules match them
+    (`ImoGrader.rule`, in math-grader workers started on first use; closed by `close`)."""
+
+    def __init__(self, config: EvalConfig):
+        self.config = config
+        self.grader: Any = None
+
+    def __call__(self, a: str, b: str) -> bool:
+        from sao_core.envs.grading import MathGrader
+
+        if self.grader is None:
+            self.grader = MathGrader(max_workers=1, timeout_s=self.config.grade_timeout_s)
+        return ImoGrader(self.grader, self.config.grade_timeout_s).rule(a, b).correct
+
+    def close(self) -> None:
+        if self.grader is not None:
+            self.grader.close()
+
+
+def _voting_equivalence(config: EvalConfig, loaded: list[LoadedBenchmark]) -> dict[str, Any]:
+    return {b.spec.name: _Voting(config) for b in loaded if b.spec.grader == "math_rule" and b.spec.majority}
+
+
 def summarize(config: EvalConfig, loaded: list[LoadedBenchmark], samples: dict[str, list[dict[str, Any]]],
-              previous: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The summary of graded samples (without the timing and file fields `evaluate` adds)."""
+              previous: dict[str, Any] | None = None,
+              equivalent: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The summary of graded samples (without the timing and file fields `evaluate` adds). `equivalent`
+    maps a benchmark to its maj@k equivalence (`sao_core.eval.metrics.majority_correct`; objects with a
+    ``close()`` are closed here); without one, votes are grouped by normalised text."""
+    try:
+        return _summarize(config, loaded, samples, previous, equivalent or {})
+    finally:
+        for same in (equivalent or {}).values():
+            if hasattr(same, "close"):
+                same.close()
+
+
+def _summarize(config: EvalConfig, loaded: list[LoadedBenchmark], samples: dict[str, list[dict[str, Any]]],
+               previous: dict[str, Any] | None, equivalent: dict[str, Any]) -> dict[str, Any]:
     benchmarks: dict[str, Any] = {}
     for bench in loaded:
         spec = bench.spec
         current = _in_scope(bench, samples.get(spec.name, []), config.k)
         metrics = benchmark_metrics(bench.records, current, config.k, spec.groups, spec.majority,
-                                    integer=spec.grader == "exact_int")
+                                    integer=spec.grader == "exact_int", equivalent=equivalent.get(spec.name))
         unsettled = [{"id": s["id"], "sample": s["sample"], "answer": s.get("answer"), "detail": s.get("detail")}
                      for s in current if s.get("settled") is False and s.get("status") == "graded"]
         errors = [{"benchmark": spec.name, "id": s["id"], "sample": s["sample"], "detail": s.get("detail")}
