@@ -225,13 +225,19 @@ def _dump(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, default=str)
 
 
-def _summary(stats: PrepareStats, frac: float, first: dict[str, Any] | None) -> str:
+def _rejects_said(stats: PrepareStats, first: dict[str, Any] | None) -> tuple[str, str]:
+    """The top rejection reasons and where the first rejected row is, as the failure messages say them."""
     top = Counter(stats.rejected_by_reason).most_common(5)
     reasons = ", ".join(f"{reason} {n}" for reason, n in top) or "none"
     where = ""
     if first is not None:
         line = f" (line {first['line']})" if first.get("line") is not None else ""
         where = f"; first: row {first['row']}{line} field {first['field']!r}: {first['reason']}: {first['detail']}"
+    return reasons, where
+
+
+def _summary(stats: PrepareStats, frac: float, first: dict[str, Any] | None) -> str:
+    reasons, where = _rejects_said(stats, first)
     return (
         f"{stats.rows_rejected} of {stats.rows_read} rows rejected ({stats.rows_rejected / stats.rows_read:.1%}) from "
         f"{stats.source}, above max_reject_fraction {frac} ({frac:.1%}); top reasons: {reasons}{where}. "
@@ -340,12 +346,7 @@ def _failed_files(output: str) -> dict[str, str]:
 
 
 def _nothing_written(stats: PrepareStats, first: dict[str, Any] | None) -> str:
-    top = Counter(stats.rejected_by_reason).most_common(5)
-    reasons = ", ".join(f"{reason} {n}" for reason, n in top) or "none"
-    where = ""
-    if first is not None:
-        line = f" (line {first['line']})" if first.get("line") is not None else ""
-        where = f"; first: row {first['row']}{line} field {first['field']!r}: {first['reason']}: {first['detail']}"
+    reasons, where = _rejects_said(stats, first)
     return (f"no rows written: all {stats.rows_read} rows read from {stats.source} were rejected "
             f"({stats.rows_rejected}) or duplicates ({stats.duplicates}); top reasons: {reasons}{where}. Every "
             f"rejected row is listed in {stats.files['rejects']}")
