@@ -8,20 +8,21 @@ import json
 import logging
 import socket
 import struct
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from sao_core import storage
 from sao_core.data.prepare import PrepareConfig, prepare
 from sao_core.data.synthetic import tool_arith_sft_rows
 from sao_core.training import live
 from sao_core.training.metrics_log import MetricsLog
-
-pytest.importorskip("tensorboard", reason="the tensorboard package is part of the train extra")
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 
 def f32(value: float) -> float:
@@ -149,6 +150,8 @@ def test_a_resumed_log_hides_the_steps_logged_again_and_a_fresh_one_replaces_the
         for step in range(1, 5):
             metrics.append({"step": step, "loss": float(step)})
     # Killed after step 4, resumed from a checkpoint at step 2: steps 3 and 4 are trained (and logged) again.
+    # (A later second: event files are read in name order, and their names start with the second they began.)
+    time.sleep(1.02 - time.time() % 1)
     with MetricsLog(str(out), out / "metrics.jsonl", resume=True, keep_through=2,
                     sinks=[live.TensorBoardSink()]) as metrics:
         for step in (3, 4):
@@ -199,7 +202,7 @@ def test_learner_events_and_prometheus_metrics_equal_its_metrics_lines(rl_data, 
         assert seen == record
         values = live.scalars(record)
 
-        def gauge(name, **labels):
+        def gauge(name, metrics=metrics, **labels):
             return metrics[(f"sao_learner_{name}", tuple(sorted(labels.items())))]
 
         assert gauge("step") == record["step"] and gauge("policy_version") == record["version"]
@@ -250,8 +253,10 @@ def test_the_prometheus_endpoint_serves_labelled_gauges_and_a_taken_port_only_wa
         assert "Prometheus: start failed, the run goes on without it" in caplog.text
 
 
-def test_the_metrics_port_is_off_by_default_and_checked():
+def test_the_metrics_port_is_off_by_default_and_checked(monkeypatch):
     from sao_core.learner.config import RLConfig
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
     config = RLConfig(data="d", output="o")
     assert config.metrics_port == 0
@@ -296,3 +301,75 @@ def test_an_unreachable_mlflow_server_warns_once_and_training_goes_on(tmp_path, 
     assert caplog.text.count("MLflow: start failed, the run goes on without it") == 1
     assert [r["step"] for r in lines(out / "metrics.jsonl")] == [1, 2, 3]
     assert sorted(events(out / "tensorboard")["train/loss"]) == [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory):
+    """A real MLflow tracking server on 127.0.0.1 (full mlflow), else MLflow's own file store (mlflow-skinny)."""
+    pytest.importorskip("mlflow", reason="mlflow is optional (pip install 'sao-kfp[mlflow]')")
+    root = tmp_path_factory.mktemp("mlflow")
+    try:
+        import mlflow.server  # noqa: F401  (the tracking server: full mlflow only)
+    except ImportError:
+        yield (root / "store").as_uri()
+        return
+    port = free_port()
+    log_file = (root / "server.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+                               "--default-artifact-root", str(root / "artifacts"), "--workers", "1"],
+                              stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                break
+        except (urllib.error.URLError, OSError):
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.3)
+    yield url
+    server.terminate()
+    try:
+        server.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    log_file.close()
+
+
+def test_mlflow_gets_the_params_once_and_every_lines_tags(mlflow_uri, sft_data, tmp_path, sao_cache, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from sao_core.training.trainer import train
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "sao-live-test")
+    if mlflow_uri.startswith("file:"):
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")   # MLflow 3 keeps its file store for those who ask
+    out = tmp_path / "runs" / "r1" / "sft"
+    train("sft", _sft(sft_data, out, sao_cache, log_every=1))
+    records = lines(out / "metrics.jsonl")
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    experiment = client.get_experiment_by_name("sao-live-test")
+    (run,) = client.search_runs([experiment.experiment_id], filter_string=f"tags.`sao.output` = '{out}'")
+    assert (run.info.run_name, run.info.status) == ("r1/sft", "FINISHED")
+    assert run.data.tags["sao.method"] == "sft"
+    assert (run.data.params["method"], run.data.params["lr"], run.data.params["steps"]) == ("sft", "0.003", "3")
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for record in records:
+        for tag, value in live.scalars(record).items():
+            expected.setdefault(tag, []).append((record["step"], value))
+    assert set(run.data.metrics) == set(expected)
+    for tag, points in expected.items():
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, tag))
+        assert history == points, tag
+
+    # A resumed run logs into the same MLflow run (found by its output).
+    with MetricsLog(str(out), out / "metrics.jsonl", resume=True,
+                    sinks=[live.MLflowSink(mlflow_uri, {}, "sft")]) as metrics:
+        metrics.append({"step": 4, "loss": 0.125})
+    (again,) = client.search_runs([experiment.experiment_id], filter_string=f"tags.`sao.output` = '{out}'")
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3, 4]

@@ -351,10 +351,6 @@ class PrometheusSink(Sink):
         self.server, self.thread = start_http_server(self.port, addr=self.host, registry=self.registry)
         log.info("learner metrics: http://%s:%d/metrics", self.host, self.server.server_port)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_port}/metrics"
-
     def write(self, step: int, values: dict[str, float], record: dict[str, Any]) -> None:
         self.gauges["step"].set(step)
         for name, (tag, _) in PROMETHEUS_GAUGES.items():

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from sao_core import storage
