@@ -8,8 +8,6 @@ import json
 import logging
 import socket
 import struct
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -305,38 +303,11 @@ def test_an_unreachable_mlflow_server_warns_once_and_training_goes_on(tmp_path, 
 
 @pytest.fixture(scope="module")
 def mlflow_uri(tmp_path_factory):
-    """A real MLflow tracking server on 127.0.0.1 (full mlflow), else MLflow's own file store (mlflow-skinny)."""
-    pytest.importorskip("mlflow", reason="mlflow is optional (pip install 'sao-kfp[mlflow]')")
-    root = tmp_path_factory.mktemp("mlflow")
-    try:
-        import mlflow.server  # noqa: F401  (the tracking server: full mlflow only)
-    except ImportError:
-        yield (root / "store").as_uri()
-        return
-    port = free_port()
-    log_file = (root / "server.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                               "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-                               "--default-artifact-root", str(root / "artifacts"), "--workers", "1"],
-                              stdout=log_file, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                break
-        except (urllib.error.URLError, OSError):
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.3)
-    yield url
-    server.terminate()
-    try:
-        server.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        server.kill()
-    log_file.close()
+    """MLflow's own file store (real MLflow storage, read back with MlflowClient). A tracking server needs full
+    mlflow, which requires pyarrow < 26 and is not installed: the HTTP path is checked only up to its /health
+    probe (test_an_unreachable_mlflow_server_warns_once_and_training_goes_on)."""
+    pytest.importorskip("mlflow", reason="mlflow is optional (pip install 'sao-kfp[mlflow]'; the dev extra has it)")
+    return (tmp_path_factory.mktemp("mlflow") / "store").as_uri()
 
 
 def test_mlflow_gets_the_params_once_and_every_lines_tags(mlflow_uri, sft_data, tmp_path, sao_cache, monkeypatch):
