@@ -14,12 +14,10 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from sao_core import storage
-
-if TYPE_CHECKING:
-    from sao_core.training.live import Sink
+from sao_core.training.live import Sink, scalars
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +113,6 @@ class MetricsLog:
             if isinstance(record.get("step"), int):
                 self._steps.add(record["step"])
                 if self.sinks:
-                    from sao_core.training.live import scalars
-
                     values = scalars(record)
                     self._each_sink("logging", lambda sink: sink.write(record["step"], values, record))
 
