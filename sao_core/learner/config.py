@@ -65,6 +65,7 @@ class RLConfig(CoreConfig):
     failed_reward: float = 0.0                 # the reward they are trained with when failed_episodes is train
     keep_weight_versions: int = 3              # published weight versions kept (older ones deleted)
     log_every: int = 1
+    metrics_port: int = 0                      # the learner's Prometheus /metrics port (rank 0, all interfaces); 0: off
 
     @property
     def in_flight_cap(self) -> int:
@@ -102,5 +103,7 @@ class RLConfig(CoreConfig):
             raise ValueError(f"RLConfig.failed_episodes must be drop or train, got {self.failed_episodes!r}")
         if not math.isfinite(self.failed_reward):
             raise ValueError(f"RLConfig.failed_reward must be a finite number, got {self.failed_reward}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"RLConfig.metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}")
         if self.engine not in ("hf", "vllm"):
             raise ValueError(f"RLConfig.engine must be hf or vllm, got {self.engine!r}")

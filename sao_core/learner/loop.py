@@ -55,6 +55,7 @@ from sao_core.training.checkpointing import (
 __all__ = ["FAILED_REASONS", "LearnerError", "Pending", "ServiceSet", "train_rl"]
 from sao_core.training.core import prepare_model
 from sao_core.training.distributed import DistContext, all_reduce, broadcast_object, init_distributed
+from sao_core.training.live import run_sinks
 from sao_core.training.metrics_log import MetricsLog
 
 log = logging.getLogger(__name__)
@@ -703,7 +704,8 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 services.ack({i: replayed_ids for i in every}, {i: replayed_dropped for i in every})
 
         _gather_batch(ctx, connect)
-        with MetricsLog(config.output, metrics_path, resume=config.resume, enabled=ctx.is_main) as metrics_log:
+        with MetricsLog(config.output, metrics_path, resume=config.resume, enabled=ctx.is_main,
+                        sinks=run_sinks(config, config.method)) as metrics_log:
             # One line per step: the replayed steps the killed process had not logged yet, marked replayed.
             logged = metrics_log.steps() if ctx.is_main else set()
             for record in replayed_records:

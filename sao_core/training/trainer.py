@@ -32,6 +32,7 @@ from sao_core.training.checkpointing import (
 from sao_core.training.config import METHOD_CONFIGS, TrainConfig
 from sao_core.training.core import autocast, build_optimizer, build_scheduler, clip_and_step, prepare_model
 from sao_core.training.distributed import all_reduce_mean, barrier, init_distributed
+from sao_core.training.live import run_sinks
 from sao_core.training.metrics_log import MetricsLog
 
 log = logging.getLogger(__name__)
@@ -186,7 +187,7 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
     tokens_total = 0.0
     # Resumed: the steps after the checkpoint are trained again, so their lines from the killed run go.
     with MetricsLog(config.output, metrics_path, resume=local_resume is not None, enabled=ctx.is_main,
-                    keep_through=step) as metrics_log:
+                    keep_through=step, sinks=run_sinks(config, method)) as metrics_log:
         while step < config.steps:
             picked = order.take(cursor, config.batch_size)
             mine = picked[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
