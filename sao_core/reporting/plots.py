@@ -250,7 +250,7 @@ def step_chart(title: str, x: Sequence[float], series: Mapping[str, Sequence[flo
     values = [v for vs in list(series.values()) + list((smoothed or {}).values()) for v in vs if v is not None]
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     if percent:
-        lo, hi = min(0.0, lo), max(1.0, hi) if hi > 0.5 else max(hi, 1e-9)
+        lo, hi = min(0.0, lo), (max(1.0, hi) if hi > 0.5 or hi <= 0 else hi)   # 0-100 %, or 0 to a small top
     yt = nice_ticks(lo, hi)
     y0, y1 = yt[0], yt[-1]
     xs = [float(v) for v in x] or [0.0]
@@ -294,16 +294,16 @@ def step_chart(title: str, x: Sequence[float], series: Mapping[str, Sequence[flo
                            f'<title>{escape(name)} @ step {xv:g}: {_fmt(yv, percent)}</title></circle>')
         legend.append(name)
         if has_smooth:
-            out += _path(list(zip(xs, smoothed[name], strict=False)), tx, ty, colour, f"{name} (moving average)",
+            out += _path(list(zip(xs, smoothed[name], strict=False)), tx, ty, colour, f"{name} (moving avg)",
                          "line smoothed", 2.5, 1.0)
-            legend.append(f"{name} (moving average)")
+            legend.append(f"{name} (moving avg)")
     for i, name in enumerate(legend):   # one colour per series; its moving average shares it
-        base = name.removesuffix(" (moving average)")
+        base = name.removesuffix(" (moving avg)")
         colour = PALETTE[names.index(base) % len(PALETTE)]
         yy = top_pad + 10 + 16 * i
         out.append(f'<rect x="{left + plot_w + 16:.1f}" y="{yy - 9:.1f}" width="10" height="{10 if base == name else 4}" '
                    f'fill="{colour}"/>')
-        out.append(f'<text x="{left + plot_w + 30:.1f}" y="{yy:.1f}" font-size="11" {FONT}>{escape(_short(name, 26))}</text>')
+        out.append(f'<text x="{left + plot_w + 30:.1f}" y="{yy:.1f}" font-size="11" {FONT}>{escape(_short(name, 28))}</text>')
     out.append("</svg>")
     return "\n".join(out)
 
