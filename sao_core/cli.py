@@ -190,6 +190,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from sao_core.reporting.training import write_training_report
+
+    written = write_training_report(args.run_dir, target=args.output)
+    print(written)
+    return 0
+
+
 # ----------------------------------------------------------------------------- sao cluster (multi-node TrainJob)
 def _cluster_help(parser: argparse.ArgumentParser, cls: type) -> None:
     """Fill --help texts of fields `cls` inherits (add_config_arguments reads only its own source)."""
@@ -531,6 +539,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_config_arguments(p, EvalConfig, skip=("cache_dir",))
     p.set_defaults(func=cmd_evaluate)
 
+    report = sub.add_parser("report", help="HTML reports of runs")
+    report_sub = report.add_subparsers(dest="report_command", required=True, metavar="KIND")
+    p = report_sub.add_parser("training", help="the training report of a run directory (path or s3://): loss / "
+                                               "reward and RL health curves, config, checkpoints")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's output (holds metrics.jsonl)")
+    p.add_argument("--output", metavar="FILE", default=None,
+                   help="where the HTML goes (path or s3://) [default: RUN_DIR/training_report.html]")
+    p.set_defaults(func=cmd_report)
+
     from sao_core.cluster.launcher import LaunchConfig
     from sao_core.cluster.manifests import RuntimeSpec
 
@@ -625,13 +642,14 @@ def main(argv: list[str] | None = None) -> int:
     from sao_core.kfp.local import LocalRunError
     from sao_core.learner.loop import LearnerError
     from sao_core.models import ModelLoadError
+    from sao_core.reporting.training import ReportError
     from sao_core.storage import StorageError
     from sao_core.training.trainer import TrainingError
 
     try:
         return args.func(args)
     except (ConfigError, DataError, ModelLoadError, StorageError, TrainingError, LearnerError, KFPError,
-            LocalRunError, ValueError,
+            LocalRunError, ReportError, ValueError,
             FileNotFoundError, ConnectionError) as err:
         print(f"sao {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -61,6 +61,7 @@ def test_post_training_sft_branch(tmp_path, inputs, sao_cache):
     assert storage.is_complete_checkpoint(model_uri)
     assert sorted(p.name for p in run.iterdir()) == ["sft"]  # only the chosen branch ran, no evaluation
     assert json.loads((run / "sft" / "summary.json").read_text())["steps"] == 3
+    assert 'data-plot="loss"' in (run / "sft" / "training_report.html").read_text()  # the step's HTML artifact too
 
 
 @pytest.mark.slow

@@ -41,6 +41,7 @@ from sao_core.learner.config import RLConfig
 from sao_core.learner.ledger import TRAINED, StreamLedger
 from sao_core.learner.pending import FAILED_REASONS, Drop, Pending, position_of
 from sao_core.learner.updates import Updater
+from sao_core.reporting.training import write_training_report
 from sao_core.rollout.auth import TokenError, new_token, resolve_token
 from sao_core.rollout.client import RolloutAuthError, RolloutClient, RolloutRequestError, RolloutUnavailable
 from sao_core.rollout.trajectory import Trajectory
@@ -764,6 +765,9 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                     record["generator_idle_share"] = services.idle_share()
                     metrics_log.append(record)
                     metrics_log.sync()
+                if ctx.is_main:   # every report_every steps (a failure only warns)
+                    write_training_report(config.output, metrics=metrics_path, config=config, step=step,
+                                          every=config.report_every)
                 if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
                     checkpoint()
                 if progress and ctx.is_main:
@@ -796,6 +800,7 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 (Path(config.output) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             else:
                 storage.write_text(storage.join(config.output, "summary.json"), json.dumps(summary, indent=2))
+            write_training_report(config.output, metrics=metrics_path, config=config, summary=summary)
     finally:
         if services is not None:
             services.stop(shutdown=config.shutdown_services)
