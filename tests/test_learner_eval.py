@@ -157,3 +157,28 @@ def _greedy():
     from sao_core.rollout.engines.base import SamplingParams
 
     return SamplingParams(temperature=0.0, max_new_tokens=4)
+
+
+def test_each_turn_of_an_evaluation_episode_samples_with_a_seed_of_its_own(tiny_model_dir, sao_cache):
+    """run_episode gives every turn the episode's settings; with one fixed seed the HF engine would draw the same
+    random numbers on every turn. The evaluation's per-episode engine gives turn t a seed derived from (seed, t)."""
+    from sao_core.learner.evaluation import _TurnSeeds
+    from sao_core.rollout.engines.base import SamplingParams
+    from sao_core.rollout.engines.hf import HFEngine
+
+    async def turns(seed):
+        engine = HFEngine(tiny_model_dir, str(sao_cache), seed=0)
+        try:
+            plain = [await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=12, seed=seed)) for _ in range(2)]
+            episode = _TurnSeeds(engine)
+            seeded = [await episode.generate([1, 2, 3], SamplingParams(max_new_tokens=12, seed=seed)) for _ in range(2)]
+            again = _TurnSeeds(engine)
+            repeat = [await again.generate([1, 2, 3], SamplingParams(max_new_tokens=12, seed=seed)) for _ in range(2)]
+            return plain, seeded, repeat
+        finally:
+            await engine.close()
+    plain, seeded, repeat = asyncio.run(turns(7))
+    assert plain[0].token_ids == plain[1].token_ids             # the same seed twice: the same draws
+    assert seeded[0].token_ids == plain[0].token_ids            # turn 0 keeps the episode's seed
+    assert seeded[1].token_ids != seeded[0].token_ids           # turn 1 draws anew
+    assert [g.token_ids for g in repeat] == [g.token_ids for g in seeded]   # and reproducibly
