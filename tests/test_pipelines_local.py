@@ -182,7 +182,7 @@ def test_sao_rl_end_to_end_like_make_demo(tmp_path, sao_cache):
     Calibration (2026-12-01, 2 CPU cores shared with two other jobs, load average 4-6; README "Running
     pipelines locally"): held-out sampled reward before -> after SAO, SAO seeds 0 / 1 / 2: 0.191 -> 0.309
     (+0.118), 0.137 -> 0.219 (+0.082), 0.164 -> 0.262 (+0.098), and seed 0 again as this test: 0.191 -> 0.250
-    (+0.059; the asynchronous schedule depends on the load); pipeline 116-136 s. The margin, 0.04, is two
+    (+0.059; the asynchronous schedule depends on the load); pipeline 116-146 s. The margin, 0.04, is two
     thirds of the smallest measured rise and about 2 standard deviations (0.025) of the rise across runs
     below its mean (+0.089). It is weak against noise: one evaluation of 256 answers at p = 0.17 has a
     standard deviation of 0.023, so the before / after difference of a run that learnt nothing has one of
