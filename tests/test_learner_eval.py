@@ -59,6 +59,7 @@ def _config(train, held_out, output, model, cache, **kw) -> RLConfig:
 
 def test_evaluation_during_training_logs_held_out_rewards_of_the_current_weights(datasets, calling_model,
                                                                                  sao_cache, tmp_path):
+    from sao_core.kfp.artifacts import training_markdown
     from sao_core.learner.evaluation import load_eval_set, play_rl
     from sao_core.rollout.engines.hf import HFEngine
 
@@ -79,6 +80,10 @@ def test_evaluation_during_training_logs_held_out_rewards_of_the_current_weights
     assert summary["eval_sampled_reward_first"] == evaluated[0]["eval_sampled_reward"]
     assert summary["eval_greedy_reward_last"] == evaluated[-1]["eval_greedy_reward"]
     assert [h["step"] for h in summary["evaluations"]] == [0, 2, 4]
+    # The KFP Markdown artifact: a table of the evaluations.
+    page = training_markdown("sao", summary, rows, "reward_mean")
+    table = page.split("## held-out evaluation during training")[1].split("##")[0]
+    assert table.count("\n| 0 | 0 |") == 1 and f"| {evaluated[-1]['eval_greedy_reward']:.4g} |" in table
 
     # The episodes of the last evaluation: whole multi-turn episodes, all on the final weights version.
     last = json.loads((tmp_path / "run" / "eval" / "step-000004.json").read_text())
