@@ -151,9 +151,19 @@ def training_markdown(title: str, summary: dict[str, Any], rows: list[dict[str, 
     """A Markdown page for the KFP UI: the run's summary and its `curve_key` averaged over windows of steps."""
     lines = [f"# {title}", "", "| field | value |", "| --- | --- |"]
     for key, value in summary.items():
+        if key == "evaluations":   # evaluation during training: a table of its own below
+            continue
         if isinstance(value, dict | list):
             value = json.dumps(value)
         lines.append(f"| {key} | {_fmt(value) if value is not None else ''} |")
+    evaluations = summary.get("evaluations") or []
+    if evaluations:
+        lines += ["", "## held-out evaluation during training", "",
+                  "| step | version | sampled reward (T = 1) | greedy reward | prompts |", "| --- | --- | --- | --- | --- |"]
+        for e in evaluations:
+            cells = [e.get("step"), e.get("version"), e.get("eval_sampled_reward"), e.get("eval_greedy_reward"),
+                     e.get("eval_prompts")]
+            lines.append("| " + " | ".join("" if c is None else _fmt(c) for c in cells) + " |")
     points = [r for r in rows if isinstance(r.get(curve_key), (int, float))]
     if points:
         size = max(1, -(-len(points) // windows))
