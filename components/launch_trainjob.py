@@ -15,7 +15,7 @@ LocalQueue must exist in the namespace (``deploy/README.md``).
 from typing import NamedTuple, Optional
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
+from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
 from sao_core.kfp.images import image
 
@@ -28,6 +28,7 @@ def launch_trainjob(
     critic: Output[Model],
     metrics: Output[Metrics],
     summary: Output[Markdown],
+    report: Output[HTML],
     method: str = "sao",
     base_model: str = "embedded:tiny",
     steps: int = 100,
@@ -75,6 +76,7 @@ def launch_trainjob(
         critic: Pointer to the trained critic (sao); an empty pointer for methods without one.
         metrics: Summary numbers of the run (reward first/last, drops, seconds, queueing seconds).
         summary: Markdown page with the summary and the reward curve.
+        report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
         method: sao, grpo, grpo_async, grpo_dis or running_mean.
         base_model: Initial policy (and critic): an s3:// checkpoint or a hub id the pods can reach.
         steps: Learner steps.
@@ -154,6 +156,6 @@ def launch_trainjob(
         Path(critic.path).write_text(json.dumps({"checkpoint_uri": "", "method": method, "note": "no critic"}) + "\n")
     model_uri, checkpoint_uri = artifacts.finish_training(
         result.training_result(), method, base_model, run, model, metrics, summary, curve_key="reward_mean",
-        critic_artifact=critic)
+        critic_artifact=critic, report_artifact=report)
     outputs = NamedTuple("RLOutputs", model_uri=str, checkpoint_uri=str, trainjob=str)  # noqa: UP014 (as declared)
     return outputs(model_uri, checkpoint_uri, f"{result.namespace}/{result.name}")

@@ -10,7 +10,7 @@ restarts. Outputs: the policy and the critic as Model pointers, Metrics, a Markd
 from typing import NamedTuple, Optional
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
+from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
 from sao_core.kfp.images import image
 
@@ -23,6 +23,7 @@ def sao_train(
     critic: Output[Model],
     metrics: Output[Metrics],
     summary: Output[Markdown],
+    report: Output[HTML],
     base_model: str = "embedded:tiny",
     steps: int = 100,
     batch_size: int = 32,
@@ -47,6 +48,7 @@ def sao_train(
         critic: Pointer to the trained critic (value model).
         metrics: Summary numbers (reward first/last, dropped trajectories, versions, seconds).
         summary: Markdown page with the summary and the reward curve.
+        report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
         base_model: Initial policy (and critic) checkpoint: embedded:tiny, a directory, s3:// or a hub id.
         steps: Learner steps (critic warm-up steps included).
         batch_size: Trajectories per step (B), one per prompt.
@@ -74,5 +76,6 @@ def sao_train(
                               admission=admission, eps_low=eps_low, eps_high=eps_high)
     result = train_rl(config)
     model_uri, checkpoint_uri = artifacts.finish_training(result, "sao", base_model, run, model, metrics, summary,
-                                                          curve_key="reward_mean", critic_artifact=critic)
+                                                          curve_key="reward_mean", critic_artifact=critic,
+                                                          report_artifact=report)
     return (model_uri, checkpoint_uri)  # the NamedTuple outputs, in order

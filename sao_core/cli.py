@@ -190,6 +190,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from sao_core.reporting.training import write_training_report
+
+    written = write_training_report(args.run_dir, target=args.output)
+    print(written)
+    return 0
+
+
 # ----------------------------------------------------------------------------- sao cluster (multi-node TrainJob)
 def _cluster_help(parser: argparse.ArgumentParser, cls: type) -> None:
     """Fill --help texts of fields `cls` inherits (add_config_arguments reads only its own source)."""
@@ -266,8 +274,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return _demo_pipeline(args)
     from sao_core.demo import run_demo
 
-    with _progress_bar(args.steps, "demo sft", args.quiet) as bar:
-        summary = run_demo(args.output, args.cache_dir, steps=args.steps,
+    steps = args.steps if args.steps is not None else 300
+    with _progress_bar(steps, "demo sft", args.quiet) as bar:
+        summary = run_demo(args.output, args.cache_dir, steps=steps,
                            progress=lambda step, m: _advance(bar, step, m),
                            say=lambda text: bar.write(text))
     print(json.dumps(summary, indent=2))
@@ -454,11 +463,19 @@ def _add_kfp_parsers(sub) -> None:
 def _demo_pipeline(args: argparse.Namespace) -> int:
     from sao_core.kfp.local import run_sao_rl_demo
 
-    summary = run_sao_rl_demo(args.output, args.cache_dir, warm_start_steps=args.steps, threads=args.threads,
+    chosen = {"warm_start_steps": args.steps} if args.steps is not None else {}
+    summary = run_sao_rl_demo(args.output, args.cache_dir, threads=args.threads, **chosen,
                               say=lambda text: print(text, file=sys.stderr, flush=True))
     print(json.dumps(summary, indent=2))
-    print(f"\nHTML report: {summary['report']}\nEvaluation metrics: {summary['evaluation_summary']}\n"
-          f"SAO metrics: {summary['sao_metrics']}\nAll outputs: {summary['output']} (summary: {summary['summary_file']})")
+    held = summary["held_out"]
+    print(f"\nHeld-out sampled reward (T = 1, {held['prompts']} prompts x {held['samples_per_prompt']} samples, "
+          f"evaluated during training at steps {', '.join(map(str, held['steps']))}): "
+          f"{held['sampled_before']:.3f} before SAO -> {held['sampled_after']:.3f} after "
+          f"(greedy {held['greedy_before']:.3f} -> {held['greedy_after']:.3f})\n"
+          f"HTML report: {summary['report']}\nEvaluation metrics: {summary['evaluation_summary']}\n"
+          f"SAO metrics (eval_* keys: held-out rewards): {summary['sao_metrics']}\n"
+          f"All outputs: {summary['output']} (summary: {summary['summary_file']}); "
+          f"pipeline {summary['pipeline_seconds']:.0f} s")
     return 0
 
 # ----------------------------------------------------------------------------- parser and main
@@ -531,6 +548,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_config_arguments(p, EvalConfig, skip=("cache_dir",))
     p.set_defaults(func=cmd_evaluate)
 
+    report = sub.add_parser("report", help="HTML reports of runs")
+    report_sub = report.add_subparsers(dest="report_command", required=True, metavar="KIND")
+    p = report_sub.add_parser("training", help="the training report of a run directory (path or s3://): loss / "
+                                               "reward and RL health curves, config, checkpoints")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's output (holds metrics.jsonl)")
+    p.add_argument("--output", metavar="FILE", default=None,
+                   help="where the HTML goes (path or s3://) [default: RUN_DIR/training_report.html]")
+    p.set_defaults(func=cmd_report)
+
     from sao_core.cluster.launcher import LaunchConfig
     from sao_core.cluster.manifests import RuntimeSpec
 
@@ -595,7 +621,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job on the embedded default: data preparation and a short SFT run")
     p.add_argument("--output", default="local_outputs/demo", help="output directory [default: local_outputs/demo]")
-    p.add_argument("--steps", type=int, default=300, help="SFT steps [default: 300]")
+    p.add_argument("--steps", type=int, default=None, help="SFT steps [default: 300; with --pipeline the "
+                                                            "warm start's, 190]")
     p.add_argument("--pipeline", action="store_true", help="run the sao_rl Kubeflow pipeline locally instead: "
                                                            "SFT warm start, SAO, evaluation, HTML report")
     p.set_defaults(func=cmd_demo)
@@ -625,13 +652,14 @@ def main(argv: list[str] | None = None) -> int:
     from sao_core.kfp.local import LocalRunError
     from sao_core.learner.loop import LearnerError
     from sao_core.models import ModelLoadError
+    from sao_core.reporting.training import ReportError
     from sao_core.storage import StorageError
     from sao_core.training.trainer import TrainingError
 
     try:
         return args.func(args)
     except (ConfigError, DataError, ModelLoadError, StorageError, TrainingError, LearnerError, KFPError,
-            LocalRunError, ValueError,
+            LocalRunError, ReportError, ValueError,
             FileNotFoundError, ConnectionError) as err:
         print(f"sao {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -1,9 +1,10 @@
-"""`make demo`: the main job on the embedded default, end to end on one CPU machine.
+"""`sao demo` without ``--pipeline``: the plain SFT demo on the embedded default, on one CPU machine.
 
-Today it runs the largest real pieces that exist: build the embedded model, prepare an SFT data set of
-the synthetic tool task and the bundled IMO-AnswerBench, fine-tune the model, publish a verified
-checkpoint, reload it and measure how often it now calls the tool correctly on held-out problems.
-Later stages (rollout service, SAO learner, evaluator) join as they land.
+Build the embedded model, prepare an SFT data set of the synthetic tool task and the bundled
+IMO-AnswerBench, fine-tune the model, publish a verified checkpoint, reload it and measure how often it
+now calls the tool correctly on held-out problems. `make demo` (``sao demo --pipeline``) runs the whole
+``sao_rl`` pipeline instead, with SAO and its held-out evaluation during training:
+`sao_core.kfp.local.run_sao_rl_demo`.
 """
 
 from __future__ import annotations

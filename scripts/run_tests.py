@@ -2,7 +2,7 @@
 
 1. Every test not marked `serial`, spread over `--workers` pytest-xdist processes (a file's tests stay in
    one worker, so its module fixtures are built once).
-2. The `serial` tests (the reward-rising learning runs: their asynchronous schedule depends on timing and a
+2. The `serial` tests (SAO's reward-rising learning run: its asynchronous schedule depends on timing and a
    busy machine weakens how far the reward rises) alone, after phase 1.
 
 The same pytest arguments go to both phases. A phase that selects nothing (pytest exit 5) is fine when the

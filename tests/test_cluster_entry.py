@@ -104,6 +104,24 @@ def test_learner_goes_on_with_the_healthy_replicas_and_fails_with_none(replicas)
         entry.run_learner(["--method", "sao"], env, "/c", run=lambda a: 0, say=lambda s: None, poll_s=0.05)
 
 
+def test_the_learner_serves_prometheus_metrics_on_the_runtimes_port(replicas):
+    """$SAO_LEARNER_METRICS_PORT (the runtime's learner_metrics_port, its container port) becomes --metrics-port
+    of train-rl on every node (only torchrun's rank 0 serves it); a --metrics-port in the arguments is kept."""
+    replicas[1].healthy = True
+    env = {"SAO_ROLLOUT_URLS": ",".join(r.url for r in replicas), "PET_NODE_RANK": "1",
+           "SAO_LEARNER_METRICS_PORT": "9400"}
+    ran: list[list[str]] = []
+    entry.run_learner(["--method", "sao"], env, "/c", run=lambda a: ran.append(a) or 0, say=lambda s: None)
+    train_args = ran[0][ran[0].index("train-rl") + 1:]
+    assert train_args[:4] == ["--method", "sao", "--metrics-port", "9400"]
+    entry.run_learner(["--method", "sao", "--metrics-port", "0"], env, "/c", run=lambda a: ran.append(a) or 0,
+                      say=lambda s: None)
+    assert ran[1].count("--metrics-port") == 1 and ran[1][ran[1].index("--metrics-port") + 1] == "0"
+    env["SAO_LEARNER_METRICS_PORT"] = "0"
+    entry.run_learner(["--method", "sao"], env, "/c", run=lambda a: ran.append(a) or 0, say=lambda s: None)
+    assert "--metrics-port" not in ran[2]
+
+
 def test_learner_arguments_are_checked():
     env = {"SAO_ROLLOUT_URLS": "http://127.0.0.1:9"}
     with pytest.raises(ClusterConfigError, match="needs the sao train-rl arguments"):

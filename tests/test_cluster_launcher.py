@@ -397,7 +397,7 @@ def test_components_launch_and_delete(kube, moto_s3, tmp_path, monkeypatch):
     (data / "data.jsonl").write_text("{}\n")
     arts = {n: cls(name=n, uri=str(tmp_path / "out" / n), metadata={})
             for n, cls in (("model", dsl.Model), ("critic", dsl.Model), ("metrics", dsl.Metrics),
-                           ("summary", dsl.Markdown))}
+                           ("summary", dsl.Markdown), ("report", dsl.HTML))}
     name = names.trainjob_name("run-7", "sao")
 
     seen: dict = {}
@@ -424,6 +424,8 @@ def test_components_launch_and_delete(kube, moto_s3, tmp_path, monkeypatch):
     assert pointer["sha256"] == storage.checkpoint_digest(outputs.model_uri) and pointer["step"] == 3
     assert arts["model"].metadata["version"] == 3 and arts["critic"].metadata["checkpoint_uri"].endswith("/critic")
     assert "reward_mean" in Path(arts["summary"].path).read_text()
+    # The run wrote no training_report.html (a fake learner): the HTML artifact is made from its s3:// metrics.
+    assert 'data-plot="reward"' in Path(arts["report"].path).read_text()
     # the ExitHandler step: derives the same name; idempotent
     kube.add_object({**kube.objects.get(("trainjobs", NS, name), {}), "apiVersion": "trainer.kubeflow.org/v1alpha1",
                      "kind": "TrainJob", "metadata": {"name": name, "namespace": NS}, "spec": {}})

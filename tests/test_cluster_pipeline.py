@@ -69,7 +69,8 @@ def test_the_launcher_component_refuses_repeated_settings(tmp_path):
 
     arts = {n: dsl.Model(name=n, uri=str(tmp_path / n), metadata={}) for n in ("model", "critic")}
     arts.update(metrics=dsl.Metrics(name="m", uri=str(tmp_path / "m"), metadata={}),
-                summary=dsl.Markdown(name="s", uri=str(tmp_path / "s"), metadata={}))
+                summary=dsl.Markdown(name="s", uri=str(tmp_path / "s"), metadata={}),
+                report=dsl.HTML(name="r", uri=str(tmp_path / "r"), metadata={}))
     data = dsl.Dataset(name="d", uri="s3://d/rl", metadata={})
     with pytest.raises(ConfigError, match="options may not repeat steps"):
         launch_trainjob.python_func(data=data, output_root="s3://o", options={"steps": 5}, **arts)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from kfp.dsl import Dataset, Markdown, Metrics, Model
+from kfp.dsl import HTML, Dataset, Markdown, Metrics, Model
 
 from sao_core import storage
 from sao_core.config import ConfigError
@@ -89,9 +89,11 @@ def test_sft_component_trains_and_points_at_the_checkpoint(tmp_path, sft_source,
     prepare_data.python_func(source=str(sft_source), kind="sft", dataset=dataset, stats=Metrics(uri=str(tmp_path / "s")))
     model, metrics, summary = (Model(uri=str(tmp_path / "model")), Metrics(uri=str(tmp_path / "metrics")),
                                Markdown(uri=str(tmp_path / "summary")))
+    report = HTML(uri=str(tmp_path / "report"))
     model_uri, checkpoint_uri = sft_train.python_func(
         data=dataset, output_root=str(tmp_path / "runs"), model=model, metrics=metrics, summary=summary, steps=3,
-        batch_size=4, lr=1e-3, max_tokens=128, options={"warmup_steps": 0, "log_every": 1}, run_id="run-1")
+        batch_size=4, lr=1e-3, max_tokens=128, options={"warmup_steps": 0, "log_every": 1}, run_id="run-1",
+        report=report)
     assert model_uri == str(tmp_path / "runs" / "run-1" / "sft" / "model")
     assert checkpoint_uri.startswith(str(tmp_path / "runs" / "run-1" / "sft" / "checkpoints" / "step-000003"))
     pointer = json.loads(Path(model.path).read_text())
@@ -103,6 +105,9 @@ def test_sft_component_trains_and_points_at_the_checkpoint(tmp_path, sft_source,
     page = Path(summary.path).read_text()
     assert page.startswith("# sft training") and "| steps | mean loss |" in page
     assert artifacts.read_model_pointer(model.path)["step"] == 3
+    html = Path(report.path).read_text()   # the HTML artifact is the run's training report
+    assert html == (tmp_path / "runs" / "run-1" / "sft" / "training_report.html").read_text()
+    assert 'data-plot="loss"' in html and "<svg" in html
 
     # A changed checkpoint no longer matches its artifact.
     manifest = Path(model_uri) / "manifest.json"
@@ -114,7 +119,7 @@ def test_sft_component_trains_and_points_at_the_checkpoint(tmp_path, sft_source,
     again = sft_train.python_func(
         data=dataset, output_root=str(tmp_path / "runs"), model=Model(uri=str(tmp_path / "m2")),
         metrics=Metrics(uri=str(tmp_path / "x2")), summary=Markdown(uri=str(tmp_path / "y2")), steps=3, batch_size=4,
-        lr=1e-3, max_tokens=128, options={"warmup_steps": 0}, run_id="run-1")
+        lr=1e-3, max_tokens=128, options={"warmup_steps": 0}, run_id="run-1", report=HTML(uri=str(tmp_path / "r2")))
     assert again[0] == model_uri
 
 
@@ -186,7 +191,8 @@ def test_rl_components_pass_admission_to_the_config(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop, "train_rl", fake_train_rl)
     common = dict(data=Dataset(uri=str(tmp_path / "data")), output_root=str(tmp_path / "runs"), model=Model(uri="m"),
-                  metrics=Metrics(uri="x"), summary=Markdown(uri="y"), engine="hf", run_id="r")
+                  metrics=Metrics(uri="x"), summary=Markdown(uri="y"), report=HTML(uri="h"), engine="hf",
+                  run_id="r")
     with pytest.raises(_Stop):
         sao_train.python_func(critic=Model(uri="c"), admission="version_order", **common)
     with pytest.raises(_Stop):
@@ -213,7 +219,8 @@ def test_grpo_component_refuses_sao_and_unknown_methods(tmp_path):
     for method, message in (("sao", "SAO has its own component"), ("ppo", "must be one of grpo, grpo_async")):
         with pytest.raises(ConfigError, match=message):
             grpo_train.python_func(data=Dataset(uri=str(tmp_path)), output_root=str(tmp_path), model=Model(uri="m"),
-                                   metrics=Metrics(uri="x"), summary=Markdown(uri="y"), method=method)
+                                   metrics=Metrics(uri="x"), summary=Markdown(uri="y"), report=HTML(uri="h"),
+                                   method=method)
 
 
 @pytest.mark.parametrize("method, kind", [("sft", "sft"), ("cpt", "cpt"), ("dpo", "dpo"), ("grpo", "rl"), ("sao", "rl")])
@@ -319,11 +326,13 @@ def test_model_artifact_points_at_an_s3_checkpoint(tmp_path, sft_source, sao_cac
     model_uri, _ = sft_train.python_func(
         data=dataset, output_root=moto_s3.uri("runs"), model=model, metrics=Metrics(uri=str(tmp_path / "m")),
         summary=Markdown(uri=str(tmp_path / "md")), steps=2, batch_size=4, lr=1e-3, max_tokens=128,
-        options={"warmup_steps": 0}, run_id="kfp-run-7")
+        options={"warmup_steps": 0}, run_id="kfp-run-7", report=HTML(uri=str(tmp_path / "report")))
     assert model_uri == moto_s3.uri("runs/kfp-run-7/sft/model")
     assert storage.is_complete_checkpoint(model_uri)
     assert model.metadata["checkpoint_uri"] == model_uri
     assert model.metadata["sha256"] == storage.checkpoint_digest(model_uri)
     assert Path(model.path).stat().st_size < 2000  # a pointer, not weights
     assert "| steps | mean loss |" in Path(tmp_path / "md").read_text()  # metrics.jsonl read back from S3
+    assert storage.read_text(moto_s3.uri("runs/kfp-run-7/sft/training_report.html")) == \
+        Path(tmp_path / "report").read_text()   # the report reached the s3:// run and the HTML artifact
     assert artifacts.read_model_pointer(model.path)["checkpoint_uri"] == model_uri

@@ -122,9 +122,16 @@ def test_demo_pipeline_flag_is_wired(monkeypatch, capsys, tmp_path):
     def fake_demo(output, cache_dir, **kwargs):  # the real one is covered by test_pipelines_local (slow)
         seen.update(output=output, **kwargs)
         return {"report": "R.html", "evaluation_summary": "S.json", "sao_metrics": "M.jsonl", "output": str(output),
-                "summary_file": "summary.json"}
+                "summary_file": "summary.json", "pipeline_seconds": 1.0,
+                "held_out": {"prompts": 128, "samples_per_prompt": 2, "steps": [0, 10, 20], "sampled_before": 0.25,
+                             "sampled_after": 0.5, "greedy_before": 0.3, "greedy_after": 0.6}}
 
     monkeypatch.setattr(local, "run_sao_rl_demo", fake_demo)
     code, out, _ = _sao(capsys, "--threads", "1", "demo", "--pipeline", "--output", str(tmp_path), "--steps", "7")
     assert code == 0 and seen["warm_start_steps"] == 7 and seen["threads"] == 1
     assert "HTML report: R.html" in out and "Evaluation metrics: S.json" in out
+    assert "Held-out sampled reward (T = 1, 128 prompts x 2 samples, evaluated during training at steps 0, 10, 20): " \
+           "0.250 before SAO -> 0.500 after (greedy 0.300 -> 0.600)" in out
+    seen.clear()
+    code, out, _ = _sao(capsys, "demo", "--pipeline", "--output", str(tmp_path))
+    assert code == 0 and "warm_start_steps" not in seen       # without --steps: the demo's own warm start

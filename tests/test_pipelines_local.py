@@ -61,6 +61,7 @@ def test_post_training_sft_branch(tmp_path, inputs, sao_cache):
     assert storage.is_complete_checkpoint(model_uri)
     assert sorted(p.name for p in run.iterdir()) == ["sft"]  # only the chosen branch ran, no evaluation
     assert json.loads((run / "sft" / "summary.json").read_text())["steps"] == 3
+    assert 'data-plot="loss"' in (run / "sft" / "training_report.html").read_text()  # the step's HTML artifact too
 
 
 @pytest.mark.slow
@@ -168,18 +169,40 @@ def test_standalone_rollout_service_serves_until_shutdown(tmp_path, sao_cache):
     assert not thread.is_alive() and "error" not in outcome, outcome
 
 
-@pytest.mark.slow
+#: the least rise of the held-out sampled reward the demo must show (calibration: the test's docstring)
+DEMO_MARGIN = 0.04
+
+
+@pytest.mark.slow   # not serial: its margin was calibrated on a machine at load 4-6 (docstring)
 def test_sao_rl_end_to_end_like_make_demo(tmp_path, sao_cache):
-    from sao_core.kfp.local import run_sao_rl_demo
+    """`make demo` with its own settings (sao_core/kfp/local.py DEMO_*): the SAO step evaluates 128 held-out
+    prompts during training (one greedy and two sampled answers each) at steps 0, 20, 40, 60 and 80, and the
+    held-out sampled (T = 1) reward rises by at least DEMO_MARGIN.
+
+    Calibration (2026-12-01, 2 CPU cores shared with two other jobs, load average 4-6; README "Running
+    pipelines locally"): held-out sampled reward before -> after SAO, SAO seeds 0 / 1 / 2: 0.191 -> 0.309
+    (+0.118), 0.137 -> 0.219 (+0.082), 0.164 -> 0.262 (+0.098), and seed 0 again as this test: 0.191 -> 0.250
+    (+0.059; the asynchronous schedule depends on the load); pipeline 116-146 s. The margin, 0.04, is two
+    thirds of the smallest measured rise and about 2 standard deviations (0.025) of the rise across runs
+    below its mean (+0.089). It is weak against noise: one evaluation of 256 answers at p = 0.17 has a
+    standard deviation of 0.023, so the before / after difference of a run that learnt nothing has one of
+    about 0.033 and would pass 0.04 about one time in nine; the greedy reward does not rise
+    (0.664 -> 0.648 / 0.531 / 0.656 / 0.641) and is not asserted."""
+    from sao_core.kfp.local import DEMO_EVAL_EVERY, DEMO_HELD_OUT, DEMO_SAO_STEPS, run_sao_rl_demo
 
     said: list[str] = []
-    result = run_sao_rl_demo(tmp_path / "demo", sao_cache, warm_start_steps=60, warm_start_rows=300, sao_steps=6,
-                             batch_size=8, eval_limit=2, eval_k=1, held_out=10, threads=1, say=said.append)
+    result = run_sao_rl_demo(tmp_path / "demo", sao_cache, threads=2, say=said.append)
+    print(json.dumps({"held_out": result["held_out"], "pipeline_seconds": result["pipeline_seconds"]}))
     assert [line[:5] for line in said] == ["[1/3]", "[2/3]", "[3/3]"]
     assert result["sft_model_verified"] and result["sao_model_verified"]
-    assert result["sao"]["steps"] == 6 and result["sao"]["trained_trajectories"] == 48
+    assert result["sao"]["steps"] == DEMO_SAO_STEPS
     assert Path(result["report"]).is_file() and "IMO-AnswerBench" in Path(result["report"]).read_text()
-    assert "imo_answerbench/avg@1" in result["evaluation_metrics"]
-    assert result["held_out_tool_call_accuracy"]["problems"] == 10
+    assert "imo_answerbench/avg@2" in result["evaluation_metrics"]
     assert json.loads(Path(result["summary_file"]).read_text())["report"] == result["report"]
-    assert sum(c["steps"].count("-") for c in result["sao_reward_by_steps"]) >= 2
+    held = result["held_out"]
+    assert held["prompts"] == DEMO_HELD_OUT >= 128 and held["samples_per_prompt"] == 2
+    assert held["steps"] == list(range(0, DEMO_SAO_STEPS + 1, DEMO_EVAL_EVERY))
+    for key in ("sampled_before", "sampled_after", "greedy_before", "greedy_after"):
+        assert 0.0 <= held[key] <= 1.0
+    assert 0.05 <= held["sampled_before"] <= 0.4     # the short warm start leaves room to learn
+    assert held["sampled_after"] >= held["sampled_before"] + DEMO_MARGIN

@@ -20,7 +20,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(sao_cache):
     pytest.importorskip("schemathesis")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     run = subprocess.run([sys.executable, str(REPO / "scripts" / "fuzz_rollout_api.py"), "--max-examples", "3",
-                          "--max-time", "30", "--shutdown-max-time", "8", "--cache-dir", str(sao_cache)],
+                          "--max-time", "18", "--shutdown-max-time", "6", "--cache-dir", str(sao_cache)],
                          env=env, capture_output=True, text=True, timeout=110)
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, tail

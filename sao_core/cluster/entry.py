@@ -12,7 +12,9 @@ Both read their settings from the container environment the runtime and the Trai
   is), runs ``python -m torch.distributed.run -m sao_core.cli train-rl ARGS --services URLS`` (torchrun
   takes nodes, processes per node, node rank and master address from the ``PET_*`` variables Kubeflow
   Trainer sets), forwards SIGTERM / SIGINT to it, and on node rank 0 shuts every replica down
-  afterwards (``POST /v1/shutdown``) so the rollout Jobs end and the JobSet can finish.
+  afterwards (``POST /v1/shutdown``) so the rollout Jobs end and the JobSet can finish. With
+  ``$SAO_LEARNER_METRICS_PORT`` (the runtime's ``learner_metrics_port``) it passes ``--metrics-port``, so the
+  learner's rank 0 serves Prometheus metrics on the container port the runtime exposes.
 """
 
 from __future__ import annotations
@@ -195,8 +197,12 @@ def run_learner(train_args: list[str], environ: Mapping[str, str], cache_dir: st
     try:
         wait_s = float(environ.get(names.ENV_SERVICE_WAIT, "1800") or 1800)
         rank = int(environ.get(names.ENV_NODE_RANK, "0") or 0)
+        metrics_port = int(environ.get(names.ENV_LEARNER_METRICS_PORT, "0") or 0)
     except ValueError:
-        raise ClusterConfigError(f"{names.ENV_SERVICE_WAIT} and {names.ENV_NODE_RANK} must be numbers") from None
+        raise ClusterConfigError(f"{names.ENV_SERVICE_WAIT}, {names.ENV_NODE_RANK} and "
+                                 f"{names.ENV_LEARNER_METRICS_PORT} must be numbers") from None
+    if metrics_port and not any(a == "--metrics-port" or a.startswith("--metrics-port=") for a in args):
+        args += ["--metrics-port", str(metrics_port)]   # the runtime's container port (rank 0 serves it)
     wait_healthy(urls, wait_s, say=say, clock=clock, poll_s=poll_s)
     argv = learner_argv(args, urls, cache_dir)
     say(f"learner node {rank}: {' '.join(argv[1:])}")

@@ -47,7 +47,8 @@ from sao_core.cluster.names import ClusterConfigError
 log = logging.getLogger(__name__)
 
 #: RLConfig fields the launcher sets itself (``rl_options`` may not name them).
-RESERVED_RL_FIELDS = ("method", "data", "output", "model", "services", "resume", "cache_dir", "engine")
+RESERVED_RL_FIELDS = ("method", "data", "output", "model", "services", "resume", "cache_dir", "engine",
+                      "metrics_port")   # the runtime's learner_metrics_port (its container port)
 #: Container waiting reasons that do not resolve by themselves (fatal after ``pod_error_grace_s``).
 FATAL_WAITING = frozenset({"CreateContainerConfigError", "CreateContainerError", "InvalidImageName",
                            "ErrImageNeverPull", "ErrImagePull", "ImagePullBackOff"})

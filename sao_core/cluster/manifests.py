@@ -90,6 +90,7 @@ class RuntimeSpec:
     tensor_parallel_size: int = 1            # vLLM tensor-parallel size inside one replica
     data_parallel_size: int = 1              # vLLM data-parallel engines inside one replica
     rollout_port: int = 8000                 # HTTP port of the rollout services
+    learner_metrics_port: int = 9400         # the learner's Prometheus /metrics port (node rank 0's pod); 0: off
     rollout_cpu: str = ""                    # CPU request of each rollout pod ('' = none)
     rollout_memory: str = ""                 # memory request and limit of each rollout pod ('' = none)
     rollout_backoff_limit: int = 20          # container restarts of one replica before its Job (and the JobSet) fails
@@ -115,6 +116,7 @@ class RuntimeSpec:
         _int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
         _int("data_parallel_size", self.data_parallel_size, 1, 1024)
         _int("rollout_port", self.rollout_port, 1, 65535)
+        _int("learner_metrics_port", self.learner_metrics_port, 0, 65535)
         _int("rollout_backoff_limit", self.rollout_backoff_limit, 0, 10_000)
         _int("max_num_seqs", self.max_num_seqs, 1)
         _int("max_model_len", self.max_model_len, 0)
@@ -270,6 +272,7 @@ def runtime_manifest(spec: RuntimeSpec, name: str = "sao-rl", namespace: str | N
         _env(names.ENV_REPLICAS, str(spec.rollout_replicas)),
         _env(names.ENV_PORT, str(spec.rollout_port)),
         _env(names.ENV_SERVICE_WAIT, _seconds(spec.service_wait_s)),
+        _env(names.ENV_LEARNER_METRICS_PORT, str(spec.learner_metrics_port)),
         *_common_env(),
     ]
     node_container: dict[str, Any] = {
@@ -279,6 +282,8 @@ def runtime_manifest(spec: RuntimeSpec, name: str = "sao-rl", namespace: str | N
         "env": node_env,
         "volumeMounts": mounts,
     }
+    if spec.learner_metrics_port:   # served by the learner's rank 0 (sao cluster learner adds --metrics-port)
+        node_container["ports"] = [{"name": "metrics", "containerPort": spec.learner_metrics_port, "protocol": "TCP"}]
     resources = _resources(spec.gpus_per_node, spec.accelerator, spec.node_cpu, spec.node_memory)
     if resources:
         node_container["resources"] = resources

@@ -16,50 +16,14 @@ from html import escape
 from typing import Any
 
 from sao_core import storage
-from sao_core.eval import plots
 from sao_core.eval.metrics import compare, pass_k_values
+from sao_core.reporting import plots
+from sao_core.reporting.html import CSS as _CSS
+from sao_core.reporting.html import Raw as _Raw
+from sao_core.reporting.html import pct as _pct
+from sao_core.reporting.html import table as _table
 
 REPORT_FILE = "report.html"
-
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1100px; color: #222; padding: 0 16px; }
-h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 32px; border-bottom: 1px solid #ccc; }
-h3 { font-size: 15px; margin-top: 20px; }
-table { border-collapse: collapse; margin: 8px 0 16px; font-size: 13px; }
-th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; vertical-align: top; }
-th { background: #f2f4f7; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-.up { color: #1d7a35; } .down { color: #b8323a; } .muted { color: #777; }
-code { font-size: 12px; } svg.chart { display: block; margin: 8px 0 16px; max-width: 100%; height: auto; }
-details { margin: 8px 0; } summary { cursor: pointer; }
-"""
-
-
-def _pct(value: Any) -> str:
-    return "–" if value is None else f"{100 * float(value):.1f}%"
-
-
-def _num(value: Any) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float) and not value.is_integer():
-        return f"{value:.2f}"
-    return f"{int(value)}"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Sequence[int] = (), cls: str = "") -> str:
-    head = "".join(f"<th>{escape(str(h))}</th>" for h in headers)
-    body = []
-    for row in rows:
-        cells = []
-        for i, cell in enumerate(row):
-            text = cell if isinstance(cell, _Raw) else escape(str(cell))
-            cells.append(f'<td class="num">{text}</td>' if i in numeric else f"<td>{text}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
-
-
-class _Raw(str):
-    """Cell text that is already HTML."""
 
 
 def _headline(bench: Mapping[str, Any]) -> dict[str, float | None]:

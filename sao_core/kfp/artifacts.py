@@ -151,9 +151,19 @@ def training_markdown(title: str, summary: dict[str, Any], rows: list[dict[str, 
     """A Markdown page for the KFP UI: the run's summary and its `curve_key` averaged over windows of steps."""
     lines = [f"# {title}", "", "| field | value |", "| --- | --- |"]
     for key, value in summary.items():
+        if key == "evaluations":   # evaluation during training: a table of its own below
+            continue
         if isinstance(value, dict | list):
             value = json.dumps(value)
         lines.append(f"| {key} | {_fmt(value) if value is not None else ''} |")
+    evaluations = summary.get("evaluations") or []
+    if evaluations:
+        lines += ["", "## held-out evaluation during training", "",
+                  "| step | version | sampled reward (T = 1) | greedy reward | prompts |", "| --- | --- | --- | --- | --- |"]
+        for e in evaluations:
+            cells = [e.get("step"), e.get("version"), e.get("eval_sampled_reward"), e.get("eval_greedy_reward"),
+                     e.get("eval_prompts")]
+            lines.append("| " + " | ".join("" if c is None else _fmt(c) for c in cells) + " |")
     points = [r for r in rows if isinstance(r.get(curve_key), (int, float))]
     if points:
         size = max(1, -(-len(points) // windows))
@@ -176,12 +186,14 @@ def write_text_artifact(artifact, text: str) -> str:
 
 
 def finish_training(result: dict[str, Any], method: str, base_model: str, run: str, model_artifact,
-                    metrics_artifact, summary_artifact, curve_key: str, critic_artifact=None) -> tuple[str, str]:
+                    metrics_artifact, summary_artifact, curve_key: str, critic_artifact=None,
+                    report_artifact=None) -> tuple[str, str]:
     """Fill a training step's artifacts from the run summary; returns (model URI, checkpoint URI).
 
     Model (and critic) artifacts become pointers to the published checkpoints; the Metrics artifact
     gets every number of the summary; the Markdown artifact shows the summary and the `curve_key`
-    curve from the run's ``metrics.jsonl``.
+    curve from the run's ``metrics.jsonl``; the HTML artifact is the run's training report (the one the
+    run wrote at its end, else made now from its metrics).
     """
     version = result.get("version")
     fill_model(model_artifact, model_pointer(result["model"], method=method, step=result["steps"], version=version,
@@ -192,4 +204,23 @@ def finish_training(result: dict[str, Any], method: str, base_model: str, run: s
     log_numbers(metrics_artifact, {k: v for k, v in result.items() if k not in ("world_size",)})
     write_text_artifact(summary_artifact, training_markdown(f"{method} training: {run}", result,
                                                             read_metrics_rows(run), curve_key))
+    if report_artifact is not None:
+        write_text_artifact(report_artifact, training_report_html(run, result))
     return result["model"], result["checkpoint"]
+
+
+def training_report_html(run: str, result: dict[str, Any]) -> str:
+    """The run's ``training_report.html``; made from its metrics when the run did not write one (a run
+    launched elsewhere), or a page saying why there is none."""
+    from sao_core.reporting.training import TRAINING_REPORT, ReportError, build_training_report
+
+    uri = storage.join(run, TRAINING_REPORT)
+    try:
+        if storage.exists(uri):
+            return storage.read_text(uri)
+        return build_training_report(run, summary=result)
+    except (ReportError, storage.StorageError) as err:
+        from html import escape
+
+        return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>Training report</title></head>'
+                f"<body><h1>Training report</h1><p>No report for {escape(run)}: {escape(str(err))}</p></body></html>")

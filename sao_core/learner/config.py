@@ -65,6 +65,16 @@ class RLConfig(CoreConfig):
     failed_reward: float = 0.0                 # the reward they are trained with when failed_episodes is train
     keep_weight_versions: int = 3              # published weight versions kept (older ones deleted)
     log_every: int = 1
+    metrics_port: int = 0                      # the learner's Prometheus /metrics port (rank 0, all interfaces); 0: off
+    # Evaluation during training (sao_core/learner/evaluation.py, README "Evaluation during training"): held-out
+    # rewards at the current weights from the rollout services, logged as eval_* in metrics.jsonl.
+    eval_every: int = 0                        # evaluate every N learner steps, at step 0 and at the last step; 0: off
+    eval_data: str = ""                        # held-out set: a prepared rl dataset, or swe_verified | beyond_aime | imo_answerbench
+    eval_limit: int = 0                        # evaluate only the first N prompts of eval_data (0: all)
+    eval_samples: int = 1                      # sampled answers (temperature 1) per prompt (0: none)
+    eval_greedy: bool = True                   # also one greedy answer (temperature 0) per prompt
+    eval_concurrency: int = 32                 # evaluation episodes (and /v1/generate requests) in flight at once
+    eval_options: dict[str, Any] = field(default_factory=dict)  # benchmark eval_data: other EvalConfig fields, e.g. {"max_new_tokens": 4096}
 
     @property
     def in_flight_cap(self) -> int:
@@ -102,5 +112,17 @@ class RLConfig(CoreConfig):
             raise ValueError(f"RLConfig.failed_episodes must be drop or train, got {self.failed_episodes!r}")
         if not math.isfinite(self.failed_reward):
             raise ValueError(f"RLConfig.failed_reward must be a finite number, got {self.failed_reward}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"RLConfig.metrics_port must be 0 (off) or a TCP port, got {self.metrics_port}")
+        for key in ("eval_every", "eval_limit", "eval_samples"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"RLConfig.{key} must be >= 0, got {getattr(self, key)}")
+        if self.eval_concurrency < 1:
+            raise ValueError(f"RLConfig.eval_concurrency must be >= 1, got {self.eval_concurrency}")
+        if self.eval_every and not self.eval_data:
+            raise ValueError("RLConfig.eval_every needs eval_data: a prepared rl dataset or a benchmark name "
+                             "(swe_verified, beyond_aime, imo_answerbench)")
+        if self.eval_every and not (self.eval_samples or self.eval_greedy):
+            raise ValueError("RLConfig.eval_every needs eval_samples >= 1 or eval_greedy")
         if self.engine not in ("hf", "vllm"):
             raise ValueError(f"RLConfig.engine must be hf or vllm, got {self.engine!r}")

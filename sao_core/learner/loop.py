@@ -41,6 +41,7 @@ from sao_core.learner.config import RLConfig
 from sao_core.learner.ledger import TRAINED, StreamLedger
 from sao_core.learner.pending import FAILED_REASONS, Drop, Pending, position_of
 from sao_core.learner.updates import Updater
+from sao_core.reporting.training import write_training_report
 from sao_core.rollout.auth import TokenError, new_token, resolve_token
 from sao_core.rollout.client import RolloutAuthError, RolloutClient, RolloutRequestError, RolloutUnavailable
 from sao_core.rollout.trajectory import Trajectory
@@ -55,6 +56,7 @@ from sao_core.training.checkpointing import (
 __all__ = ["FAILED_REASONS", "LearnerError", "Pending", "ServiceSet", "train_rl"]
 from sao_core.training.core import prepare_model
 from sao_core.training.distributed import DistContext, all_reduce, broadcast_object, init_distributed
+from sao_core.training.live import run_sinks
 from sao_core.training.metrics_log import MetricsLog
 
 log = logging.getLogger(__name__)
@@ -317,6 +319,19 @@ def _gather_batch(ctx: DistContext, fetch: Callable[[], list[Trajectory] | None]
     return value
 
 
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a metrics file (unreadable lines skipped)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext) -> bool:
     """Gather the critic (collective) and write it on rank 0; True on the rank that wrote."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -439,6 +454,14 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     kind, data_uri = prepared.kind, prepared.data_uri
     if kind is not None and kind != "rl":
         raise LearnerError(f"{data_uri} was prepared with --kind {kind}; train-rl needs --kind rl")
+    eval_set = None
+    if config.eval_every:
+        from sao_core.learner.evaluation import load_eval_set
+
+        try:   # a bad held-out set fails before any model is loaded
+            eval_set = load_eval_set(config)
+        except ValueError as err:
+            raise LearnerError(str(err)) from err
     checkpoints_uri = storage.join(config.output, "checkpoints")
     latest = storage.latest_checkpoint(checkpoints_uri)
     if latest and not config.resume:
@@ -448,7 +471,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     started = time.time()
     scratch = Path(tempfile.mkdtemp(prefix="sao-learner-"))
     try:
-        return _train(config, progress, ctx, scratch, started, latest, checkpoints_uri, token)
+        return _train(config, progress, ctx, scratch, started, latest, checkpoints_uri, token, eval_set)
     finally:  # every exit: a finished run, a failure while loading or resuming, an error in a step
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -465,9 +488,11 @@ def _counters_from(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: DistContext, scratch: Path,
-           started: float, latest: str | None, checkpoints_uri: str, token: str | None) -> dict[str, Any]:
+           started: float, latest: str | None, checkpoints_uri: str, token: str | None,
+           eval_set: Any = None) -> dict[str, Any]:
     """The run itself, once the checks passed and `scratch` exists (`train_rl` removes it on every exit).
-    `token`: the bearer token the services (or the colocated one) expect."""
+    `token`: the bearer token the services (or the colocated one) expect; `eval_set`: the held-out set of
+    evaluation during training (`sao_core.learner.evaluation`), None when it is off."""
     from sao_core.models import load_model_and_tokenizer, resolve_model
     from sao_core.models.value import ValueModel
 
@@ -642,6 +667,20 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 "dropped_by_reason": dict(dropped_by_reason()), "requeued": run["requeued"] + pending.requeued,
                 "first_rewards": run["first_rewards"], "last_rewards": run["last_rewards"]}
 
+    evaluator = None
+    if eval_set is not None and ctx.is_main:
+        from sao_core.learner.evaluation import TrainingEvaluator
+
+        evaluator = TrainingEvaluator(config, eval_set, tokenizer, token)
+
+    def evaluate_now() -> dict[str, Any]:
+        """Held-out rewards at version `version` from the live services (rank 0; their stream goes on)."""
+        urls = [services.clients[i].url for i in services.live]
+        if not urls:
+            services._wait_for_any()
+            urls = [services.clients[i].url for i in services.live]
+        return evaluator.run(urls, step, version)
+
     pending = Pending(config, ledger)
     metrics_path = scratch / "metrics.jsonl"  # s3:// outputs: MetricsLog copies it to <output>/metrics.jsonl
     if not storage.is_s3_uri(config.output):
@@ -703,7 +742,8 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 services.ack({i: replayed_ids for i in every}, {i: replayed_dropped for i in every})
 
         _gather_batch(ctx, connect)
-        with MetricsLog(config.output, metrics_path, resume=config.resume, enabled=ctx.is_main) as metrics_log:
+        with MetricsLog(config.output, metrics_path, resume=config.resume, enabled=ctx.is_main,
+                        sinks=run_sinks(config, config.method)) as metrics_log:
             # One line per step: the replayed steps the killed process had not logged yet, marked replayed.
             logged = metrics_log.steps() if ctx.is_main else set()
             for record in replayed_records:
@@ -711,6 +751,11 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                                                      or record["step"] == config.steps):
                     metrics_log.append(record)
             metrics_log.sync()
+            if evaluator is not None and step == 0 and 0 not in logged:
+                # The starting point of the held-out curves: a line of its own, before any training.
+                metrics_log.append({"step": 0, "version": version, **evaluate_now(),
+                                    "seconds": time.time() - started, "world_size": ctx.world_size})
+                metrics_log.sync()
             while step < config.steps:
                 chosen = _gather_batch(ctx, next_batch)
                 trajectories = [t for t, _ in chosen]
@@ -758,10 +803,16 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                           "trajectories_per_s": trained_trajectories / elapsed,
                           "tokens_per_s": trained_tokens / elapsed, "seconds": elapsed,
                           "world_size": ctx.world_size}
-                if ctx.is_main and (step % config.log_every == 0 or step == config.steps):
+                evaluated = evaluator is not None and evaluator.due(step)
+                if evaluated:   # after the push of `version`, before the next step: the current weights
+                    record.update(evaluate_now())
+                if ctx.is_main and (step % config.log_every == 0 or step == config.steps or evaluated):
                     record["generator_idle_share"] = services.idle_share()
                     metrics_log.append(record)
                     metrics_log.sync()
+                if ctx.is_main:   # every report_every steps (a failure only warns)
+                    write_training_report(config.output, metrics=metrics_path, config=config, step=step,
+                                          every=config.report_every)
                 if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
                     checkpoint()
                 if progress and ctx.is_main:
@@ -790,10 +841,15 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 "seconds": time.time() - started, "checkpoint": last_checkpoint, "model": model_uri,
                 "critic": critic_uri, "resumed_from": latest, "world_size": ctx.world_size,
             }
+            if evaluator is not None:   # from the metrics lines, so a resumed run's earlier evaluations count
+                from sao_core.learner.evaluation import eval_summary
+
+                summary.update(eval_summary(_read_rows(metrics_path)))
             if not storage.is_s3_uri(config.output):
                 (Path(config.output) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             else:
                 storage.write_text(storage.join(config.output, "summary.json"), json.dumps(summary, indent=2))
+            write_training_report(config.output, metrics=metrics_path, config=config, summary=summary)
     finally:
         if services is not None:
             services.stop(shutdown=config.shutdown_services)

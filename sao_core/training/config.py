@@ -35,6 +35,7 @@ class CoreConfig:
     checkpoint_every: int = 0               # steps between resumable checkpoints; 0: only at the end
     resume: bool = False                    # continue from the newest complete checkpoint in output
     log_every: int = 10
+    report_every: int = 25                  # steps between refreshes of <output>/training_report.html; 0: only at the end
     seed: int = 0
     cache_dir: str = field(default_factory=lambda: str(Path.home() / ".cache" / "sao"))
     unverified: bool = False                # load a local model folder without a manifest.json as it is
@@ -46,7 +47,7 @@ class CoreConfig:
         for key in ("steps", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{name}.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("warmup_steps", "checkpoint_every", "grad_clip", "weight_decay"):
+        for key in ("warmup_steps", "checkpoint_every", "report_every", "grad_clip", "weight_decay"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{name}.{key} must be >= 0, got {getattr(self, key)}")
         if self.schedule not in SCHEDULES:

@@ -3,16 +3,21 @@
 S3 has no append, so for an ``s3://`` output the lines go to a local file and :meth:`MetricsLog.sync`
 replaces ``<output>/metrics.jsonl`` with a copy of it (one PUT of the whole file). For a local output the
 local file is the output file itself and syncing does nothing.
+
+Every line also goes to the log's *sinks* (``sao_core.training.live``: TensorBoard event files, MLflow, the
+learner's Prometheus endpoint), which are synced with it; a sink that fails is warned about and dropped.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from sao_core import storage
+from sao_core.training.live import Sink, scalars
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +35,14 @@ class MetricsLog:
     exception is leaving it, so a failed run still shows its lines. A sync that fails while the run goes on
     logs a warning (the next one sends the whole file again); the final sync of a block left normally
     raises StorageError. `enabled=False` (ranks other than 0) makes every call a no-op.
+
+    `sinks` (``sao_core.training.live``) are opened when the block is entered (after the kept lines are
+    known), given every appended line with a step, synced at every sync and closed when the block is left.
     """
 
     def __init__(self, output_uri: str, local_path: str | Path, resume: bool, enabled: bool = True,
-                 keep_through: int | None = None):
+                 keep_through: int | None = None, sinks: Sequence[Sink] = ()):
+        self.output_uri = output_uri
         self.uri = storage.join(output_uri, METRICS_NAME)
         self.remote = storage.is_s3_uri(output_uri)
         self.path = Path(local_path)
@@ -42,6 +51,19 @@ class MetricsLog:
         self.keep_through = keep_through
         self._file: IO[str] | None = None
         self._steps: set[int] = set()
+        self._pending_sinks = list(sinks)
+        self.sinks: list[Sink] = []
+
+    def _each_sink(self, action: str, call) -> None:
+        """`call(sink)` for every live sink; one that raises is warned about and dropped (the run goes on)."""
+        for sink in list(self.sinks):
+            try:
+                call(sink)
+            except Exception as err:  # noqa: BLE001  (a live view never stops a run)
+                log.warning("%s: %s failed, the run goes on without it: %s: %s", sink.name, action,
+                            type(err).__name__, err)
+                self.sinks.remove(sink)
+                sink.drop()
 
     def __enter__(self) -> MetricsLog:
         if not self.enabled:
@@ -52,6 +74,8 @@ class MetricsLog:
         if self.resume and self.path.exists():
             self._keep_whole_lines()
         self._file = self.path.open("a" if self.resume else "w")
+        self.sinks = self._pending_sinks
+        self._each_sink("start", lambda sink: sink.open(self))
         return self
 
     def _keep_whole_lines(self) -> None:
@@ -88,10 +112,14 @@ class MetricsLog:
             self._file.flush()
             if isinstance(record.get("step"), int):
                 self._steps.add(record["step"])
+                if self.sinks:
+                    values = scalars(record)
+                    self._each_sink("logging", lambda sink: sink.write(record["step"], values, record))
 
     def sync(self, strict: bool = False) -> bool:
         """Copy the local file to ``<output>/metrics.jsonl`` (s3:// outputs); False, with a warning, if that
         failed (`strict`: raise StorageError instead)."""
+        self._each_sink("sync", lambda sink: sink.sync())
         if not self.enabled or not self.remote:
             return True
         if self._file is not None:
@@ -109,4 +137,6 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._each_sink("closing", lambda sink: sink.close(failed=exc_type is not None))
+        self.sinks = []
         self.sync(strict=exc_type is None)  # an error already leaving the block is not masked by this one

@@ -4,7 +4,8 @@ Single process, or FSDP2 under torchrun (gloo on CPU, NCCL on GPU). Per optimise
 `batch_size` examples of a seeded, epoch-wise shuffled order (the data cursor is all that is needed to
 resume it), split over ranks and `grad_accum` micro-batches; the core's precision (`training.core`); gradient clipping;
 schedule with warm-up. Resumable checkpoints every `checkpoint_every` steps and at the end; the final
-model is exported in Hugging Face format to ``<output>/model``; metrics go to ``<output>/metrics.jsonl``.
+model is exported in Hugging Face format to ``<output>/model``; metrics go to ``<output>/metrics.jsonl``, and
+the training report (``<output>/training_report.html``) is refreshed every `report_every` steps and at the end.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from sao_core import storage
 from sao_core.data.prepared import open_prepared
 from sao_core.data.schemas import DataError
+from sao_core.reporting.training import write_training_report
 from sao_core.training.checkpointing import (
     export_hf_model,
     load_training_checkpoint,
@@ -32,6 +34,7 @@ from sao_core.training.checkpointing import (
 from sao_core.training.config import METHOD_CONFIGS, TrainConfig
 from sao_core.training.core import autocast, build_optimizer, build_scheduler, clip_and_step, prepare_model
 from sao_core.training.distributed import all_reduce_mean, barrier, init_distributed
+from sao_core.training.live import run_sinks
 from sao_core.training.metrics_log import MetricsLog
 
 log = logging.getLogger(__name__)
@@ -186,7 +189,7 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
     tokens_total = 0.0
     # Resumed: the steps after the checkpoint are trained again, so their lines from the killed run go.
     with MetricsLog(config.output, metrics_path, resume=local_resume is not None, enabled=ctx.is_main,
-                    keep_through=step) as metrics_log:
+                    keep_through=step, sinks=run_sinks(config, method)) as metrics_log:
         while step < config.steps:
             picked = order.take(cursor, config.batch_size)
             mine = picked[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
@@ -211,6 +214,9 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
             if ctx.is_main and (step % config.log_every == 0 or step == config.steps):
                 metrics_log.append(record)
                 metrics_log.sync()
+            if ctx.is_main:   # every report_every steps (a failure only warns)
+                write_training_report(config.output, metrics=metrics_path, config=config, method=method, step=step,
+                                      every=config.report_every)
             if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
                 checkpoint()
             if ctx.is_main and progress:
@@ -231,5 +237,6 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
         (local_run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if storage.is_s3_uri(config.output):
             storage.upload_file(local_run / "summary.json", storage.join(config.output, "summary.json"))
+        write_training_report(config.output, metrics=metrics_path, config=config, method=method, summary=summary)
     barrier(ctx)
     return summary

@@ -1,5 +1,5 @@
-"""Small, dependency-free SVG charts for the evaluation report (inline in the HTML, so the report is
-one self-contained file).
+"""Small, dependency-free SVG charts for the evaluation and training reports (inline in the HTML, so a
+report is one self-contained file).
 
 Every chart is an ``<svg>`` element with a ``<title>``, ``role="img"`` and an ``aria-label``; each bar is a
 ``<rect class="bar">`` and each line point a ``<circle class="point">`` carrying ``data-series``,
@@ -218,3 +218,155 @@ def histogram(title: str, series: Mapping[str, Sequence[float]], *, bins: int = 
 
 def _short(text: str, n: int) -> str:
     return text if len(text) <= n else text[: max(1, n - 1)] + "…"
+
+
+# ----------------------------------------------------------------------------- curves over training steps
+def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 × 10^n), at most about `count` + 2."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return [0.0, 1.0]
+    if hi <= lo:
+        lo, hi = (lo - 1.0, hi + 1.0) if lo == 0 else (lo - abs(lo) * 0.1, hi + abs(hi) * 0.1)
+    raw = (hi - lo) / max(1, count)
+    exponent = math.floor(math.log10(raw))
+    step = next(s * 10 ** exponent for s in (1, 2, 2.5, 5, 10) if s * 10 ** exponent >= raw)
+    first = math.floor(lo / step) * step
+    ticks = []
+    value = first
+    while value < hi + step * 0.999:
+        ticks.append(round(value, 12))
+        value += step
+    return ticks
+
+
+def step_chart(title: str, x: Sequence[float], series: Mapping[str, Sequence[float | None]], *,
+               smoothed: Mapping[str, Sequence[float | None]] | None = None, percent: bool = False,
+               x_label: str = "step", chart_id: str = "", width: int = 720, height: int = 280,
+               max_points: int = 80) -> str:
+    """Curves over training steps: one line per series over a linear x axis (None values leave a gap), y
+    from the data's own range (negative values included). `smoothed` (e.g. moving averages) are drawn as
+    thicker lines over faint raw ones. Each line is a ``<path class="line">`` with ``data-series``; with at
+    most `max_points` points each point is also a ``<circle class="point">`` carrying ``data-value``."""
+    values = [v for vs in list(series.values()) + list((smoothed or {}).values()) for v in vs if v is not None]
+    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+    if percent:
+        lo, hi = min(0.0, lo), (max(1.0, hi) if hi > 0.5 or hi <= 0 else hi)   # 0-100 %, or 0 to a small top
+    yt = nice_ticks(lo, hi)
+    y0, y1 = yt[0], yt[-1]
+    xs = [float(v) for v in x] or [0.0]
+    x0, x1 = min(xs), max(xs)
+    xt = nice_ticks(x0, x1) if x1 > x0 else [x0]
+    left, right, top_pad, bottom = 64, 170, 34, 44
+    plot_w, plot_h = width - left - right, height - top_pad - bottom
+
+    def tx(v: float) -> float:
+        return left + (plot_w * (v - x0) / (x1 - x0) if x1 > x0 else plot_w / 2)
+
+    def ty(v: float) -> float:
+        return top_pad + plot_h - plot_h * (v - y0) / ((y1 - y0) or 1.0)
+
+    out = _open(width, height, title)
+    if chart_id:
+        out[0] = out[0].replace('<svg ', f'<svg id="{escape(chart_id)}" ', 1)
+    for v in yt:
+        y = ty(v)
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="10" {FONT}>{_fmt(v, percent)}</text>')
+    for v in xt:
+        if x0 <= v <= x1:
+            out.append(f'<text x="{tx(v):.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" font-size="10" '
+                       f'{FONT}>{v:g}</text>')
+    if x_label:
+        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{escape(x_label)}</text>')
+    names = list(series)
+    legend = []
+    for s, name in enumerate(names):
+        colour = PALETTE[s % len(PALETTE)]
+        has_smooth = bool(smoothed and name in smoothed)
+        pts = [(xv, yv) for xv, yv in zip(xs, series[name], strict=False)]
+        out += _path(pts, tx, ty, colour, name, "line", 1.2 if has_smooth else 2.0, 0.45 if has_smooth else 1.0)
+        if len(pts) <= max_points:
+            for xv, yv in pts:
+                if yv is None:
+                    continue
+                out.append(f'<circle class="point" cx="{tx(xv):.1f}" cy="{ty(yv):.1f}" r="{2 if has_smooth else 3}" '
+                           f'fill="{colour}" data-series="{escape(name)}" data-label="{xv:g}" data-value="{yv:.6g}">'
+                           f'<title>{escape(name)} @ step {xv:g}: {_fmt(yv, percent)}</title></circle>')
+        legend.append(name)
+        if has_smooth:
+            out += _path(list(zip(xs, smoothed[name], strict=False)), tx, ty, colour, f"{name} (moving avg)",
+                         "line smoothed", 2.5, 1.0)
+            legend.append(f"{name} (moving avg)")
+    for i, name in enumerate(legend):   # one colour per series; its moving average shares it
+        base = name.removesuffix(" (moving avg)")
+        colour = PALETTE[names.index(base) % len(PALETTE)]
+        yy = top_pad + 10 + 16 * i
+        out.append(f'<rect x="{left + plot_w + 16:.1f}" y="{yy - 9:.1f}" width="10" height="{10 if base == name else 4}" '
+                   f'fill="{colour}"/>')
+        out.append(f'<text x="{left + plot_w + 30:.1f}" y="{yy:.1f}" font-size="11" {FONT}>{escape(_short(name, 28))}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _path(points: Sequence[tuple[float, float | None]], tx, ty, colour: str, name: str, cls: str, width: float,
+          opacity: float) -> list[str]:
+    """One ``<path>`` through the points; a None value starts a new segment."""
+    parts, pen = [], "M"
+    for xv, yv in points:
+        if yv is None:
+            pen = "M"
+            continue
+        parts.append(f"{pen}{tx(xv):.1f},{ty(yv):.1f}")
+        pen = "L"
+    if not parts:
+        return []
+    if len(parts) == 1:   # a single point: a dot, so the series is still visible
+        x, y = parts[0][1:].split(",")
+        return [f'<circle class="{cls}" cx="{x}" cy="{y}" r="3" fill="{colour}" data-series="{escape(name)}"/>']
+    return [f'<path class="{cls}" d="{" ".join(parts)}" fill="none" stroke="{colour}" stroke-width="{width}" '
+            f'stroke-opacity="{opacity}" data-series="{escape(name)}"/>']
+
+
+def stacked_steps(title: str, x: Sequence[float], series: Mapping[str, Sequence[float]], *, x_label: str = "step",
+                  chart_id: str = "", max_bars: int = 100, width: int = 720, height: int = 280) -> str:
+    """Stacked bars over training steps (e.g. trajectories per staleness value at each step). With more than
+    `max_bars` steps, consecutive steps are summed into equal bins (the bar's label says which)."""
+    xs = list(x)
+    size = max(1, -(-len(xs) // max_bars))
+    bins = [(xs[i], xs[min(i + size, len(xs)) - 1], range(i, min(i + size, len(xs)))) for i in range(0, len(xs), size)]
+    names = list(series)
+    sums = [[sum(series[n][j] for j in idx) for (_, _, idx) in bins] for n in names]
+    totals = [sum(col) for col in zip(*sums, strict=True)] if sums else []
+    top = _nice_max(max(totals, default=1.0))
+    left, right, top_pad, bottom = 64, 170, 34, 44
+    plot_w, plot_h = width - left - right, height - top_pad - bottom
+    bar_w = plot_w / max(1, len(bins))
+    out = _open(width, height, title)
+    if chart_id:
+        out[0] = out[0].replace('<svg ', f'<svg id="{escape(chart_id)}" ', 1)
+    for i in range(6):
+        y = top_pad + plot_h - plot_h * i / 5
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="10" {FONT}>{_fmt(top * i / 5, False)}</text>')
+    for b, (first, last, _) in enumerate(bins):
+        base = 0.0
+        label = f"{first:g}" if first == last else f"{first:g}-{last:g}"
+        for s, name in enumerate(names):
+            c = sums[s][b]
+            if not c:
+                continue
+            h = plot_h * c / top
+            y = top_pad + plot_h - plot_h * (base + c) / top
+            out.append(f'<rect class="bar" x="{left + b * bar_w:.1f}" y="{y:.1f}" width="{max(bar_w - 1, 0.5):.1f}" '
+                       f'height="{h:.1f}" fill="{PALETTE[s % len(PALETTE)]}" data-series="{escape(name)}" '
+                       f'data-label="{label}" data-value="{c:g}"><title>step {label}, {escape(name)}: {c:g}</title></rect>')
+            base += c
+    for i in range(0, len(bins), max(1, len(bins) // 6)):
+        first = bins[i][0]
+        out.append(f'<text x="{left + (i + 0.5) * bar_w:.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" '
+                   f'font-size="10" {FONT}>{first:g}</text>')
+    if x_label:
+        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{escape(x_label)}</text>')
+    out += _legend(names, left + plot_w + 16, top_pad + 10)
+    out.append("</svg>")
+    return "\n".join(out)

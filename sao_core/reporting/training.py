@@ -1,0 +1,440 @@
+"""The training report: one self-contained HTML page per run (inline SVG, no scripts that run, no network).
+
+:func:`write_training_report` writes ``<output>/training_report.html`` (a folder or an ``s3://`` prefix).
+The trainer (sft, cpt, dpo, gkd) and the RL learner (sao, grpo, ...) call it every `report_every` steps
+where they sync their metrics, and at the end of the run; ``sao report training RUN_DIR`` renders it from
+a run directory; the KFP training components return it as their HTML artifact.
+
+The page: the run's state (method, steps, last update), the summary (once the run has finished), one chart
+per group of metrics found in ``metrics.jsonl`` (a chart whose metrics the run does not log is left out),
+the run's config and the checkpoints and models written so far. Loss and reward curves carry a trailing
+moving average. Every chart is a ``<figure class="plot" data-plot=ID>`` holding its SVG and a
+``<script type="application/json" class="plot-data">`` block with exactly the values plotted (the steps
+``x``, each series' values, ``null`` where a step has none, and the moving averages), so a test or a script
+can check them against the metrics file.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from sao_core import storage
+from sao_core.reporting import plots
+from sao_core.reporting.html import Raw, page, table
+
+log = logging.getLogger(__name__)
+
+TRAINING_REPORT = "training_report.html"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+RL_METHODS = ("sao", "grpo", "grpo_async", "grpo_dis", "running_mean")
+
+
+class ReportError(ValueError):
+    """The report cannot be made; the message names the run, file and line."""
+
+
+@dataclass(frozen=True)
+class Chart:
+    """One chart: metric `keys` (the series, in order) plotted over the steps that have any of them."""
+
+    id: str
+    title: str
+    keys: tuple[str, ...]
+    percent: bool = False
+    smooth: bool = False      # draw a trailing moving average over the raw values
+    note: str = ""
+
+
+# Sections of the page and their charts, in order. A chart appears when at least one of its keys is in the file.
+SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
+    ("Loss and reward", (
+        Chart("loss", "Training loss", ("loss",), smooth=True),
+        Chart("reward", "Reward (batch mean)", ("reward_mean",), smooth=True),
+        Chart("dpo_reward", "DPO implicit rewards", ("chosen_reward", "rejected_reward", "reward_margin"), smooth=True),
+        Chart("dpo_accuracy", "DPO reward accuracy (chosen above rejected)", ("reward_accuracy",), percent=True,
+              smooth=True),
+        Chart("policy_loss", "Policy loss", ("policy_loss",), smooth=True),
+        Chart("critic_loss", "Critic loss (value MSE)", ("critic_loss",), smooth=True),
+        Chart("explained_variance", "Critic explained variance", ("explained_variance",)),
+        Chart("entropy", "Policy entropy (action tokens)", ("entropy",)),
+        Chart("advantage", "Mean advantage", ("advantage_mean",)),
+    )),
+    ("Off-policy correction", (
+        Chart("dis", "DIS mask: share of action tokens", ("policy_kept", "policy_masked_low", "policy_masked_high"),
+              percent=True),
+        Chart("dis_pos", "DIS mask, advantage > 0 (share of all action tokens)",
+              ("policy_kept_pos", "policy_masked_low_pos", "policy_masked_high_pos"), percent=True),
+        Chart("dis_neg", "DIS mask, advantage < 0 (share of all action tokens)",
+              ("policy_kept_neg", "policy_masked_low_neg", "policy_masked_high_neg"), percent=True),
+        Chart("clip", "PPO clip fractions", ("policy_clip_frac_low", "policy_clip_frac_high", "policy_clip_frac"),
+              percent=True),
+        Chart("ratio", "Mean importance ratio", ("policy_ratio_mean",)),
+        Chart("logp_diff", "|logp − rollout logp| on action tokens", ("logp_diff_mean", "logp_diff_max")),
+    )),
+    ("Staleness and drops", (
+        Chart("staleness", "Staleness of the trained trajectories (versions behind)", ("staleness",)),
+        Chart("drops", "Dropped trajectories by reason (whole run)", ("dropped_by_reason",)),
+        Chart("drops_total", "Dropped and re-queued trajectories (whole run)", ("dropped_total", "requeued_total")),
+    )),
+    ("Episode length", (
+        Chart("length_turns", "Episode length in turns: trained vs offered", ("trained_turns_mean", "arrived_turns_mean"),
+              note="offered: every episode that reached the learner (trained or dropped)"),
+        Chart("length_tokens", "Episode length in sampled tokens: trained vs offered",
+              ("trained_tokens_mean", "arrived_tokens_mean")),
+    )),
+    ("Throughput and waiting", (
+        Chart("trajectories_per_s", "Trajectories per second (trained)", ("trajectories_per_s",)),
+        Chart("tokens_per_s", "Tokens per second (trained action tokens)", ("tokens_per_s",)),
+        Chart("generator_idle", "Generator idle share", ("generator_idle_share",), percent=True),
+        Chart("learner_wait", "Learner wait share", ("learner_wait_share",), percent=True,
+              note="when the run does not log learner_wait_share: learner_wait_s / (learner_wait_s + update_s + "
+                   "weight_push_s) of each step"),
+        Chart("step_seconds", "Seconds per step: waiting, updating, pushing weights",
+              ("learner_wait_s", "update_s", "weight_push_s")),
+        Chart("weight_push", "Weight push seconds", ("weight_push_s",)),
+    )),
+    ("Optimisation", (
+        Chart("lr", "Learning rate", ("lr", "policy_lr", "critic_lr")),
+        Chart("grad_norm", "Gradient norm (before clipping)", ("grad_norm", "policy_grad_norm", "critic_grad_norm")),
+    )),
+)
+
+_CSS = """
+div.plots { display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1fr)); gap: 4px 16px; }
+figure.plot { margin: 0; } figure.plot svg.chart { width: 100%; height: auto; margin: 4px 0; }
+figcaption { font-size: 12px; margin: -4px 0 8px 8px; }
+"""
+
+# Not charted on their own: the x axis, and bookkeeping the page shows elsewhere.
+_NOT_CHARTED = {"step", "replayed", "world_size"}
+_DICT_CHARTS = {"staleness", "dropped_by_reason"}
+
+
+# ----------------------------------------------------------------------------- reading a run
+def parse_metrics(text: str, source: str) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` text. A last line without its newline that is not JSON (the writer
+    is still writing it) is left out; any other line that is not a JSON object with an integer ``step`` is a
+    ReportError naming `source` and the line number."""
+    rows = []
+    lines = text.split("\n")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            if number == len(lines):       # no newline after it: an unfinished last line
+                log.info("%s: leaving out the unfinished last line %d", source, number)
+                continue
+            raise ReportError(f"{source}, line {number}: not JSON ({err.args[0] if err.args else err})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int) or isinstance(record["step"], bool):
+            raise ReportError(f"{source}, line {number}: not a metrics record (a JSON object with an integer "
+                              "\"step\")")
+        rows.append(record)
+    if not rows:
+        raise ReportError(f"{source}: no metrics lines yet (the run has not logged a step)")
+    return rows
+
+
+def read_metrics(uri: str) -> list[dict[str, Any]]:
+    """The records of a metrics file (path or ``s3://``); ReportError when it is missing, empty or corrupt."""
+    try:
+        if not storage.exists(uri):
+            raise ReportError(f"{uri}: no such metrics file (has the run logged a step yet?)")
+        text = storage.read_text(uri)
+    except storage.StorageError as err:
+        raise ReportError(f"cannot read {uri}: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ReportError(f"{uri}: not a text file ({err})") from err
+    return parse_metrics(text, uri)
+
+
+def _read_json(uri: str) -> dict[str, Any] | None:
+    try:
+        if not storage.exists(uri):
+            return None
+        value = json.loads(storage.read_text(uri))
+    except (storage.StorageError, ValueError, UnicodeDecodeError) as err:
+        log.warning("%s: left out of the report (%s)", uri, err)
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _latest_state(run: str) -> dict[str, Any] | None:
+    """``trainer_state.json`` of the newest complete checkpoint (it holds the method and the config)."""
+    try:
+        latest = storage.latest_checkpoint(storage.join(run, "checkpoints"))
+    except storage.StorageError as err:
+        log.warning("%s: checkpoints not listed (%s)", run, err)
+        return None
+    return _read_json(storage.join(latest, "trainer_state.json")) if latest else None
+
+
+def _artifacts(run: str, summary: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """(what, URI) of the checkpoints, models and critic written so far."""
+    out = []
+    try:
+        for name in storage.list_dirs(storage.join(run, "checkpoints")):
+            out.append((f"checkpoint {name}", storage.join(run, "checkpoints", name)))
+    except storage.StorageError as err:
+        log.warning("%s: checkpoints not listed (%s)", run, err)
+    for key in ("model", "critic"):
+        uri = (summary or {}).get(key)
+        if isinstance(uri, str) and uri:
+            out.append((key, uri))
+    return out
+
+
+# ----------------------------------------------------------------------------- chart data
+def moving_average(values: Sequence[float | None], window: int) -> list[float | None]:
+    """Trailing mean over the last `window` steps' values (fewer at the start; None where a step has none)."""
+    out: list[float | None] = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(None)
+            continue
+        recent = [u for u in values[max(0, i - window + 1):i + 1] if u is not None]
+        out.append(sum(recent) / len(recent))
+    return out
+
+
+def smoothing_window(points: int) -> int:
+    """The moving average's window: about a tenth of the points, 2 to 50 steps."""
+    return min(50, max(2, points // 10))
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _with_derived(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The rows plus the learner wait share of each step, where the run logs its parts but not the share."""
+    out = []
+    for row in rows:
+        row = dict(row)
+        if "learner_wait_share" not in row and _number(row.get("learner_wait_s")) is not None:
+            parts = [_number(row.get(k)) or 0.0 for k in ("learner_wait_s", "update_s", "weight_push_s")]
+            row["learner_wait_share"] = parts[0] / sum(parts) if sum(parts) > 0 else 0.0
+        out.append(row)
+    return out
+
+
+def _line_data(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], smooth: bool) -> dict[str, Any] | None:
+    present = [k for k in keys if any(_number(r.get(k)) is not None for r in rows)]
+    if not present:
+        return None
+    used = [r for r in rows if any(_number(r.get(k)) is not None for k in present)]
+    data: dict[str, Any] = {"kind": "line", "x": [r["step"] for r in used],
+                            "series": {k: [_number(r.get(k)) for r in used] for k in present}}
+    if smooth and len(used) >= 4:
+        window = smoothing_window(len(used))
+        data["window"] = window
+        data["smoothed"] = {k: moving_average(v, window) for k, v in data["series"].items()}
+    return data
+
+
+def _dict_data(rows: Sequence[Mapping[str, Any]], key: str, sort_numeric: bool) -> dict[str, Any] | None:
+    used = [r for r in rows if isinstance(r.get(key), dict)]
+    if not used:
+        return None
+    names: set[str] = set()
+    for r in used:
+        names |= {str(k) for k, v in r[key].items() if _number(v) is not None}
+    if not names:
+        return None
+    order = sorted(names, key=lambda n: (float(n), n) if _is_number(n) else (math.inf, n)) if sort_numeric \
+        else sorted(names)
+    return {"kind": "stacked" if sort_numeric else "line", "x": [r["step"] for r in used],
+            "series": {n: [_number(r[key].get(n)) or 0.0 for r in used] for n in order}}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def chart_data(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, Chart, dict[str, Any]]]:
+    """(section, chart, data) of every chart the rows have data for: the fixed sections, held-out evaluation
+    (every ``eval_*`` number), then any other number the rows carry, one chart each."""
+    rows = _with_derived(rows)
+    out: list[tuple[str, Chart, dict[str, Any]]] = []
+    used: set[str] = set()
+    for section, charts in SECTIONS:
+        for chart in charts:
+            if chart.keys[0] in _DICT_CHARTS:
+                data = _dict_data(rows, chart.keys[0], sort_numeric=chart.keys[0] == "staleness")
+            else:
+                data = _line_data(rows, chart.keys, chart.smooth)
+            used |= set(chart.keys)
+            if data is not None:
+                out.append((section, chart, data))
+    numbers = sorted({k for r in rows for k, v in r.items() if _number(v) is not None} - used - _NOT_CHARTED)
+    held_out = [k for k in numbers if k.startswith("eval_")]
+    for key in held_out:
+        percent = all(0.0 <= (_number(r.get(key)) if _number(r.get(key)) is not None else 0.0) <= 1.0 for r in rows)
+        chart = Chart(f"eval-{key}", f"Held-out evaluation: {key}", (key,), percent=percent and "loss" not in key)
+        out.append(("Held-out evaluation", chart, _line_data(rows, chart.keys, False)))
+    for key in numbers:
+        if key not in held_out:
+            chart = Chart(f"other-{key}", key, (key,))
+            out.append(("Other metrics", chart, _line_data(rows, chart.keys, False)))
+    return out
+
+
+def missing_charts(method: str, shown: Sequence[Chart]) -> list[str]:
+    """Titles of the charts a run of `method` is expected to have but whose metrics its lines lack (RL only:
+    every RL chart but the other family's policy-loss health chart)."""
+    if method not in RL_METHODS:
+        return []
+    skip = {"loss", "dpo_reward", "dpo_accuracy"} | ({"dis", "dis_pos", "dis_neg"} if method in ("grpo", "grpo_async")
+                                                     else {"clip"})
+    if method != "sao":
+        skip |= {"critic_loss", "explained_variance"}
+    have = {c.id for c in shown}
+    return [c.title for _, charts in SECTIONS for c in charts if c.id not in skip | have]
+
+
+# ----------------------------------------------------------------------------- rendering
+def _figure(chart: Chart, data: Mapping[str, Any]) -> str:
+    plot_id = f"plot-{chart.id}"
+    if data["kind"] == "stacked":
+        svg = plots.stacked_steps(chart.title, data["x"], data["series"], chart_id=f"svg-{chart.id}")
+    else:
+        svg = plots.step_chart(chart.title, data["x"], data["series"], smoothed=data.get("smoothed"),
+                               percent=chart.percent, chart_id=f"svg-{chart.id}")
+    # "</" would end the script element early (a series name could hold one); "<\/" is the same JSON string.
+    blob = json.dumps({"id": chart.id, "title": chart.title, **data}, allow_nan=False).replace("</", "<\\/")
+    caption = f"<figcaption class=\"muted\">{escape(chart.note)}</figcaption>" if chart.note else ""
+    window = f' data-window="{data["window"]}"' if "window" in data else ""
+    return (f'<figure class="plot" id="{plot_id}" data-plot="{escape(chart.id)}"{window}>{svg}{caption}'
+            f'<script type="application/json" class="plot-data">{blob}</script></figure>')
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, dict | list | tuple):
+        return json.dumps(value, default=str)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return "" if value is None else str(value)
+
+
+def _link(uri: str, run: str) -> Raw:
+    shown = f"<code>{escape(uri)}</code>"
+    if storage.is_s3_uri(uri) or storage.is_s3_uri(run):
+        return Raw(shown)
+    try:
+        href = Path(uri).resolve().relative_to(Path(run).resolve()).as_posix()
+    except ValueError:
+        href = Path(uri).resolve().as_uri()
+    return Raw(f'<a href="{escape(href)}/">{shown}</a>')
+
+
+def render_training_report(rows: Sequence[Mapping[str, Any]], *, run: str, method: str | None = None,
+                           config: Mapping[str, Any] | None = None, summary: Mapping[str, Any] | None = None,
+                           artifacts: Sequence[tuple[str, str]] = ()) -> str:
+    """The training report as an HTML string (see the module docstring)."""
+    config = dict(config or {})
+    method = method or (summary or {}).get("method") or config.get("method") or "?"
+    last = rows[-1] if rows else {}
+    steps = (summary or {}).get("steps") or config.get("steps")
+    status = ("finished" if summary else "running") + f": step {last.get('step', 0)}" + (f" of {steps}" if steps else "")
+    now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    title = f"Training report: {method}"
+    meta = [["run", Raw(f"<code>{escape(run)}</code>")], ["method", method], ["status", status],
+            ["metrics lines", len(rows)], ["report written", now],
+            ["model", config.get("model", "")]]
+    if isinstance(last.get("seconds"), int | float):
+        meta.append(["seconds at the last line", f"{float(last['seconds']):.1f}"])
+    body = [f"<h1>{escape(title)}</h1>", table(["run", ""], meta)]
+    if summary:
+        body += ["<h2>Summary</h2>", table(["field", "value"], [[k, _value(v)] for k, v in summary.items()])]
+    charts = chart_data(rows)
+    body.append("<h2>Contents</h2><p>" + ", ".join(f'<a href="#plot-{escape(c.id)}">{escape(c.title)}</a>'
+                                                   for _, c, _ in charts) + "</p>")
+    section = None
+    for name, chart, data in charts:
+        if name != section:
+            body.append(("</div>" if section else "") + f'<h2>{escape(name)}</h2><div class="plots">')
+            section = name
+        body.append(_figure(chart, data))
+    if section:
+        body.append("</div>")
+    missing = missing_charts(method, [c for _, c, _ in charts])
+    if missing:
+        body.append('<p class="muted missing">Not in this run\'s metrics (no chart): ' + escape("; ".join(missing))
+                    + ".</p>")
+    body.append("<h2>Checkpoints and models</h2>")
+    if artifacts:
+        body.append(table(["what", "where"], [[what, _link(uri, run)] for what, uri in artifacts], cls="artifacts"))
+    else:
+        body.append('<p class="muted">None written yet.</p>')
+    body.append("<h2>Config</h2>")
+    if config:
+        body.append(table(["field", "value"], [[k, _value(v)] for k, v in config.items()], cls="config"))
+    else:
+        body.append('<p class="muted">Not recorded yet (the config is kept in each checkpoint).</p>')
+    body.append('<p class="muted">Generated by sao_core.reporting.training from metrics.jsonl.</p>')
+    return page(title, body, extra_css=_CSS)
+
+
+def build_training_report(run: str, *, metrics: str | Path | None = None, config: Mapping[str, Any] | None = None,
+                          summary: Mapping[str, Any] | None = None, method: str | None = None) -> str:
+    """The report of the run at `run` (a folder or an ``s3://`` prefix) as HTML. `metrics` is where its
+    ``metrics.jsonl`` is read (default ``<run>/metrics.jsonl``; a local copy for s3:// runs); `config` and
+    `summary` default to the newest checkpoint's config and ``<run>/summary.json`` when there are any."""
+    if not storage.is_s3_uri(run) and not Path(run).expanduser().is_dir():
+        raise ReportError(f"{run}: no such run directory")
+    rows = read_metrics(str(metrics) if metrics is not None else storage.join(run, METRICS_FILE))
+    if summary is None:
+        summary = _read_json(storage.join(run, SUMMARY_FILE))
+    if config is None:
+        state = _latest_state(run) or {}
+        config = state.get("config") if isinstance(state.get("config"), dict) else None
+        method = method or state.get("method")
+    return render_training_report(rows, run=run, method=method, config=config, summary=summary,
+                                  artifacts=_artifacts(run, summary))
+
+
+def write_training_report(output: str, *, metrics: str | Path | None = None, config: Any = None,
+                          summary: Mapping[str, Any] | None = None, method: str | None = None,
+                          step: int | None = None, every: int = 0, target: str | None = None) -> str | None:
+    """Write the report of the run at `output` to `target` (default ``<output>/training_report.html``) and
+    return where it went.
+
+    The training loops call it where they sync metrics with the current `step` and `every` (their
+    ``report_every``): it then writes only on steps that are a multiple of `every` (never with every = 0),
+    and a failure there is logged as a warning so the run goes on. Called without `step` (the end of a run,
+    the CLI) it always writes and raises ReportError / StorageError. `config` may be a dataclass."""
+    if step is not None and (not every or step % every):
+        return None
+    if config is not None and not isinstance(config, Mapping):
+        import dataclasses
+
+        config = json.loads(json.dumps(dataclasses.asdict(config), default=list))
+    target = target or storage.join(output, TRAINING_REPORT)
+    try:
+        text = build_training_report(output, metrics=metrics, config=config, summary=summary, method=method)
+        if not storage.is_s3_uri(target):
+            Path(target).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        storage.write_text(target, text)
+    except (ReportError, storage.StorageError, OSError) as err:
+        if step is None:
+            raise
+        log.warning("training report not refreshed at step %d (the run goes on): %s", step, err)
+        return None
+    return target

@@ -1,0 +1,189 @@
+"""Evaluation during training (sao_core/learner/evaluation.py): held-out greedy and sampled rewards at the
+current weights, asked of the colocated rollout service while its training stream goes on, on the embedded
+model after a short SFT on single-call tool_arith (episodes of two turns: the calculator call, then the answer;
+measured greedy reward about 0.4, so the rewards compared are not all 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from sao_core.data.prepare import PrepareConfig, prepare
+from sao_core.envs.tool_arith import tool_arith_tasks
+from sao_core.learner.config import RLConfig
+from sao_core.learner.loop import LearnerError, train_rl
+
+EVAL_PROMPTS = 12
+TOKEN = "eval-test-token-0123456789"
+
+
+def _prepared(root: Path, name: str, tasks) -> str:
+    raw = root / f"{name}.jsonl"
+    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
+                                       "metadata": t.metadata}) + "\n" for t in tasks))
+    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(root / name)))
+    return str(root / name)
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl-eval")
+    train = _prepared(root, "train", tool_arith_tasks(200, seed=3, p_more=1.0))
+    held_out = _prepared(root, "held_out", tool_arith_tasks(EVAL_PROMPTS, seed=4, p_more=1.0))
+    return train, held_out
+
+
+@pytest.fixture(scope="module")
+def calling_model(tmp_path_factory, sao_cache):
+    """150 SFT steps on single-call conversations: it calls the calculator, greedy solves about 0.4 (~20 s)."""
+    from sao_core.data.synthetic import tool_arith_sft_rows
+    from sao_core.training.config import SFTConfig
+    from sao_core.training.trainer import train
+
+    root = tmp_path_factory.mktemp("calling")
+    (root / "data").mkdir()
+    (root / "data" / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tool_arith_sft_rows(400, seed=21)))
+    return train("sft", SFTConfig(data=str(root / "data"), output=str(root / "run"), steps=150, batch_size=16,
+                                  lr=3e-3, max_tokens=128, cache_dir=str(sao_cache)))["model"]
+
+
+def _config(train, held_out, output, model, cache, **kw) -> RLConfig:
+    base = dict(data=train, output=str(output), model=model, method="sao", steps=4, batch_size=8, policy_lr=3e-4,
+                critic_lr=3e-4, critic_warmup_steps=1, max_new_tokens_per_turn=24, max_total_tokens=256,
+                eval_every=2, eval_data=held_out, eval_samples=2, cache_dir=str(cache))
+    return RLConfig(**{**base, **kw})
+
+
+def test_evaluation_during_training_logs_held_out_rewards_of_the_current_weights(datasets, calling_model,
+                                                                                 sao_cache, tmp_path):
+    from sao_core.kfp.artifacts import training_markdown
+    from sao_core.learner.evaluation import load_eval_set, play_rl
+    from sao_core.rollout.engines.hf import HFEngine
+
+    train, held_out = datasets
+    config = _config(train, held_out, tmp_path / "run", calling_model, sao_cache)
+    summary = train_rl(config)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in rows if "eval_sampled_reward" in r]
+    # At step 0 (a line of its own, before any update), every eval_every steps and at the last step.
+    assert [r["step"] for r in evaluated] == [0, 2, 4]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for r in evaluated:
+        assert 0.0 <= r["eval_greedy_reward"] <= 1.0 and 0.0 <= r["eval_sampled_reward"] <= 1.0
+        assert r["eval_prompts"] == EVAL_PROMPTS and r["eval_greedy_n"] == EVAL_PROMPTS
+        assert r["eval_sampled_n"] == 2 * EVAL_PROMPTS and r["eval_failed"] == 0 and r["eval_s"] > 0
+        assert "eval_other_versions" not in r
+    # The summary carries the first and last values (KFP Metrics) and the history.
+    assert summary["eval_sampled_reward_first"] == evaluated[0]["eval_sampled_reward"]
+    assert summary["eval_greedy_reward_last"] == evaluated[-1]["eval_greedy_reward"]
+    assert [h["step"] for h in summary["evaluations"]] == [0, 2, 4]
+    # The KFP Markdown artifact: a table of the evaluations.
+    page = training_markdown("sao", summary, rows, "reward_mean")
+    table = page.split("## held-out evaluation during training")[1].split("##")[0]
+    assert table.count("\n| 0 | 0 |") == 1 and f"| {evaluated[-1]['eval_greedy_reward']:.4g} |" in table
+
+    # The episodes of the last evaluation: whole multi-turn episodes, all on the final weights version.
+    last = json.loads((tmp_path / "run" / "eval" / "step-000004.json").read_text())
+    assert last["version"] == summary["version"] and len(last["episodes"]) == 3 * EVAL_PROMPTS
+    assert all(e["versions"] == [summary["version"]] for e in last["episodes"])
+    assert min(e["turns"] for e in last["episodes"]) >= 2      # the tool call answered, the episode went on
+    assert any(e["reward"] == 1.0 for e in last["episodes"]), last["episodes"][:3]   # not a vacuous 0
+
+    # Recomputed directly: the published final model in a local engine, the same episodes (same seeds).
+    async def again():
+        engine = HFEngine(summary["model"], str(sao_cache), seed=0)
+        try:
+            return await play_rl(load_eval_set(config), engine, engine.tokenizer, config)
+        finally:
+            await engine.close()
+    direct = {(e["kind"], e["id"], e["sample"]): e["reward"] for e in asyncio.run(again())}
+    logged = {(e["kind"], e["id"], e["sample"]): e["reward"] for e in last["episodes"]}
+    assert direct.keys() == logged.keys()
+    # Same weights, same seeds: the same answers. The service batched them with training episodes, which
+    # moves logits by float noise: a draw within that noise of a boundary may pick another token (at most
+    # one episode here, as in test_engine_hf).
+    assert sum(direct[k] != logged[k] for k in direct) <= 1
+    mean = sum(v for (kind, _, _), v in direct.items() if kind == "greedy") / EVAL_PROMPTS
+    assert abs(mean - evaluated[-1]["eval_greedy_reward"]) <= 1 / EVAL_PROMPTS + 1e-9
+
+
+def test_evaluation_settings_are_checked_before_the_model_loads(datasets, sao_cache, tmp_path):
+    train, held_out = datasets
+    with pytest.raises(ValueError, match="eval_every needs eval_data"):
+        RLConfig(data=train, output=str(tmp_path / "a"), eval_every=2).validate()
+    with pytest.raises(ValueError, match="eval_samples >= 1 or eval_greedy"):
+        RLConfig(data=train, output=str(tmp_path / "a"), eval_every=2, eval_data=held_out, eval_samples=0,
+                 eval_greedy=False).validate()
+    with pytest.raises(LearnerError, match="eval_data"):
+        train_rl(_config(train, str(tmp_path / "missing"), tmp_path / "b", "embedded:tiny", sao_cache))
+    sft = tmp_path / "sft"
+    (sft).mkdir()
+    (sft / "data.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    (sft / "stats.json").write_text(json.dumps({"kind": "sft", "status": "ok", "rows_written": 1}))
+    with pytest.raises(LearnerError, match="--kind sft"):
+        train_rl(_config(train, str(sft), tmp_path / "c", "embedded:tiny", sao_cache))
+
+
+def test_a_benchmark_is_evaluated_by_the_evaluator_through_the_service(tmp_path, sao_cache, tiny_model_dir):
+    """eval_data = a benchmark name: `sao_core.eval.run.evaluate` with the service as its engine, its graders,
+    its outputs per step; the bearer token is sent (the server refuses requests without it)."""
+    from sao_core.learner.evaluation import ServiceEngine, TrainingEvaluator, load_eval_set
+    from sao_core.models import load_tokenizer
+    from sao_core.rollout.engines.base import EngineError
+    from sao_core.rollout.server import RolloutServer, ServeConfig
+
+    config = RLConfig(data="unused", output=str(tmp_path / "run"), model=tiny_model_dir, steps=3, eval_every=3,
+                      eval_data="imo_answerbench", eval_limit=2, eval_samples=2, max_new_tokens_per_turn=8,
+                      max_total_tokens=512, cache_dir=str(sao_cache))
+    server = RolloutServer(ServeConfig(model=tiny_model_dir, port=0, cache_dir=str(sao_cache)), token=TOKEN).start()
+    try:
+        tokenizer = load_tokenizer(tiny_model_dir, str(sao_cache))
+        anonymous = ServiceEngine([server.url], None, tokenizer)
+        with pytest.raises(EngineError, match="401"):
+            asyncio.run(anonymous.generate([1, 2, 3], _greedy()))
+        anonymous.shutdown()
+        metrics = TrainingEvaluator(config, load_eval_set(config), tokenizer, TOKEN).run([server.url], 3, 0)
+    finally:
+        server.stop()
+    assert metrics["eval_prompts"] == 2 and metrics["eval_greedy_n"] == 2 and metrics["eval_sampled_n"] == 4
+    assert metrics["eval_greedy_reward"] == 0.0 == metrics["eval_sampled_reward"]   # the base tiny model
+    for kind, k in (("greedy", 1), ("sampled", 2)):
+        folder = tmp_path / "run" / "eval" / "step-000003" / kind
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["benchmarks"]["imo_answerbench"]["samples"] == 2 * k
+        assert summary["config"]["temperature"] == (0.0 if kind == "greedy" else 1.0)
+        assert (folder / "report.html").is_file()
+
+
+def _greedy():
+    from sao_core.rollout.engines.base import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_new_tokens=4)
+
+
+def test_each_turn_of_an_evaluation_episode_samples_with_a_seed_of_its_own(tiny_model_dir, sao_cache):
+    """run_episode gives every turn the episode's settings; with one fixed seed the HF engine would draw the same
+    random numbers on every turn. The evaluation's per-episode engine gives turn t a seed derived from (seed, t)."""
+    from sao_core.learner.evaluation import _TurnSeeds
+    from sao_core.rollout.engines.base import SamplingParams
+    from sao_core.rollout.engines.hf import HFEngine
+
+    async def turns(seed):
+        engine = HFEngine(tiny_model_dir, str(sao_cache), seed=0)
+        try:
+            plain = [await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=12, seed=seed)) for _ in range(2)]
+            episode = _TurnSeeds(engine)
+            seeded = [await episode.generate([1, 2, 3], SamplingParams(max_new_tokens=12, seed=seed)) for _ in range(2)]
+            again = _TurnSeeds(engine)
+            repeat = [await again.generate([1, 2, 3], SamplingParams(max_new_tokens=12, seed=seed)) for _ in range(2)]
+            return plain, seeded, repeat
+        finally:
+            await engine.close()
+    plain, seeded, repeat = asyncio.run(turns(7))
+    assert plain[0].token_ids == plain[1].token_ids             # the same seed twice: the same draws
+    assert seeded[0].token_ids == plain[0].token_ids            # turn 0 keeps the episode's seed
+    assert seeded[1].token_ids != seeded[0].token_ids           # turn 1 draws anew
+    assert [g.token_ids for g in repeat] == [g.token_ids for g in seeded]   # and reproducibly

@@ -1,0 +1,330 @@
+"""The training report (sao_core/reporting/training.py): every method's page plots exactly the values of its
+metrics.jsonl (real short SFT and SAO runs, which also refresh the page while they run, and metrics lines of
+the other methods with the keys their loops write), the CLI on local and s3:// runs, the error paths, and the
+page in headless Chromium (no console errors, every plot present)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sao_core import storage
+from sao_core.cli import main
+from sao_core.reporting.training import (
+    TRAINING_REPORT,
+    ReportError,
+    build_training_report,
+    chart_data,
+    moving_average,
+    parse_metrics,
+    write_training_report,
+)
+
+_BLOCK = re.compile(r'<script type="application/json" class="plot-data">(.*?)</script>', re.S)
+
+
+def plot_blocks(html: str) -> dict[str, dict]:
+    """The embedded data of every plot of a page, by plot id."""
+    blocks = [json.loads(b) for b in _BLOCK.findall(html)]
+    return {b["id"]: b for b in blocks}
+
+
+def _wait_share(row: dict) -> float:
+    parts = [row.get(k, 0.0) for k in ("learner_wait_s", "update_s", "weight_push_s")]
+    return parts[0] / sum(parts) if sum(parts) else 0.0
+
+
+def check_values(html: str, rows: list[dict]) -> dict[str, dict]:
+    """Every plotted value equals the metrics line of its step (dict metrics per entry, 0 where absent); the
+    moving averages are trailing means of the plotted values; returns the blocks."""
+    blocks = plot_blocks(html)
+    by_step = {r["step"]: r for r in rows}
+    assert len(by_step) == len(rows), "one line per step in these runs"
+    for plot_id, block in blocks.items():
+        for name, values in block["series"].items():
+            assert len(values) == len(block["x"]), plot_id
+            for step, value in zip(block["x"], values, strict=True):
+                row = by_step[step]
+                if plot_id == "staleness":
+                    expected = row["staleness"].get(name, 0)
+                elif plot_id == "drops":
+                    expected = row["dropped_by_reason"].get(name, 0)
+                elif name == "learner_wait_share" and name not in row:
+                    expected = _wait_share(row)
+                else:
+                    expected = row.get(name)
+                assert value == expected, (plot_id, name, step, value, expected)
+            # The x axis: exactly the steps that have the series (or, for several series, any of them).
+        keys = list(block["series"])
+        if plot_id not in ("staleness", "drops", "learner_wait"):
+            assert block["x"] == [r["step"] for r in rows if any(k in r for k in keys)], plot_id
+        for name, values in (block.get("smoothed") or {}).items():
+            assert values == pytest.approx(moving_average(block["series"][name], block["window"])), plot_id
+    return blocks
+
+
+# ----------------------------------------------------------------------------- metrics lines of each method
+def _trainer_rows(method: str, steps: int = 30) -> list[dict]:
+    """Lines with the keys `training/trainer.py` writes (loss, the method's own metrics, lr, seconds, grad_norm)."""
+    rng = random.Random(method)
+    rows = []
+    for step in range(1, steps + 1):
+        row = {"loss": 2.0 / step + rng.random() * 0.1, "tokens": float(rng.randint(200, 400))}
+        if method == "dpo":
+            row.update(reward_accuracy=rng.random(), reward_margin=rng.uniform(-1, 1), chosen_reward=rng.uniform(-1, 1),
+                       rejected_reward=rng.uniform(-1, 1))
+        row.update(step=step, lr=1e-3 * min(1.0, step / 10), seconds=0.5 * step, grad_norm=rng.uniform(0.1, 3))
+        rows.append(row)
+    return rows
+
+
+def _rl_rows(method: str, steps: int = 40) -> list[dict]:
+    """Lines with the keys `learner/loop.py` and `learner/updates.py` write for `method`."""
+    rng = random.Random(method)
+    rows = []
+    drops: dict[str, int] = {}
+    for step in range(1, steps + 1):
+        row: dict = {"step": step, "version": step, "action_tokens": float(rng.randint(500, 900))}
+        if method == "sao":
+            row.update(critic_loss=rng.random(), explained_variance=rng.uniform(-0.5, 0.9), critic_grad_norm=rng.random(),
+                       lambda_mean=0.9, critic_lr=5e-6)
+        if method in ("grpo", "grpo_async"):
+            row.update(policy_clip_frac_low=rng.random() * 0.1, policy_clip_frac_high=rng.random() * 0.1,
+                       policy_clip_frac=rng.random() * 0.2)
+        else:
+            kept = rng.uniform(0.9, 1.0)
+            row.update(policy_kept=kept, policy_masked_low=(1 - kept) / 2, policy_masked_high=(1 - kept) / 2,
+                       policy_kept_pos=kept / 2, policy_masked_low_pos=0.01, policy_masked_high_pos=0.02,
+                       policy_kept_neg=kept / 2, policy_masked_low_neg=0.03, policy_masked_high_neg=0.0)
+        row.update(entropy=rng.uniform(0.5, 2), logp_diff_mean=rng.random() * 0.01, logp_diff_max=rng.random(),
+                   policy_loss=rng.uniform(-0.2, 0.2), policy_ratio_mean=1.0, policy_lr=1e-6,
+                   policy_grad_norm=rng.random(), advantage_mean=rng.uniform(-0.1, 0.1), reward_mean=0.2 + step / 100)
+        if rng.random() < 0.3:
+            reason = rng.choice(["stale", "no_action_tokens", "engine_error"])
+            drops[reason] = drops.get(reason, 0) + 1
+        row.update(staleness={str(k): rng.randint(0, 8) for k in range(rng.randint(1, 4))},
+                   dropped_total=sum(drops.values()), dropped_by_reason=dict(drops), requeued_total=0,
+                   positions_owed=0, stream_low_water_mark=step * 16,
+                   drop_rate_by_turns={"1": 0.0}, drop_rate_by_tokens={"5-8": 0.0},
+                   trained_turns_mean=rng.uniform(1, 3), arrived_turns_mean=rng.uniform(1, 4),
+                   trained_tokens_mean=rng.uniform(10, 30), arrived_tokens_mean=rng.uniform(10, 40),
+                   arrived_by_turns={"1": 4}, dropped_by_turns={}, learner_wait_s=rng.random(),
+                   update_s=rng.random(), weight_push_s=rng.random() * 0.1, trajectories_per_s=rng.uniform(5, 9),
+                   tokens_per_s=rng.uniform(100, 200), seconds=step * 0.8, world_size=1,
+                   generator_idle_share=rng.random())
+        if step % 10 == 0:   # held-out evaluation every few steps (keys eval_*)
+            row.update(eval_sampled_reward=rng.random(), eval_greedy_reward=rng.random())
+        rows.append(row)
+    return rows
+
+
+_RL_PLOTS = {"reward", "policy_loss", "entropy", "advantage", "ratio", "logp_diff", "staleness", "drops", "drops_total",
+             "length_turns", "length_tokens", "trajectories_per_s", "tokens_per_s", "generator_idle", "learner_wait",
+             "step_seconds", "weight_push", "lr", "grad_norm", "eval-eval_sampled_reward", "eval-eval_greedy_reward"}
+EXPECTED = {
+    "sft": {"loss", "lr", "grad_norm", "other-tokens", "other-seconds"},
+    "cpt": {"loss", "lr", "grad_norm", "other-tokens", "other-seconds"},
+    "gkd": {"loss", "lr", "grad_norm", "other-tokens", "other-seconds"},
+    "dpo": {"loss", "dpo_reward", "dpo_accuracy", "lr", "grad_norm", "other-tokens", "other-seconds"},
+    "sao": _RL_PLOTS | {"critic_loss", "explained_variance", "dis", "dis_pos", "dis_neg"},
+    "grpo": _RL_PLOTS | {"clip"},
+    "grpo_dis": _RL_PLOTS | {"dis", "dis_pos", "dis_neg"},
+}
+_RL = ("sao", "grpo", "grpo_dis")
+_OTHER_RL = {"other-version", "other-action_tokens", "other-positions_owed", "other-stream_low_water_mark",
+             "other-seconds", "other-lambda_mean"}
+
+
+def _write_run(root: Path, rows: list[dict], summary: dict | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if summary is not None:
+        (root / "summary.json").write_text(json.dumps(summary))
+    return root
+
+
+@pytest.mark.parametrize("method", list(EXPECTED))
+def test_every_method_plots_exactly_its_metrics(method, tmp_path):
+    rows = _trainer_rows(method) if method in ("sft", "cpt", "dpo", "gkd") else _rl_rows(method)
+    run = _write_run(tmp_path / "run", rows, {"method": method, "steps": len(rows)})
+    written = write_training_report(str(run), config={"method": method, "steps": len(rows), "lr": 1e-3})
+    assert written == str(run / TRAINING_REPORT)
+    html = Path(written).read_text()
+    blocks = check_values(html, rows)
+    assert (set(blocks) - _OTHER_RL if method in _RL else set(blocks)) == EXPECTED[method]
+    assert "loss" in blocks or "reward" in blocks
+    assert blocks.get("loss", blocks.get("reward"))["smoothed"], "loss / reward curves carry a moving average"
+    assert f'id="plot-{next(iter(blocks))}"' in html and html.count("<svg") == len(blocks)
+    # One self-contained file: no external assets, no script that runs.
+    assert not re.search(r"<link|<img|\ssrc=|(?<!xmlns=\")https?://|<script(?! type=\"application/json\")", html)
+    assert "finished: step" in html and "Summary" in html and "<td>lr</td>" in html
+    if method == "sao":
+        assert "Not in this run" not in html, "every RL chart is there"
+
+
+def test_missing_rl_metrics_are_named(tmp_path):
+    rows = [{k: v for k, v in r.items() if k not in ("generator_idle_share", "weight_push_s")} for r in _rl_rows("sao")]
+    html = build_training_report(str(_write_run(tmp_path / "run", rows)), config={"method": "sao"})
+    assert "Not in this run's metrics (no chart): Generator idle share; Weight push seconds." in html
+    check_values(html, rows)
+
+
+# ----------------------------------------------------------------------------- real runs
+def test_a_real_sft_run_writes_and_refreshes_its_report(tmp_path, sao_cache):
+    from sao_core.data.prepare import PrepareConfig, prepare
+    from sao_core.data.synthetic import tool_arith_sft_rows
+    from sao_core.training.config import SFTConfig
+    from sao_core.training.trainer import train
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in tool_arith_sft_rows(24, seed=3)))
+    prepare(PrepareConfig(source=str(raw), kind="sft", output=str(tmp_path / "data")))
+    out = tmp_path / "run"
+    seen = {}
+
+    def progress(step, metrics):   # after the step's refresh: the page the run shows while it runs
+        page = out / TRAINING_REPORT
+        seen[step] = plot_blocks(page.read_text())["loss"]["x"] if page.exists() else None
+
+    summary = train("sft", SFTConfig(data=str(tmp_path / "data"), output=str(out), steps=3, batch_size=4, lr=1e-3,
+                                     max_tokens=64, log_every=1, report_every=2, warmup_steps=0,
+                                     checkpoint_every=2, cache_dir=str(sao_cache)), progress=progress)
+    assert seen == {1: None, 2: [1, 2], 3: [1, 2]}
+    html = (out / TRAINING_REPORT).read_text()
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    blocks = check_values(html, rows)
+    assert blocks["loss"]["series"]["loss"] == [r["loss"] for r in rows]
+    assert blocks["loss"]["x"] == [1, 2, 3], "the end of the run writes the last lines too"
+    assert "finished: step 3 of 3" in html and "<td>max_tokens</td><td>64</td>" in html
+    assert 'href="checkpoints/step-000002/"' in html and 'href="checkpoints/step-000003/"' in html
+    assert f"<code>{summary['model']}</code>" in html
+
+
+def test_a_real_sao_run_reports_its_health_curves(tmp_path, sao_cache, tiny_model_dir):
+    from sao_core.data.prepare import PrepareConfig, prepare
+    from sao_core.envs.tool_arith import tool_arith_tasks
+    from sao_core.learner.config import RLConfig
+    from sao_core.learner.loop import train_rl
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
+                                       "metadata": t.metadata}) + "\n" for t in tool_arith_tasks(64, seed=3)))
+    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(tmp_path / "rl")))
+    out = tmp_path / "run"
+    train_rl(RLConfig(data=str(tmp_path / "rl"), output=str(out), model=tiny_model_dir, method="sao", steps=3,
+                      batch_size=8, critic_warmup_steps=1, max_new_tokens_per_turn=16, max_total_tokens=128,
+                      report_every=2, cache_dir=str(sao_cache)))
+    html = (out / TRAINING_REPORT).read_text()
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    blocks = check_values(html, rows)
+    for plot in ("reward", "critic_loss", "explained_variance", "dis", "dis_pos", "dis_neg", "staleness",
+                 "logp_diff", "entropy", "length_turns", "trajectories_per_s", "tokens_per_s", "generator_idle",
+                 "learner_wait", "weight_push"):
+        assert plot in blocks, plot
+    assert blocks["reward"]["series"]["reward_mean"] == [r["reward_mean"] for r in rows]
+    assert blocks["dis"]["x"] == [2, 3], "the DIS mask is logged from the first policy step (after the warm-up)"
+    assert "finished: step 3 of 3" in html and "<td>method</td><td>sao</td>" in html and "critic" in html
+
+
+# ----------------------------------------------------------------------------- CLI, s3://, errors
+def test_cli_writes_the_report_of_a_run_dir(tmp_path, capsys):
+    rows = _trainer_rows("sft", 5)
+    run = _write_run(tmp_path / "run", rows)
+    assert main(["report", "training", str(run)]) == 0
+    assert capsys.readouterr().out.strip() == str(run / TRAINING_REPORT)
+    check_values((run / TRAINING_REPORT).read_text(), rows)
+    target = tmp_path / "elsewhere" / "page.html"
+    assert main(["report", "training", str(run), "--output", str(target)]) == 0
+    assert "running: step 5" in target.read_text(), "no summary.json yet: a running run"
+
+
+def test_cli_on_an_s3_run(moto_s3, capsys):
+    rows = _rl_rows("grpo", 6)
+    run = moto_s3.uri("runs/r1/grpo")
+    storage.write_text(storage.join(run, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", "training", run]) == 0
+    assert capsys.readouterr().out.strip() == storage.join(run, TRAINING_REPORT)
+    check_values(storage.read_text(storage.join(run, TRAINING_REPORT)), rows)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no_dir", "no such run directory"),
+    ("no_metrics", "metrics.jsonl: no such metrics file"),
+    ("empty", "metrics.jsonl: no metrics lines yet"),
+    ("corrupt", "metrics.jsonl, line 2: not JSON"),
+    ("not_a_record", "metrics.jsonl, line 3: not a metrics record"),
+])
+def test_errors_name_the_run_file_and_line(case, message, tmp_path, capsys):
+    run = tmp_path / "run"
+    if case != "no_dir":
+        run.mkdir()
+    lines = {"empty": "\n", "corrupt": '{"step": 1, "loss": 1}\n{"step": 2, "loss": \n{"step": 3}\n',
+             "not_a_record": '{"step": 1}\n{"step": 2}\n[1, 2]\n'}
+    if case in lines:
+        (run / "metrics.jsonl").write_text(lines[case])
+    with pytest.raises(ReportError, match=re.escape(message)) as caught:
+        build_training_report(str(run))
+    assert str(run) in str(caught.value)
+    if case == "corrupt":   # the CLI: one line on stderr, exit code 2
+        assert main(["report", "training", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"sao report: error: {caught.value}\n"
+
+
+def test_an_unfinished_last_line_is_left_out_and_a_failed_refresh_only_warns(tmp_path, caplog):
+    rows = parse_metrics('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo', "m")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [c.id for _, c, _ in chart_data(rows)] == ["loss"]
+    # In a training loop: only on multiples of report_every, and a failure does not stop the run.
+    assert write_training_report(str(tmp_path / "missing"), step=3, every=2) is None
+    assert not caplog.records
+    assert write_training_report(str(tmp_path / "missing"), step=4, every=2) is None
+    assert "training report not refreshed at step 4" in caplog.text
+    assert write_training_report(str(tmp_path / "missing"), step=4, every=0) is None
+
+
+# ----------------------------------------------------------------------------- in a browser
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.skip("chromium is not installed (`make system-deps` installs Debian's chromium as root: "
+                "apt-get install -y chromium); the training report's browser test needs it")
+
+
+def _load(chromium: str, page: Path, profile: Path) -> tuple[str, str]:
+    """(DOM after load, browser log) of `page` in headless Chromium."""
+    done = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                           "--disable-extensions", "--disable-dev-shm-usage", f"--user-data-dir={profile}",
+                           "--enable-logging=stderr", "--v=0", "--virtual-time-budget=2000", "--dump-dom",
+                           page.as_uri()], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout, done.stderr
+
+
+def test_the_page_loads_in_headless_chromium_with_every_plot(tmp_path):
+    chromium = _chromium()
+    # The check itself: a console error on a page is seen in the browser's log.
+    bad = tmp_path / "bad.html"
+    bad.write_text('<!DOCTYPE html><html><body><script>console.error("report-check-error")</script></body></html>')
+    _, log = _load(chromium, bad, tmp_path / "profile-bad")
+    assert "report-check-error" in log and "CONSOLE" in log
+
+    rows = _rl_rows("sao", 60)
+    run = _write_run(tmp_path / "run", rows, {"method": "sao", "steps": 60})
+    page = Path(write_training_report(str(run), config={"method": "sao", "steps": 60}))
+    expected = set(plot_blocks(page.read_text()))
+    dom, log = _load(chromium, page, tmp_path / "profile")
+    console = [line for line in log.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
+    figures = re.findall(r'<figure class="plot" id="plot-([^"]+)" data-plot="[^"]+"[^>]*><svg ', dom)
+    assert set(figures) == expected and len(figures) == len(expected)
+    assert dom.count("<path class=\"line") >= len(expected) - 2   # stacked bars have no line
+    assert "Training report: sao" in dom
