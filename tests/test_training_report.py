@@ -328,3 +328,23 @@ def test_the_page_loads_in_headless_chromium_with_every_plot(tmp_path):
     assert set(figures) == expected and len(figures) == len(expected)
     assert dom.count("<path class=\"line") >= len(expected) - 2   # stacked bars have no line
     assert "Training report: sao" in dom
+
+
+@pytest.mark.parametrize("lo, hi", [(0.3, 0.30000000000000004), (1.0, 1.0 + 1e-12), (0.0, 0.0), (2e-20, 2e-20),
+                                    (-1e9, -1e9 + 1e-7), (7.0, 7.0)])
+def test_ticks_of_a_range_as_narrow_as_float_noise_end(lo, hi):
+    """A metric constant up to float noise (a GRPO run's 100 steps had one) once made the tick loop add a
+    step below the values' resolution forever, growing the learner to 15 GB mid-run."""
+    from sao_core.reporting.plots import nice_ticks, step_chart
+    ticks = nice_ticks(lo, hi)
+    assert 2 <= len(ticks) <= 8 and ticks[0] <= lo and ticks[-1] >= hi and ticks == sorted(set(ticks))
+    svg = step_chart("flat", [0, 1, 2], {"m": [lo, hi, lo]})
+    assert svg.count("<circle") == 3
+
+
+def test_ticks_stay_round_and_cover_the_range():
+    from sao_core.reporting.plots import nice_ticks
+    assert nice_ticks(0.0, 1.0) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert nice_ticks(0.28, 0.51) == [0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55]
+    assert nice_ticks(0.001, 0.0012) == [0.001, 0.00105, 0.0011, 0.00115, 0.0012]
+    assert nice_ticks(float("nan"), 1.0) == [0.0, 1.0]

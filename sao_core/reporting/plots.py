@@ -222,21 +222,25 @@ def _short(text: str, n: int) -> str:
 
 # ----------------------------------------------------------------------------- curves over training steps
 def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 × 10^n), at most about `count` + 2."""
+    """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 × 10^n), at most about `count` + 2.
+
+    A range narrower than a millionth of its values' size (a metric that is constant up to float noise, such
+    as 0.3 and 0.30000000000000004) is widened as if it were one value: a step below the values' float
+    resolution would never advance from one tick to the next."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return [0.0, 1.0]
-    if hi <= lo:
-        lo, hi = (lo - 1.0, hi + 1.0) if lo == 0 else (lo - abs(lo) * 0.1, hi + abs(hi) * 0.1)
+    if hi < lo:
+        lo, hi = hi, lo
+    if hi - lo <= 1e-6 * max(abs(lo), abs(hi)):
+        mid = (lo + hi) / 2
+        lo, hi = (mid - 1.0, mid + 1.0) if mid == 0 else (mid - abs(mid) * 0.1, mid + abs(mid) * 0.1)
     raw = (hi - lo) / max(1, count)
     exponent = math.floor(math.log10(raw))
     step = next(s * 10 ** exponent for s in (1, 2, 2.5, 5, 10) if s * 10 ** exponent >= raw)
     first = math.floor(lo / step) * step
-    ticks = []
-    value = first
-    while value < hi + step * 0.999:
-        ticks.append(round(value, 12))
-        value += step
-    return ticks
+    n = max(1, math.ceil((hi - first) / step - 1e-9))   # ticks by index: no accumulated float error
+    digits = max(0, 2 - exponent)
+    return [round(first + i * step, digits) for i in range(n + 1)]
 
 
 def step_chart(title: str, x: Sequence[float], series: Mapping[str, Sequence[float | None]], *,
