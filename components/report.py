@@ -1,4 +1,5 @@
-"""report: one HTML report from the evaluation steps of a pipeline run (one per benchmark).
+"""report: one HTML report from the evaluation steps of a pipeline run (one per benchmark), with the
+training run's report next to it when the pipeline trained the model.
 
 Joins their summaries (:func:`sao_core.kfp.evaluation.merge_summaries`), compares with a previous
 run's summary when one is given, and calls :func:`sao_core.eval.report.write_report`. The report
@@ -22,6 +23,7 @@ def report(
     metrics: Output[Metrics],
     previous_summary: str = "",
     run_id: str = "",
+    trained_model: str = "",
 ) -> NamedTuple("ReportOutputs", report_uri=str, summary_uri=str):
     """Write one HTML report (and merged summary) from the evaluation steps of a run.
 
@@ -32,6 +34,7 @@ def report(
         metrics: All benchmarks' flat metrics.
         previous_summary: summary.json of an earlier run (path or s3://) to compare against ('' = none).
         run_id: Run folder name under output_root (pipelines pass the run id; empty: a timestamp).
+        trained_model: The model this run trained ('' = none): its training run (the model's parent folder) is shown next to the evaluation.
     """
     import json
 
@@ -50,7 +53,8 @@ def report(
     run = artifacts.run_dir(output_root, run_id, "report")
     summary_uri = storage.join(run, "summary.json")
     storage.write_text(summary_uri, json.dumps(merged, indent=2, ensure_ascii=False, default=str) + "\n")
-    report_uri = write_report(merged, samples, run, previous)
+    training_run = evaluation.training_run_of(trained_model) if trained_model else None
+    report_uri = write_report(merged, samples, run, previous, training_run=training_run)
     artifacts.write_text_artifact(report, storage.read_text(report_uri))
     artifacts.log_numbers(metrics, merged["metrics"])
     return (report_uri, summary_uri)  # the NamedTuple outputs, in order

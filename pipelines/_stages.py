@@ -404,6 +404,7 @@ def build_evaluation_stage(settings: k8s.ClusterSettings):
         node_selector: dict,
         tolerations: list,
         s3_secret_name: str,
+        trained_model: str = "",
     ) -> str:
         """Evaluate `model` on each benchmark in parallel, then write one report; returns the report's URI.
 
@@ -425,6 +426,7 @@ def build_evaluation_stage(settings: k8s.ClusterSettings):
             node_selector: Node labels the evaluation pods require.
             tolerations: Tolerations of the evaluation pods.
             s3_secret_name: Secret with the S3 credentials.
+            trained_model: The model the pipeline trained (= model), whose training run the report shows ('' = none).
         """
         params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
                                    node_selector=node_selector, tolerations=tolerations,
@@ -436,7 +438,8 @@ def build_evaluation_stage(settings: k8s.ClusterSettings):
                             options=eval_options, run_id=RUN_ID).set_display_name("evaluate")
             k8s.apply(step, "evaluation", params, settings, image_kind="rollout")
         final = report(summaries=dsl.Collected(step.outputs["summary"]), output_root=output_root,
-                       previous_summary=previous_summary, run_id=RUN_ID).set_display_name("report")
+                       previous_summary=previous_summary, run_id=RUN_ID,
+                       trained_model=trained_model).set_display_name("report")
         k8s.apply(final, "cpu", params, settings, image_kind="cpu")
         return final.outputs["report_uri"]
 

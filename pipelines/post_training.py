@@ -170,7 +170,7 @@ def build_post_training(settings: k8s.ClusterSettings | None = None):
                              previous_summary=previous_summary, eval_options=eval_options,
                              gpu_count=eval_gpu_count, accelerator_type=accelerator_type,
                              node_selector=node_selector, tolerations=tolerations,
-                             s3_secret_name=s3_secret_name).set_display_name("evaluation")
+                             s3_secret_name=s3_secret_name, trained_model=trained).set_display_name("evaluation")
         return trained
 
     return post_training

@@ -317,7 +317,7 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
             engine=engine, max_new_tokens=eval_max_new_tokens, max_total_tokens=eval_max_total_tokens,
             temperature=1.0, sandbox=eval_sandbox, previous_summary=previous_summary, eval_options=eval_options,
             gpu_count=eval_gpu_count, accelerator_type=accelerator_type, node_selector=node_selector,
-            tolerations=tolerations, s3_secret_name=s3_secret_name).set_display_name("evaluation")
+            tolerations=tolerations, s3_secret_name=s3_secret_name, trained_model=trained).set_display_name("evaluation")
         return evaluation.output
 
     return sao_rl

@@ -9,6 +9,7 @@ never enters the TrainJob branch."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -196,7 +197,14 @@ def test_sao_rl_end_to_end_like_make_demo(tmp_path, sao_cache):
     assert [line[:5] for line in said] == ["[1/3]", "[2/3]", "[3/3]"]
     assert result["sft_model_verified"] and result["sao_model_verified"]
     assert result["sao"]["steps"] == DEMO_SAO_STEPS
-    assert Path(result["report"]).is_file() and "IMO-AnswerBench" in Path(result["report"]).read_text()
+    page = Path(result["report"]).read_text()
+    assert "IMO-AnswerBench" in page and "Training report: sao" in page   # the training run next to the evaluation
+    plotted = {m["id"]: m for m in (json.loads(b) for b in re.findall(
+        r'<script type="application/json" class="plot-data">(.*?)</script>', page, re.S))}
+    assert {"reward", "eval-eval_sampled_reward", "dis", "critic_loss", "staleness"} <= set(plotted)
+    sampled = plotted["eval-eval_sampled_reward"]
+    assert sampled["x"] == result["held_out"]["steps"]
+    assert sampled["series"]["eval_sampled_reward"] == [e["eval_sampled_reward"] for e in result["held_out"]["by_step"]]
     assert "imo_answerbench/avg@2" in result["evaluation_metrics"]
     assert json.loads(Path(result["summary_file"]).read_text())["report"] == result["report"]
     held = result["held_out"]

@@ -329,6 +329,16 @@ def test_the_page_loads_in_headless_chromium_with_every_plot(tmp_path):
     assert dom.count("<path class=\"line") >= len(expected) - 2   # stacked bars have no line
     assert "Training report: sao" in dom
 
+    # The pipelines' final report: the evaluation with the training run next to it.
+    from sao_core.eval.report import write_report
+    combined = Path(write_report({"model": str(run / "model"), "benchmarks": {}}, [], str(tmp_path / "report"),
+                                 training_run=str(run)))
+    dom, log = _load(chromium, combined, tmp_path / "profile-combined")
+    console = [line for line in log.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
+    figures = re.findall(r'<figure class="plot" id="plot-([^"]+)" data-plot="[^"]+"[^>]*><svg ', dom)
+    assert set(figures) == expected and '<section id="training">' in dom and "Evaluation of" in dom
+
 
 @pytest.mark.parametrize("lo, hi", [(0.3, 0.30000000000000004), (1.0, 1.0 + 1e-12), (0.0, 0.0), (2e-20, 2e-20),
                                     (-1e9, -1e9 + 1e-7), (7.0, 7.0)])
@@ -348,3 +358,25 @@ def test_ticks_stay_round_and_cover_the_range():
     assert nice_ticks(0.28, 0.51) == [0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55]
     assert nice_ticks(0.001, 0.0012) == [0.001, 0.00105, 0.0011, 0.00115, 0.0012]
     assert nice_ticks(float("nan"), 1.0) == [0.0, 1.0]
+
+
+def test_the_evaluation_report_shows_the_training_run_next_to_it(tmp_path):
+    """The report step of sao_rl / post_training gets the trained model; its run's curves join the page."""
+    from sao_core.eval.report import render_report, write_report
+    from sao_core.kfp.evaluation import training_run_of
+
+    rows = _rl_rows("sao", 30)
+    run = _write_run(tmp_path / "runs" / "r1" / "sao", rows, {"method": "sao", "steps": 30})
+    assert training_run_of(str(run / "model")) == str(run)
+    assert training_run_of("s3://bucket/runs/r1/sao/model/") == "s3://bucket/runs/r1/sao"
+    summary = {"model": str(run / "model"), "benchmarks": {}}
+    page = Path(write_report(summary, [], str(tmp_path / "report"), training_run=str(run))).read_text()
+    check_values(page, rows)           # the embedded curves are the run's metrics
+    assert set(plot_blocks(page)) == EXPECTED["sao"] | _OTHER_RL
+    assert page.index("<h1>Evaluation of") < page.index('<section id="training">')
+    assert "<h2>Training report: sao</h2>" in page and 'href="#training"' in page and "div.plots" in page
+    assert "Training report" not in render_report(summary, [])     # no training run: the page as before
+
+    missing = Path(write_report(summary, [], str(tmp_path / "report2"),
+                                training_run=str(tmp_path / "nowhere"))).read_text()
+    assert "No training report" in missing and "nowhere: no such run directory" in missing

@@ -22,6 +22,7 @@ from sao_core.reporting.html import CSS as _CSS
 from sao_core.reporting.html import Raw as _Raw
 from sao_core.reporting.html import pct as _pct
 from sao_core.reporting.html import table as _table
+from sao_core.reporting.training import TRAINING_CSS, ReportError, training_section
 
 REPORT_FILE = "report.html"
 
@@ -205,8 +206,9 @@ def _intro(name: str, b: Mapping[str, Any]) -> str:
 
 
 def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any]],
-                  previous: Mapping[str, Any] | None = None) -> str:
-    """The report as an HTML string (see :func:`write_report`)."""
+                  previous: Mapping[str, Any] | None = None, training: str | None = None) -> str:
+    """The report as an HTML string (see :func:`write_report`); `training` is the training run's section
+    (:func:`sao_core.reporting.training.training_section`), shown after the overview."""
     benchmarks = summary.get("benchmarks", {})
     config = summary.get("config", {})
     by_bench: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
@@ -223,13 +225,20 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
             ["LLM judge", f"{config.get('judge_model')} at {config.get('judge_url')} ({config.get('judge_policy')})"
              if config.get("judge_url") else "none (answers rules cannot settle count as wrong and are listed)"]]
     html = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-            f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
+            f"<title>{escape(title)}</title><style>{_CSS}{TRAINING_CSS if training else ''}</style></head><body>",
             f"<h1>{escape(title)}</h1>", _table(["run", ""], meta)]
+    if training:
+        html.append('<p class="contents">Contents: <a href="#training">the training run</a> (curves, health, '
+                    'checkpoints), then the evaluation: '
+                    + ", ".join(f'<a href="#{escape(n)}">{escape(b.get("title", n))}</a>' for n, b in benchmarks.items())
+                    + ".</p>")
     if benchmarks:
         html += ["<h2>Overview</h2>", _overview(benchmarks), _score_chart(benchmarks), _pass_curve(benchmarks)]
     else:
         html.append('<p class="muted">No benchmark results.</p>')
     html.append(_comparison(summary, previous))
+    if training:
+        html.append(training)
     for name, b in benchmarks.items():
         mine = by_bench.get(name, [])
         html += [f'<h2 id="{escape(name)}">{escape(b.get("title", name))}</h2>',
@@ -247,19 +256,28 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
 
 
 def write_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any]], output: str,
-                 previous: Mapping[str, Any] | str | None = None) -> str:
+                 previous: Mapping[str, Any] | str | None = None, training_run: str | None = None) -> str:
     """Write ``report.html`` into `output` (a folder or an ``s3://`` prefix) and return its path / URI.
 
     `summary` is the dict :func:`sao_core.eval.run.evaluate` returns (or a loaded ``summary.json``);
     `samples` the per-sample records (``samples.jsonl`` lines); `previous` an earlier run's summary
     (a dict, or a path / URI of its ``summary.json`` or run folder) to compare with; without it the
-    summary's own ``comparison`` is shown when it has one.
+    summary's own ``comparison`` is shown when it has one. `training_run` is the folder (or ``s3://``
+    prefix) of the run that trained the model: its training report is shown next to the evaluation; a run
+    without metrics is named in a note instead (ReportError is not raised: the evaluation stands alone).
     """
     if isinstance(previous, str):
         from sao_core.eval.run import load_summary
 
         previous = load_summary(previous)
-    text = render_report(summary, samples, previous)
+    training = None
+    if training_run:
+        try:
+            training = training_section(training_run)
+        except ReportError as err:
+            training = (f'<section id="training"><h2>Training run</h2><p class="muted">No training report: '
+                        f'{escape(str(err))}</p></section>')
+    text = render_report(summary, samples, previous, training)
     target = storage.join(output, REPORT_FILE)
     if not storage.is_s3_uri(output):
         from pathlib import Path

@@ -81,3 +81,10 @@ def load_samples(summary: dict[str, Any]) -> list[dict[str, Any]]:
             except ValueError:
                 continue  # a torn last line of an interrupted run
     return rows
+
+
+def training_run_of(model_uri: str) -> str:
+    """The run folder (or ``s3://`` prefix) that wrote `model_uri`: every training step of the pipelines
+    publishes its model as ``<run>/model``, so the run is the model's parent (its metrics.jsonl and
+    training report are there)."""
+    return model_uri.rstrip("/").rsplit("/", 1)[0] if "/" in model_uri.rstrip("/") else "."
