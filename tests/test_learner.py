@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -120,6 +121,28 @@ def test_one_update_moves_the_policy_towards_rewarded_actions(method, sao_cache,
         assert metrics["policy_kept"] == 1.0   # ratio 1 against the rollout log-probs: nothing masked
 
 
+def _diagnosis(rows: list[dict], summary: dict) -> str:
+    """What a failed learning run looked like, quarter by quarter (the spread of SAO's rise is open: a run
+    that rises too little says here whether it collapsed, went stale, dropped or waited)."""
+    def mean(part, key):
+        values = [r[key] for r in part if isinstance(r.get(key), int | float)]
+        return f"{sum(values) / len(values):.3f}" if values else "-"
+
+    quarter = max(1, len(rows) // 4)
+    lines = []
+    for i in range(0, len(rows), quarter):
+        part = rows[i:i + quarter]
+        stale = sum(int(k) * n for r in part for k, n in r.get("staleness", {}).items())
+        count = sum(n for r in part for n in r.get("staleness", {}).values()) or 1
+        lines.append(f"steps {part[0]['step']}-{part[-1]['step']}: reward {mean(part, 'reward_mean')}, kept "
+                     f"{mean(part, 'policy_kept')}, entropy {mean(part, 'entropy')}, critic loss "
+                     f"{mean(part, 'critic_loss')}, staleness mean {stale / count:.2f}, wait "
+                     f"{mean(part, 'learner_wait_s')} s, turns {mean(part, 'trained_turns_mean')}")
+    lines.append(f"dropped {summary.get('dropped')} ({summary.get('dropped_by_reason')}), seconds "
+                 f"{summary.get('seconds', 0):.0f}, load average {os.getloadavg()}")
+    return "\n".join(lines)
+
+
 @pytest.mark.slow
 @pytest.mark.serial   # the asynchronous schedule depends on timing: run alone (scripts/run_tests.py)
 # SAO's margin was 0.08 (3 SD of no learning); on 2026-12-01 a run alone on an idle machine rose only
@@ -142,7 +165,7 @@ def test_rl_raises_the_reward(method, group_size, margin, rl_data, rl_warm_model
     first = sum(r["reward_mean"] for r in rows[:25]) / 25
     last = sum(r["reward_mean"] for r in rows[-25:]) / 25
     print(f"{method} reward {first:.3f} -> {last:.3f} in {summary['seconds']:.0f} s")
-    assert summary["steps"] == 100 and last > first + margin
+    assert summary["steps"] == 100 and last > first + margin, _diagnosis(rows, summary)
     assert max(int(k) for r in rows for k in r["staleness"]) <= 4
     if method == "sao":
         assert all(r["policy_kept"] > 0.5 for r in rows if "policy_kept" in r)
