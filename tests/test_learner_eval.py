@@ -164,26 +164,65 @@ def _greedy():
     return SamplingParams(temperature=0.0, max_new_tokens=4)
 
 
-def test_each_turn_of_an_evaluation_episode_samples_with_a_seed_of_its_own(tiny_model_dir, sao_cache):
-    """run_episode gives every turn the episode's settings; with one fixed seed the HF engine would draw the same
-    random numbers on every turn. The evaluation's per-episode engine gives turn t a seed derived from (seed, t)."""
-    from sao_core.learner.evaluation import _TurnSeeds
+def test_each_turn_of_an_episode_samples_with_a_seed_of_its_own(calling_model, sao_cache):
+    """run_episode (training rollouts, the evaluator, evaluation during training) gives turn t of a seeded
+    episode the seed turn_seed(seed, t): with one fixed seed the HF engine would draw the same random numbers
+    on every turn (it seeds a fresh generator per request). A real engine behind a recorder of the seeds."""
+    from sao_core.envs.base import StepResult, Task
     from sao_core.rollout.engines.base import SamplingParams
     from sao_core.rollout.engines.hf import HFEngine
+    from sao_core.rollout.episode import EpisodeLimits, run_episode, turn_seed
 
-    async def turns(seed):
-        engine = HFEngine(tiny_model_dir, str(sao_cache), seed=0)
+    class ThreeTurns:   # every turn gets the same tool answer, the episode ends after the third
+        max_turns = 3
+
+        def __init__(self):
+            self.turns = 0
+
+        def reset(self, task):
+            return list(task.prompt)
+
+        def step(self, action_text):
+            self.turns += 1
+            return StepResult(done=self.turns == 3, observation=None if self.turns == 3 else "ok", reward=0.0,
+                              finish_reason="stop" if self.turns == 3 else None)
+
+        def close(self):
+            pass
+
+    class Recorder:
+        def __init__(self, engine):
+            self.engine, self.seeds, self.outputs = engine, [], []
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        async def generate(self, ids, params):
+            self.seeds.append(params.seed)
+            out = await self.engine.generate(ids, params)
+            self.outputs.append(out.token_ids)
+            return out
+
+    from sao_core.models import load_tokenizer
+
+    tokenizer = load_tokenizer(calling_model, sao_cache)
+    task = Task(id="t", env="x", prompt=[{"role": "user", "content": "Compute 17 + 25"}])
+
+    async def episode(seed):
+        engine = HFEngine(calling_model, str(sao_cache), seed=0)
         try:
-            plain = [await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=12, seed=seed)) for _ in range(2)]
-            episode = _TurnSeeds(engine)
-            seeded = [await episode.generate([1, 2, 3], SamplingParams(max_new_tokens=12, seed=seed)) for _ in range(2)]
-            again = _TurnSeeds(engine)
-            repeat = [await again.generate([1, 2, 3], SamplingParams(max_new_tokens=12, seed=seed)) for _ in range(2)]
-            return plain, seeded, repeat
+            recorder = Recorder(engine)
+            trajectory = await run_episode(task, ThreeTurns(), recorder, tokenizer,
+                                           SamplingParams(max_new_tokens=48, seed=seed), EpisodeLimits(600, 48, 0.0))
+            return trajectory, recorder
         finally:
             await engine.close()
-    plain, seeded, repeat = asyncio.run(turns(7))
-    assert plain[0].token_ids == plain[1].token_ids             # the same seed twice: the same draws
-    assert seeded[0].token_ids == plain[0].token_ids            # turn 0 keeps the episode's seed
-    assert seeded[1].token_ids != seeded[0].token_ids           # turn 1 draws anew
-    assert [g.token_ids for g in repeat] == [g.token_ids for g in seeded]   # and reproducibly
+
+    first, seen = asyncio.run(episode(7))
+    again, seen_again = asyncio.run(episode(7))
+    assert first.num_turns == 3 and seen.seeds == [7, turn_seed(7, 1), turn_seed(7, 2)]
+    assert len(set(seen.seeds)) == 3 and all(0 <= s < 2**31 for s in seen.seeds)
+    assert first.token_ids == again.token_ids and seen_again.seeds == seen.seeds     # reproducible
+    assert turn_seed(None, 2) is None and turn_seed(7, 0) == 7
+    _, unseeded = asyncio.run(episode(None))
+    assert unseeded.seeds == [None, None, None]     # an unseeded episode leaves the draws to the engine

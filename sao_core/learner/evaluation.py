@@ -154,31 +154,6 @@ def load_eval_set(config) -> EvalSet:
     return EvalSet(source, tasks=tasks)
 
 
-class _TurnSeeds:
-    """One episode's engine: turn t samples with a seed of its own, derived from the episode's seed and t.
-
-    `run_episode` passes the episode's sampling settings to every turn unchanged; with a fixed seed every turn
-    would draw the same random numbers (the HF engine seeds a fresh generator per request), which correlates
-    the turns of a multi-turn episode and is not sampling from the policy."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-        self.turn = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        import dataclasses
-        import hashlib
-
-        if params.seed is not None and self.turn:
-            digest = hashlib.sha256(f"{params.seed}/turn/{self.turn}".encode()).hexdigest()
-            params = dataclasses.replace(params, seed=int(digest[:8], 16) & 0x7FFFFFFF)
-        self.turn += 1
-        return await self.engine.generate(prompt_ids, params)
-
-
 def _seed(run_seed: int, task_id: str, index: int) -> int:
     from sao_core.eval.run import sample_seed
 
@@ -209,7 +184,7 @@ async def play_rl(eval_set: EvalSet, engine: Any, tokenizer: Any, config) -> lis
             except Exception as err:   # counted as a failed episode (as the rollout service does)
                 return {"kind": kind, "id": task.id, "sample": k, "reward": 0.0, "finish_reason": "env_error",
                         "turns": 0, "tokens": 0, "versions": [], "error": f"cannot create the environment: {err}"}
-            t = await run_episode(task, env, _TurnSeeds(engine), tokenizer, params, limits, sample_index=k,
+            t = await run_episode(task, env, engine, tokenizer, params, limits, sample_index=k,
                                   trajectory_id=f"eval/{kind}/{task.id}/{k}", executor=env_pool)
         record = {"kind": kind, "id": task.id, "sample": k, "reward": t.reward, "finish_reason": t.finish_reason,
                   "turns": t.num_turns, "tokens": t.num_action_tokens,

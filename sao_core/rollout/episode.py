@@ -7,6 +7,7 @@ environment's observations are tokenised, each rendered by the tokenizer's own c
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from collections.abc import Callable
@@ -55,6 +56,19 @@ def action_text(tokenizer, token_ids: list[int]) -> str:
     return text
 
 
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The sampling seed of turn `turn` (0-based) of an episode sampled with `seed`: the seed itself for the
+    first turn, 31 bits of sha256(seed/turn/t) after it (None stays None: the engine draws its own).
+
+    A fixed seed on every turn would make each turn draw the same random numbers (the HF engine seeds a fresh
+    generator per request, vLLM a per-request one), which correlates the turns of a multi-turn episode and is
+    not sampling from the policy."""
+    if seed is None or turn == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/turn/{turn}".encode()).hexdigest()
+    return int(digest[:8], 16) & 0x7FFFFFFF
+
+
 async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, params: SamplingParams,
                       limits: EpisodeLimits, queued_at: float | None = None, sample_index: int = 0,
                       trajectory_id: str | None = None, executor: Executor | None = None,
@@ -66,6 +80,8 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
     Tool calls mostly wait (sandboxes, HTTP, sleeps), so callers running many episodes at once pass a pool
     with a thread per episode in flight: asyncio's default pool has only min(32, cores + 4) threads, which
     would cap the episodes in a tool call at once (6 on 2 cores) whatever the in-flight setting.
+
+    A seeded `params` samples each turn with :func:`turn_seed` (reproducible, and a turn of its own).
 
     `abandon_if(oldest_version)` is asked before every turn after the first, with the policy version of the
     episode's first sampled token; True ends the episode there with finish_reason "stale" (a learner with a
@@ -115,7 +131,8 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
                     break
             turn_params = SamplingParams(**{**params.__dict__,
                                             "max_new_tokens": min(params.max_new_tokens,
-                                                                  limits.max_new_tokens_per_turn, budget)})
+                                                                  limits.max_new_tokens_per_turn, budget),
+                                            "seed": turn_seed(params.seed, turns)})
             generation = await _with_deadline(engine.generate(tokens, turn_params), deadline)
             if generation is None:
                 finish = "timeout"
