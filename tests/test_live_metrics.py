@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import socket
 import struct
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -300,12 +303,72 @@ def test_an_unreachable_mlflow_server_warns_once_and_training_goes_on(tmp_path, 
     assert sorted(events(out / "tensorboard")["train/loss"]) == [1, 2, 3]
 
 
+#: A virtual environment with full mlflow (the tracking server): `make mlflow-server`. Not the project's
+#: venv, whose mlflow-skinny is the client: full mlflow requires pyarrow < 26.
+MLFLOW_SERVER_VENV = Path(os.environ.get("SAO_MLFLOW_SERVER_VENV")
+                          or Path(__file__).resolve().parents[1] / ".venv-mlflow-server")
+
+
 @pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory):
-    """MLflow's own file store (real MLflow storage, read back with MlflowClient). A tracking server needs full
-    mlflow, which requires pyarrow < 26 and is not installed: the HTTP path is checked only up to its /health
-    probe (test_an_unreachable_mlflow_server_warns_once_and_training_goes_on)."""
+def mlflow_server(tmp_path_factory):
+    """``http://127.0.0.1:PORT`` of a real MLflow tracking server (sqlite backend, one worker) run from
+    MLFLOW_SERVER_VENV for this module; skipped when that venv has no ``mlflow``."""
+    command = MLFLOW_SERVER_VENV / "bin" / "mlflow"
+    if not command.exists():
+        pytest.skip(f"no MLflow tracking server: {command} is missing (make mlflow-server, or set "
+                    f"SAO_MLFLOW_SERVER_VENV to a venv with mlflow)")
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = root / "server.log"
+    # No background job runner (the server's huey consumer), nothing of this process's Python or MLflow setup.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "MLFLOW_", "VIRTUAL_ENV"))}
+    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
+    with log_path.open("wb") as log_file:
+        server = subprocess.Popen(
+            [str(command), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+             "--default-artifact-root", str(root / "artifacts")],
+            cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(sig: int) -> None:
+        try:
+            os.killpg(server.pid, sig)   # the mlflow command and the uvicorn it starts
+        except ProcessLookupError:
+            pass
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                stop(signal.SIGKILL)
+                tail = log_path.read_text(errors="replace")[-4000:]
+                state = f"exited with {server.returncode}" if server.poll() is not None else "no /health in 60 s"
+                pytest.fail(f"MLflow tracking server at {url} did not start ({state}); {log_path} ends:\n{tail}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        stop(signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            stop(signal.SIGKILL)
+            server.wait(timeout=10)
+
+
+@pytest.fixture(scope="module", params=["file-store", "server"])
+def mlflow_uri(request, tmp_path_factory):
+    """MLflow's own file store (real MLflow storage, read back with MlflowClient), and a real tracking server
+    over HTTP (:func:`mlflow_server`; skipped without its venv)."""
     pytest.importorskip("mlflow", reason="mlflow is optional (pip install 'sao-kfp[mlflow]'; the dev extra has it)")
+    if request.param == "server":
+        return request.getfixturevalue("mlflow_server")
     return (tmp_path_factory.mktemp("mlflow") / "store").as_uri()
 
 
@@ -343,3 +406,25 @@ def test_mlflow_gets_the_params_once_and_every_lines_tags(mlflow_uri, sft_data, 
     (again,) = client.search_runs([experiment.experiment_id], filter_string=f"tags.`sao.output` = '{out}'")
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("name", ["it's", 'say "hi"', "back\\slash 'and' \"both\""])
+def test_a_resumed_log_finds_the_mlflow_run_of_an_output_with_quotes(name, mlflow_uri, tmp_path, monkeypatch):
+    """MLflow's filter strings have no escapes: the run of an output with a quote or a backslash is still found,
+    and not the run of an output that differs from it just there."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "sao-quotes-test")
+    if mlflow_uri.startswith("file:"):
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out, near = tmp_path / name / "run", tmp_path / name.replace("'", "_").replace('"', "_") / "run"
+    ids = {}
+    for path, resume, step in ((out, False, 1), (near, False, 1), (out, True, 2)):
+        sink = live.MLflowSink(mlflow_uri, {}, "sft")
+        with MetricsLog(str(path), path / "metrics.jsonl", resume=resume, sinks=[sink]) as metrics:
+            metrics.append({"step": step, "loss": 1.0 / step})
+            assert metrics.sinks == [sink]
+        ids.setdefault(path, set()).add(sink.run_id)
+    assert len(ids[out]) == 1 and ids[out] != ids[near]
+    history = MlflowClient(tracking_uri=mlflow_uri).get_metric_history(ids[out].pop(), "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 0.5)]

@@ -224,6 +224,23 @@ def _mlflow_key(tag: str) -> str:
     return re.sub(r"[^A-Za-z0-9_\-./ ]", "_", tag)
 
 
+_UNQUOTABLE = re.compile(r"""['"\\]""")
+
+
+def _runs_of_output(client: Any, experiment_id: str, output: str) -> list:
+    """The runs of the experiment tagged ``sao.output`` = `output`, newest first. MLflow's filter strings have
+    no escapes (a quoted value is taken as is between its quotes, ``\\'`` included), so an output with a
+    quote or a backslash is looked up with LIKE, those characters as ``_``, and compared exactly here."""
+    order = ["attributes.start_time DESC"]
+    if not _UNQUOTABLE.search(output):
+        return client.search_runs([experiment_id], filter_string=f"tags.`sao.output` = '{output}'",
+                                  order_by=order, max_results=1)
+    pattern = _UNQUOTABLE.sub("_", output)
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`sao.output` LIKE '{pattern}'",
+                              order_by=order, max_results=1000)
+    return [run for run in runs if run.data.tags.get("sao.output") == output][:1]
+
+
 class MLflowSink(Sink):
     """The run's metrics in MLflow at `tracking_uri` (experiment ``$MLFLOW_EXPERIMENT_NAME``, else ``sao``):
     one MLflow run per output, tagged ``sao.output`` (a resumed run logs into it again), params once,
@@ -261,11 +278,7 @@ class MLflowSink(Sink):
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "sao"
         experiment = client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
-        existing = []
-        if metrics_log.resume:
-            quoted = output.replace("'", "\\'")
-            existing = client.search_runs([experiment_id], filter_string=f"tags.`sao.output` = '{quoted}'",
-                                          order_by=["attributes.start_time DESC"], max_results=1)
+        existing = _runs_of_output(client, experiment_id, output) if metrics_log.resume else []
         if existing:
             self.run_id = existing[0].info.run_id
             client.update_run(self.run_id, status="RUNNING")
