@@ -171,24 +171,22 @@ def test_standalone_rollout_service_serves_until_shutdown(tmp_path, sao_cache):
 
 
 #: the least rise of the held-out sampled reward the demo must show (calibration: the test's docstring)
-DEMO_MARGIN = 0.04
+DEMO_MARGIN = 0.10
 
 
-@pytest.mark.slow   # not serial: its margin was calibrated on a machine at load 4-6 (docstring)
+@pytest.mark.slow   # not serial: its margin holds on a loaded machine (docstring)
 def test_sao_rl_end_to_end_like_make_demo(tmp_path, sao_cache):
-    """`make demo` with its own settings (sao_core/kfp/local.py DEMO_*): the SAO step evaluates 128 held-out
-    prompts during training (one greedy and two sampled answers each) at steps 0, 20, 40, 60 and 80, and the
-    held-out sampled (T = 1) reward rises by at least DEMO_MARGIN.
+    """`make demo` with its own settings (sao_core/kfp/local.py DEMO_*): the SAO step (100 steps of 32)
+    evaluates 128 held-out prompts during training (one greedy and two sampled answers each) at steps 0, 25,
+    50, 75 and 100, the held-out sampled (T = 1) reward rises by at least DEMO_MARGIN, and the final report
+    holds the training run's curves next to the evaluation.
 
-    Calibration (2026-12-01, 2 CPU cores shared with two other jobs, load average 4-6; README "Running
-    pipelines locally"): held-out sampled reward before -> after SAO, SAO seeds 0 / 1 / 2: 0.191 -> 0.309
-    (+0.118), 0.137 -> 0.219 (+0.082), 0.164 -> 0.262 (+0.098), and seed 0 again as this test: 0.191 -> 0.250
-    (+0.059; the asynchronous schedule depends on the load); pipeline 116-146 s. The margin, 0.04, is two
-    thirds of the smallest measured rise and about 2 standard deviations (0.025) of the rise across runs
-    below its mean (+0.089). It is weak against noise: one evaluation of 256 answers at p = 0.17 has a
-    standard deviation of 0.023, so the before / after difference of a run that learnt nothing has one of
-    about 0.033 and would pass 0.04 about one time in nine; the greedy reward does not rise
-    (0.664 -> 0.648 / 0.531 / 0.656 / 0.641) and is not asserted."""
+    Calibration (2026-12-01, 2 CPU cores; README "Running pipelines locally"): held-out sampled reward
+    before -> after SAO, seeds 0 / 1 / 2: 0.191 -> 0.375 (+0.184), 0.137 -> 0.367 (+0.230), and 0.164 ->
+    0.371 (+0.207) with a busy-loop process holding one core; pipeline 138-180 s. The margin, 0.10, is about
+    3 standard deviations of what a run that learnt nothing would show (256 answers at p = 0.17 have a
+    standard deviation of 0.023 per evaluation, so the difference of two has about 0.033) and a little over
+    half the smallest measured rise. The greedy reward is not asserted (0.664 -> 0.703 / 0.656 / 0.695)."""
     from sao_core.kfp.local import DEMO_EVAL_EVERY, DEMO_HELD_OUT, DEMO_SAO_STEPS, run_sao_rl_demo
 
     said: list[str] = []
