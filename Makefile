@@ -14,7 +14,7 @@ TEST_WORKERS ?= 2
 MLFLOW_VENV := .venv-mlflow-server
 MLFLOW_VERSION := 3.17.2
 
-.PHONY: help install install-dev system-deps vllm mlflow-server smollm2 demo test test-fast test-image lint clean
+.PHONY: help install install-dev system-deps vllm mlflow-server smollm2 demo test test-deps test-fast test-image lint clean
 
 help:
 	@echo "make demo   - set up .venv and run the sao_rl pipeline locally on the embedded default model"
@@ -88,8 +88,14 @@ smollm2: $(VENV)/.train-installed
 demo: $(VENV)/.train-installed
 	$(BIN)/sao --threads 2 demo --pipeline --output local_outputs/demo
 
+# What `make test` needs, built side by side: the MLflow server's venv and the apt packages do not depend
+# on .venv, so they install while pip fills .venv (a fresh machine saves the minute or two they take).
+test-deps:
+	@$(MAKE) --no-print-directory -j3 --output-sync=line $(VENV)/.vllm-installed \
+	  $(MLFLOW_VENV)/.installed-$(MLFLOW_VERSION) system-deps
+
 # Two phases: the suite over TEST_WORKERS processes, then the timing-sensitive `serial` tests alone.
-test: $(VENV)/.dev-installed $(VENV)/.vllm-installed $(MLFLOW_VENV)/.installed-$(MLFLOW_VERSION) system-deps
+test: test-deps
 	$(BIN)/python scripts/run_tests.py --workers $(TEST_WORKERS) -- $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.dev-installed system-deps

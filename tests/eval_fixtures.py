@@ -295,7 +295,8 @@ def swe_sandbox_options():
 class ScriptedEngine:
     """An `Engine` whose "model" replays scripted turns: `script` maps a sampling seed (the runner
     derives one per benchmark, problem and sample, `sao_core.eval.run.sample_seed`) to the list of
-    texts of that sample's turns; each `generate` call with that seed returns the next turn, encoded
+    texts of that sample's turns; each `generate` call of that sample (turn t comes with the seed
+    `turn_seed(seed, t)`, as from the real run_episode) returns the next turn, encoded
     with the real tokenizer and ended with its end-of-turn token (cut at ``max_new_tokens`` like a real
     engine). Unknown seeds answer `default`; `delays` (seed -> seconds) slows chosen samples down.
     Everything else of the evaluation (environments, sandboxes, graders, metrics, report) is real."""
@@ -314,11 +315,12 @@ class ScriptedEngine:
     async def generate(self, prompt_ids, params):
         from sao_core.rollout.engines.base import Generation
 
-        self.calls.append(params.seed)
-        turns = self.script.get(params.seed)
+        seed = self._sample_seed(params.seed)
+        self.calls.append(seed)
+        turns = self.script.get(seed)
         text = turns.pop(0) if turns else self.default
-        if self.delays.get(params.seed):
-            await asyncio.sleep(self.delays[params.seed])
+        if self.delays.get(seed):
+            await asyncio.sleep(self.delays[seed])
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         finish = "stop"
         if len(ids) >= params.max_new_tokens:
@@ -327,6 +329,15 @@ class ScriptedEngine:
             ids.append(self.tokenizer.eos_token_id)
         started = time.monotonic()
         return Generation(ids, [0.0] * len(ids), [0] * len(ids), finish, seconds=time.monotonic() - started)
+
+    def _sample_seed(self, seed):
+        """The sample seed behind a turn's seed (scripted or delayed samples; others stay as they are)."""
+        from sao_core.rollout.episode import turn_seed
+
+        for known in (*self.script, *self.delays):
+            if seed == known or any(turn_seed(known, t) == seed for t in range(1, 64)):
+                return known
+        return seed
 
     async def load_weights(self, model_dir, version):
         raise NotImplementedError("a scripted engine has no weights")
