@@ -380,3 +380,47 @@ def test_the_evaluation_report_shows_the_training_run_next_to_it(tmp_path):
     missing = Path(write_report(summary, [], str(tmp_path / "report2"),
                                 training_run=str(tmp_path / "nowhere"))).read_text()
     assert "No training report" in missing and "nowhere: no such run directory" in missing
+
+
+def test_a_long_run_is_plotted_in_buckets_of_steps(tmp_path):
+    """3,000 SAO steps: every chart draws at most MAX_POINTS points per series, each the mean of its bucket of
+    consecutive logged steps (checked against the metrics file), moving averages sampled at the bucket's last
+    step; the page stays small (it embedded every value before: 7.8 MB at 5,000 steps)."""
+    from sao_core.reporting.training import MAX_POINTS, bucketed
+
+    rows = _rl_rows("sao", 3000)
+    run = _write_run(tmp_path / "run", rows, {"method": "sao", "steps": 3000})
+    page = Path(write_training_report(str(run), config={"method": "sao", "steps": 3000})).read_text()
+    blocks = plot_blocks(page)
+    assert set(blocks) == EXPECTED["sao"] | _OTHER_RL
+    by_step = {r["step"]: r for r in rows}
+    full = {c.id: d for _, c, d in chart_data(rows, max_points=10**9)}
+    for plot_id, block in blocks.items():
+        n = len(full[plot_id]["x"])
+        if n <= MAX_POINTS:                # e.g. the held-out evaluation every 10 steps: 300 points
+            assert "bucket" not in block and block["x"] == full[plot_id]["x"], plot_id
+            continue
+        size = block["bucket"]
+        assert size == -(-n // MAX_POINTS) and len(block["x"]) <= MAX_POINTS and block["steps_total"] == n, plot_id
+        assert f"the mean of {size} consecutive logged steps ({n} in all)" in page
+        steps = full[plot_id]["x"]
+        for i, x in enumerate(block["x"]):
+            bucket = steps[i * size:(i + 1) * size]
+            assert x == bucket[-1], plot_id
+            for name, values in block["series"].items():
+                if plot_id in ("staleness", "drops"):
+                    key = "staleness" if plot_id == "staleness" else "dropped_by_reason"
+                    raw = [by_step[s][key].get(name, 0) for s in bucket]
+                elif name == "learner_wait_share":
+                    raw = [_wait_share(by_step[s]) for s in bucket]
+                else:
+                    raw = [by_step[s][name] for s in bucket if name in by_step[s]]
+                assert values[i] == pytest.approx(sum(raw) / len(raw)), (plot_id, name, x)
+        for name, values in (block.get("smoothed") or {}).items():
+            whole = full[plot_id]["smoothed"][name]
+            assert values == [whole[min(n, (i + 1) * size) - 1] for i in range(len(values))], plot_id
+    assert len(page) < 3_000_000, len(page)
+    small = {"x": [1, 2, 3], "series": {"a": [1.0, None, 3.0]}}
+    assert bucketed(small, max_points=3) is small
+    assert bucketed(small, max_points=2)["series"] == {"a": [1.0, 3.0]}
+    assert bucketed({"x": [1, 2, 3, 4], "series": {"a": [None, None, 2.0, 4.0]}}, 2)["series"] == {"a": [None, 3.0]}
