@@ -375,6 +375,14 @@ def test_the_evaluation_report_shows_the_training_run_next_to_it(tmp_path):
     assert set(plot_blocks(page)) == EXPECTED["sao"] | _OTHER_RL
     assert page.index("<h1>Evaluation of") < page.index('<section id="training">')
     assert "<h2>Training report: sao</h2>" in page and 'href="#training"' in page and "div.plots" in page
+    evals = [r for r in rows if "eval_sampled_reward" in r]     # steps 10, 20, 30
+    first, last = evals[0], evals[-1]
+    headline = (f"held-out sampled reward {first['eval_sampled_reward']:.3f} (step 10) → "
+                f"{last['eval_sampled_reward']:.3f} (step 30); held-out greedy reward "
+                f"{first['eval_greedy_reward']:.3f} (step 10) → {last['eval_greedy_reward']:.3f} (step 30) over 3 "
+                "evaluations")
+    assert f"<b>Training: {headline}.</b>" in page                  # at the top of the evaluation page
+    assert f"<b>H{headline[1:]}.</b>" in page                       # and under the training report's title
     assert "Training report" not in render_report(summary, [])     # no training run: the page as before
 
     missing = Path(write_report(summary, [], str(tmp_path / "report2"),
@@ -424,3 +432,15 @@ def test_a_long_run_is_plotted_in_buckets_of_steps(tmp_path):
     assert bucketed(small, max_points=3) is small
     assert bucketed(small, max_points=2)["series"] == {"a": [1.0, 3.0]}
     assert bucketed({"x": [1, 2, 3, 4], "series": {"a": [None, None, 2.0, 4.0]}}, 2)["series"] == {"a": [None, 3.0]}
+
+
+def test_the_headline_says_what_the_run_achieved():
+    from sao_core.reporting.training import training_headline
+
+    assert training_headline([]) == ""
+    sft = [{"step": i, "loss": 3.0 - i / 10} for i in range(1, 21)]     # tenths of 2 steps
+    assert training_headline(sft) == "mean loss 2.850 over the first 2 logged steps → 1.050 over the last 2"
+    rl = [{"step": i, "version": i, "reward_mean": i / 100} for i in range(1, 11)]
+    assert training_headline(rl) == "mean batch reward 0.010 over the first 1 logged steps → 0.100 over the last 1"
+    rl[0]["eval_sampled_reward"], rl[9]["eval_sampled_reward"] = 0.125, 0.5
+    assert training_headline(rl) == "held-out sampled reward 0.125 (step 1) → 0.500 (step 10) over 2 evaluations"

@@ -22,7 +22,7 @@ from sao_core.reporting.html import CSS as _CSS
 from sao_core.reporting.html import Raw as _Raw
 from sao_core.reporting.html import pct as _pct
 from sao_core.reporting.html import table as _table
-from sao_core.reporting.training import TRAINING_CSS, ReportError, training_section
+from sao_core.reporting.training import TRAINING_CSS, ReportError, TrainingSection, training_section
 
 REPORT_FILE = "report.html"
 
@@ -206,9 +206,10 @@ def _intro(name: str, b: Mapping[str, Any]) -> str:
 
 
 def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any]],
-                  previous: Mapping[str, Any] | None = None, training: str | None = None) -> str:
+                  previous: Mapping[str, Any] | None = None, training: TrainingSection | None = None) -> str:
     """The report as an HTML string (see :func:`write_report`); `training` is the training run's section
-    (:func:`sao_core.reporting.training.training_section`), shown after the overview."""
+    (:func:`sao_core.reporting.training.training_section`): its headline opens the page, the section
+    follows the evaluation's overview."""
     benchmarks = summary.get("benchmarks", {})
     config = summary.get("config", {})
     by_bench: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
@@ -228,6 +229,8 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
             f"<title>{escape(title)}</title><style>{_CSS}{TRAINING_CSS if training else ''}</style></head><body>",
             f"<h1>{escape(title)}</h1>", _table(["run", ""], meta)]
     if training:
+        if training.headline:
+            html.append(f'<p class="headline"><b>Training: {escape(training.headline)}.</b></p>')
         html.append('<p class="contents">Contents: <a href="#training">the training run</a> (curves, health, '
                     'checkpoints), then the evaluation: '
                     + ", ".join(f'<a href="#{escape(n)}">{escape(b.get("title", n))}</a>' for n, b in benchmarks.items())
@@ -238,7 +241,7 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
         html.append('<p class="muted">No benchmark results.</p>')
     html.append(_comparison(summary, previous))
     if training:
-        html.append(training)
+        html.append(training.html)
     for name, b in benchmarks.items():
         mine = by_bench.get(name, [])
         html += [f'<h2 id="{escape(name)}">{escape(b.get("title", name))}</h2>',
@@ -275,8 +278,8 @@ def write_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any]
         try:
             training = training_section(training_run)
         except ReportError as err:
-            training = (f'<section id="training"><h2>Training run</h2><p class="muted">No training report: '
-                        f'{escape(str(err))}</p></section>')
+            training = TrainingSection(f'<section id="training"><h2>Training run</h2><p class="muted">No training '
+                                       f'report: {escape(str(err))}</p></section>', "")
     text = render_report(summary, samples, previous, training)
     target = storage.join(output, REPORT_FILE)
     if not storage.is_s3_uri(output):

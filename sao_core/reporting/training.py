@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sao_core import storage
 from sao_core.reporting import plots
@@ -402,7 +402,11 @@ def training_body(rows: Sequence[Mapping[str, Any]], *, run: str, method: str | 
     if isinstance(last.get("seconds"), int | float):
         meta.append(["seconds at the last line", f"{float(last['seconds']):.1f}"])
     sub = level + 1
-    body = [heading(level, f"Training report: {method}"), table(["run", ""], meta)]
+    body = [heading(level, f"Training report: {method}")]
+    headline = training_headline(rows)
+    if headline:
+        body.append(f'<p class="headline"><b>{escape(headline[0].upper() + headline[1:])}.</b></p>')
+    body.append(table(["run", ""], meta))
     if summary:
         body += [heading(sub, "Summary"), table(["field", "value"], [[k, _value(v)] for k, v in summary.items()])]
     charts = chart_data(rows)
@@ -459,12 +463,45 @@ def _run_parts(run: str, metrics: str | Path | None, config: Mapping[str, Any] |
                 artifacts=_artifacts(run, summary))
 
 
-def training_section(run: str) -> str:
+class TrainingSection(NamedTuple):
+    """A run's training report as a section of another page, and its one-line headline."""
+
+    html: str
+    headline: str
+
+
+def training_section(run: str) -> TrainingSection:
     """The report of the finished or running run at `run` (a folder or an ``s3://`` prefix) as one
-    ``<section id="training">`` for another page (title ``<h2>``; the page needs :data:`TRAINING_CSS`).
-    ReportError when the run has no metrics."""
-    return '<section id="training">' + "\n".join(training_body(**_run_parts(run, None, None, None, None), level=2)) \
-        + "</section>"
+    ``<section id="training">`` for another page (title ``<h2>``; the page needs :data:`TRAINING_CSS`), with
+    its :func:`training_headline`. ReportError when the run has no metrics."""
+    parts = _run_parts(run, None, None, None, None)
+    html = '<section id="training">' + "\n".join(training_body(**parts, level=2)) + "</section>"
+    return TrainingSection(html, training_headline(parts["rows"]))
+
+
+def training_headline(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One line on what the run achieved so far, from its metrics lines: the held-out rewards at the first and
+    the last evaluation during training (when it has evaluations), else the mean batch reward (RL) or loss
+    of the first and the last tenth of its logged steps. "" for no lines."""
+    if not rows:
+        return ""
+    parts = []
+    for kind in ("sampled", "greedy"):
+        key = f"eval_{kind}_reward"
+        seen = [(r["step"], v) for r in rows if (v := _number(r.get(key))) is not None]
+        if seen:
+            (s0, v0), (s1, v1) = seen[0], seen[-1]
+            parts.append(f"held-out {kind} reward {v0:.3f} (step {s0}) → {v1:.3f} (step {s1})")
+    if parts:
+        count = sum(1 for r in rows if any(_number(r.get(f"eval_{k}_reward")) is not None for k in ("sampled", "greedy")))
+        return "; ".join(parts) + f" over {count} evaluations"
+    for key, what in (("reward_mean", "mean batch reward"), ("loss", "mean loss")):
+        values = [v for r in rows if (v := _number(r.get(key))) is not None]
+        if values:
+            tenth = max(1, len(values) // 10)
+            return (f"{what} {sum(values[:tenth]) / tenth:.3f} over the first {tenth} logged steps → "
+                    f"{sum(values[-tenth:]) / tenth:.3f} over the last {tenth}")
+    return ""
 
 
 def build_training_report(run: str, *, metrics: str | Path | None = None, config: Mapping[str, Any] | None = None,
