@@ -173,6 +173,35 @@ def histogram_bins(values: Sequence[float], bins: int = 20) -> list[float]:
     return [hi * i / bins for i in range(bins + 1)]
 
 
+def _count_grid(top: float, left: float, top_pad: float, plot_w: float, plot_h: float) -> list[str]:
+    """Six horizontal grid lines from 0 to `top` with their labels (the y axis of the stacked charts)."""
+    out = []
+    for i in range(6):
+        y = top_pad + plot_h - plot_h * i / 5
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="10" {FONT}>{_fmt(top * i / 5, False)}</text>')
+    return out
+
+
+def _stacked_bars(columns: Sequence[tuple[str, Sequence[float]]], names: Sequence[str], top: float, left: float,
+                  top_pad: float, plot_h: float, bar_w: float, tooltip) -> list[str]:
+    """One stacked bar per column (label, one value per series in `names`), `bar_w` wide; each piece is a
+    ``<rect class="bar">`` with data-series / data-label / data-value and a `tooltip(name, label, value)`."""
+    out = []
+    for b, (label, values) in enumerate(columns):
+        base = 0.0
+        for s, (name, c) in enumerate(zip(names, values, strict=True)):
+            if not c:
+                continue
+            h = plot_h * c / top
+            y = top_pad + plot_h - plot_h * (base + c) / top
+            out.append(f'<rect class="bar" x="{left + b * bar_w:.1f}" y="{y:.1f}" width="{max(bar_w - 1, 0.5):.1f}" '
+                       f'height="{h:.1f}" fill="{PALETTE[s % len(PALETTE)]}" data-series="{escape(name)}" '
+                       f'data-label="{label}" data-value="{c:g}"><title>{escape(tooltip(name, label, c))}</title></rect>')
+            base += c
+    return out
+
+
 def histogram(title: str, series: Mapping[str, Sequence[float]], *, bins: int = 20, x_label: str = "",
               width: int = 720, height: int = 300) -> str:
     """Stacked histogram of the values of each series over shared equal-width bins (counts on y)."""
@@ -189,23 +218,10 @@ def histogram(title: str, series: Mapping[str, Sequence[float]], *, bins: int = 
     plot_w, plot_h = width - left - right, height - top_pad - bottom
     bar_w = plot_w / bins
     out = _open(width, height, title)
-    for i in range(6):
-        y = top_pad + plot_h - plot_h * i / 5
-        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
-        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="10" {FONT}>{_fmt(top * i / 5, False)}</text>')
-    for i in range(bins):
-        base = 0
-        for s, name in enumerate(series):
-            c = counts[name][i]
-            if not c:
-                continue
-            h = plot_h * c / top
-            y = top_pad + plot_h - plot_h * (base + c) / top
-            label = f"{edges[i]:.0f}-{edges[i + 1]:.0f}"
-            out.append(f'<rect class="bar" x="{left + i * bar_w:.1f}" y="{y:.1f}" width="{bar_w - 1:.1f}" height="{h:.1f}" '
-                       f'fill="{PALETTE[s % len(PALETTE)]}" data-series="{escape(name)}" data-label="{label}" '
-                       f'data-value="{c}"><title>{escape(name)} {label}: {c}</title></rect>')
-            base += c
+    out += _count_grid(top, left, top_pad, plot_w, plot_h)
+    columns = [(f"{edges[i]:.0f}-{edges[i + 1]:.0f}", [counts[name][i] for name in series]) for i in range(bins)]
+    out += _stacked_bars(columns, list(series), top, left, top_pad, plot_h, bar_w,
+                         lambda name, label, c: f"{name} {label}: {c:g}")
     for i in range(0, bins + 1, max(1, bins // 5)):
         out.append(f'<text x="{left + i * bar_w:.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" font-size="10" '
                    f'{FONT}>{edges[i]:.0f}</text>')
@@ -348,23 +364,11 @@ def stacked_steps(title: str, x: Sequence[float], series: Mapping[str, Sequence[
     out = _open(width, height, title)
     if chart_id:
         out[0] = out[0].replace('<svg ', f'<svg id="{escape(chart_id)}" ', 1)
-    for i in range(6):
-        y = top_pad + plot_h - plot_h * i / 5
-        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
-        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="10" {FONT}>{_fmt(top * i / 5, False)}</text>')
-    for b, (first, last, _) in enumerate(bins):
-        base = 0.0
-        label = f"{first:g}" if first == last else f"{first:g}-{last:g}"
-        for s, name in enumerate(names):
-            c = sums[s][b]
-            if not c:
-                continue
-            h = plot_h * c / top
-            y = top_pad + plot_h - plot_h * (base + c) / top
-            out.append(f'<rect class="bar" x="{left + b * bar_w:.1f}" y="{y:.1f}" width="{max(bar_w - 1, 0.5):.1f}" '
-                       f'height="{h:.1f}" fill="{PALETTE[s % len(PALETTE)]}" data-series="{escape(name)}" '
-                       f'data-label="{label}" data-value="{c:g}"><title>step {label}, {escape(name)}: {c:g}</title></rect>')
-            base += c
+    out += _count_grid(top, left, top_pad, plot_w, plot_h)
+    columns = [(f"{first:g}" if first == last else f"{first:g}-{last:g}", [sums[s][b] for s in range(len(names))])
+               for b, (first, last, _) in enumerate(bins)]
+    out += _stacked_bars(columns, names, top, left, top_pad, plot_h, bar_w,
+                         lambda name, label, c: f"step {label}, {name}: {c:g}")
     for i in range(0, len(bins), max(1, len(bins) // 6)):
         first = bins[i][0]
         out.append(f'<text x="{left + (i + 0.5) * bar_w:.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" '
