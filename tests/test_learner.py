@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_fixtures import sft_model
 from run_helpers import StopRun, stop_at
 
 from sao_core import storage
@@ -24,8 +25,6 @@ from sao_core.learner.config import RLConfig
 from sao_core.learner.loop import LearnerError, ServiceSet, prune_weight_versions, train_rl
 from sao_core.rollout.client import RolloutClient, RolloutUnavailable
 from sao_core.rollout.server import RolloutServer, ServeConfig
-from sao_core.training.config import SFTConfig
-from sao_core.training.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +41,8 @@ def rl_data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def rl_warm_model(tmp_path_factory, sao_cache):
     """SFT stopped early: sampled reward about 0.25 on single-call tool_arith (measured while building)."""
-    root = tmp_path_factory.mktemp("rl-warm")
-    (root / "data").mkdir()
-    (root / "data" / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tool_arith_sft_rows(600, seed=5)))
-    return train("sft", SFTConfig(data=str(root / "data"), output=str(root / "run"), steps=240, batch_size=16,
-                                  lr=3e-3, max_tokens=128, cache_dir=str(sao_cache)))["model"]
+    return sft_model(tmp_path_factory.mktemp("rl-warm"), tool_arith_sft_rows(600, seed=5), sao_cache, steps=240,
+                     max_tokens=128)
 
 
 def _config(rl_data, output, model, sao_cache, **kw) -> RLConfig:

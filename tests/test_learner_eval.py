@@ -39,15 +39,12 @@ def datasets(tmp_path_factory):
 @pytest.fixture(scope="module")
 def calling_model(tmp_path_factory, sao_cache):
     """150 SFT steps on single-call conversations: it calls the calculator, greedy solves about 0.4 (~20 s)."""
-    from sao_core.data.synthetic import tool_arith_sft_rows
-    from sao_core.training.config import SFTConfig
-    from sao_core.training.trainer import train
+    from model_fixtures import sft_model
 
-    root = tmp_path_factory.mktemp("calling")
-    (root / "data").mkdir()
-    (root / "data" / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tool_arith_sft_rows(400, seed=21)))
-    return train("sft", SFTConfig(data=str(root / "data"), output=str(root / "run"), steps=150, batch_size=16,
-                                  lr=3e-3, max_tokens=128, cache_dir=str(sao_cache)))["model"]
+    from sao_core.data.synthetic import tool_arith_sft_rows
+
+    return sft_model(tmp_path_factory.mktemp("calling"), tool_arith_sft_rows(400, seed=21), sao_cache, steps=150,
+                     max_tokens=128)
 
 
 def _config(train, held_out, output, model, cache, **kw) -> RLConfig:
