@@ -56,3 +56,7 @@ class Environment(Protocol):
         ...
 
     def close(self) -> None: ...
+
+    # Optional: ``grade_unfinished(action_text) -> bool | None``. Environments with a reference answer may say
+    # whether a turn cut at the token cap (never passed to `step`, reward 0) already held the right answer; the
+    # episode runner records it as ``cut_turn_correct`` for the learner's health metrics (learner/health.py).

@@ -53,6 +53,16 @@ class MathEnv:
     def close(self) -> None:
         self._done = True
 
+    def grade_unfinished(self, action_text: str) -> bool | None:
+        """Whether a turn cut at the token cap already held the right final answer (a health metric: the
+        episode still ends with reward 0). None when the task has no reference answer."""
+        if self.task is None or self.task.answer is None:
+            return None
+        answer = extract_boxed(action_text)
+        if answer is None:
+            return False
+        return (self.grader or default_grader()).grade(answer, self.task.answer, self.grade_timeout_s).correct
+
 
 def with_system_prompt(prompt: list[dict], system_prompt: str | None) -> list[dict]:
     """A copy of `prompt`, with `system_prompt` first unless it is None or the prompt has one."""

@@ -194,6 +194,14 @@ class ToolArithEnv:
     def close(self) -> None:
         self._done = True
 
+    def grade_unfinished(self, action_text: str) -> bool | None:
+        """Whether a turn cut at the token cap already held the right ``\\boxed{}`` answer (a health metric:
+        the episode still ends with reward 0). None when the task has no reference answer."""
+        if self.task is None or self.task.answer is None:
+            return None
+        boxed = extract_boxed(action_text)
+        return boxed is not None and _same_answer(boxed, self.task.answer)
+
     # -- helpers ------------------------------------------------------------------------------------
 
     def _end(self, reward: float, finish_reason: str, **info: Any) -> StepResult:

@@ -38,6 +38,7 @@ from sao_core import storage
 from sao_core.learner import journal
 from sao_core.learner.batch import collate
 from sao_core.learner.config import RLConfig
+from sao_core.learner.health import turn_health
 from sao_core.learner.ledger import TRAINED, StreamLedger
 from sao_core.learner.pending import FAILED_REASONS, Drop, Pending, position_of
 from sao_core.learner.updates import Updater
@@ -508,7 +509,9 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
     policy = prepare_model(policy, ctx, config.gradient_checkpointing)
     if critic is not None:
         critic = prepare_model(critic, ctx, config.gradient_checkpointing)
-    updater = Updater(config, policy, critic, ctx)
+    # The tokens that end a model turn (what the engines stop on): for the turn-end health metrics.
+    end_of_turn_ids = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
+    updater = Updater(config, policy, critic, ctx, end_of_turn_ids=end_of_turn_ids)
     step, version = 0, 0
     ledger = StreamLedger()  # which prompt-stream positions are trained, dropped or owed (rank 0 keeps it)
     # Whole-run counters (the summary's): kept in every checkpoint, advanced by the replayed journal on resume.
@@ -792,7 +795,7 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 trained_tokens += int(batch.action_mask.sum())
                 count_trained(trajectories, int(batch.action_mask.sum()))
                 elapsed = time.time() - started
-                record = {"step": step, "version": version, **metrics,
+                record = {"step": step, "version": version, **metrics, **turn_health(trajectories, end_of_turn_ids),
                           "staleness": {str(k): v for k, v in sorted(staleness.items())},
                           "dropped_total": sum(dropped_by_reason().values()),
                           "dropped_by_reason": dict(dropped_by_reason()),

@@ -28,6 +28,11 @@ def attempt_of(t: Trajectory) -> int:
     return int(t.metadata.get("attempt", 0))
 
 
+def stream_key(t: Trajectory) -> tuple[int, int, int]:
+    """(stream position, sample index, attempt): a trajectory's place in the run's fixed prompt stream."""
+    return position_of(t), t.sample_index, attempt_of(t)
+
+
 def admitted_of(t: Trajectory) -> int:
     """The weights version when the service admitted the episode (its group's, for GRPO)."""
     return int(t.metadata.get("admitted_version", t.min_version))
@@ -152,9 +157,10 @@ class Pending:
 
     def batch(self, oldest_first: bool = False, admitted_at_most: int | None = None
               ) -> list[tuple[Trajectory, int]] | None:
-        """The next batch if one is complete: B trajectories, or B/G whole groups; in arrival order, or with
-        `oldest_first` by admission version. With `admitted_at_most`, only episodes admitted at or before that
-        version are candidates (admission version_order: nothing admitted after an episode still running)."""
+        """The next batch if one is complete: B trajectories, or B/G whole groups, chosen in arrival order, or with
+        `oldest_first` by admission version, then stream position. With `admitted_at_most`, only episodes admitted
+        at or before that version are candidates (admission version_order: nothing admitted after an episode
+        still running). The rows are returned in stream order (`stream_key`)."""
         size = self.config.batch_size
         groups: OrderedDict[tuple, list[str]] = OrderedDict()
         for tid, (t, _) in self.items.items():
@@ -168,8 +174,11 @@ class Pending:
         if admitted_at_most is not None:
             candidates = [ids for ids in candidates if admitted(ids) <= admitted_at_most]
         if oldest_first:
-            candidates.sort(key=admitted)       # stable: arrival order within a version
+            # Within a version by stream position, not arrival: which episodes fill the batch does not depend
+            # on which of them happened to finish first.
+            candidates.sort(key=lambda ids: (admitted(ids), min(stream_key(self.items[tid][0]) for tid in ids)))
         if len(candidates) * need < size:
             return None
         chosen = [tid for ids in candidates[: size // need] for tid in ids]
-        return [self.items.pop(tid) for tid in chosen]
+        # Rows in stream order, so that a batch's tensors (and the rounding of its sums) do not depend on arrival.
+        return sorted((self.items.pop(tid) for tid in chosen), key=lambda item: stream_key(item[0]))

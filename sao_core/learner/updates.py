@@ -42,6 +42,8 @@ from sao_core.training.core import autocast, build_optimizer, build_scheduler, c
 from sao_core.training.distributed import DistContext, all_reduce
 from sao_core.training.forward import model_logprobs
 
+# The methods whose policy loss is DIS against the rollout log-probs.
+DIS_METHODS = ("sao", "grpo_dis", "running_mean")
 # Metrics combined over ranks by sum or max instead of the token-weighted mean.
 _SUMMED = {"action_tokens"}
 _MAXED = {"logp_diff_max"}
@@ -102,9 +104,14 @@ def group_index(batch: RLBatch) -> torch.Tensor:
 class Updater:
     """Holds the models and optimisers of one run and performs learner steps."""
 
-    def __init__(self, config: RLConfig, policy, critic=None, ctx: DistContext | None = None):
-        """`policy` and `critic` must already be sharded (`shard_model`) when running under torchrun."""
+    def __init__(self, config: RLConfig, policy, critic=None, ctx: DistContext | None = None,
+                 end_of_turn_ids: tuple[int, ...] = ()):
+        """`policy` and `critic` must already be sharded (`shard_model`) when running under torchrun.
+        `end_of_turn_ids`: the tokens that end a model turn, for the ``end_of_turn_*`` metrics of a step (the
+        learner's log-prob of the sampled end-of-turn tokens, their mean advantage and, for the DIS methods, the
+        share DIS kept); empty: none."""
         self.config = config
+        self.end_of_turn_ids = tuple(end_of_turn_ids)
         self.ctx = ctx or DistContext()
         self.policy = policy
         self.critic = critic
@@ -164,10 +171,13 @@ class Updater:
             advantages = _whiten(advantages, mask, self.ctx)
         self.policy.train()
         parts = []
+        turn_ends = torch.zeros(4, dtype=torch.float64)   # end-of-turn tokens: count, Σ logp, Σ kept, Σ advantage
         for index, mb, real in micro:
             with autocast(self.config.precision, self.ctx.device):
                 logp, stats = _policy_forward(self.policy, mb)
                 loss, m = self._policy_loss(logp, mb, advantages[index, :mb.input_ids.shape[1]])
+            if real and self.end_of_turn_ids:
+                turn_ends += self._end_of_turn_sums(logp.detach(), mb, advantages[index, :mb.input_ids.shape[1]])
             n_micro = float(mb.action_mask.sum()) if real else 0.0
             # The micro-batch's token mean times n_micro / n_local: its share of the local token mean.
             (loss * (n_micro / max(n_local, 1.0) * loss_scale)).backward()
@@ -179,12 +189,29 @@ class Updater:
         metrics["policy_grad_norm"] = clip_and_step(self.policy_opt, self.policy.parameters(), self.config.grad_clip,
                                                     self.policy_sched)
         metrics["advantage_mean"] = float(advantages[mask.bool()].mean()) if mask.any() else 0.0
-        return self._reduce(metrics, n_local, len(batch.trajectories), reward_mean), True
+        out = self._reduce(metrics, n_local, len(batch.trajectories), reward_mean)
+        if self.end_of_turn_ids:
+            count, logp_sum, kept_sum, adv_sum = all_reduce([float(x) for x in turn_ends], self.ctx)
+            if count:
+                out.update(end_of_turn_learner_logprob=logp_sum / count, end_of_turn_advantage=adv_sum / count)
+                if self.config.method in DIS_METHODS:
+                    out["end_of_turn_kept"] = kept_sum / count
+        return out, True
+
+    def _end_of_turn_sums(self, logp: torch.Tensor, mb: RLBatch, advantages: torch.Tensor) -> torch.Tensor:
+        """[count, Σ learner log-prob, Σ kept by the DIS band, Σ advantage] over the micro-batch's sampled
+        end-of-turn tokens (logp, advantages: [b, w])."""
+        ends = mb.action_mask.bool() & torch.isin(mb.input_ids, torch.tensor(self.end_of_turn_ids,
+                                                                             device=mb.input_ids.device))
+        ratio = torch.exp(logp.float() - mb.rollout_logprobs.float())[ends]
+        kept = (ratio > 1.0 - self.config.eps_low) & (ratio < 1.0 + self.config.eps_high)
+        return torch.tensor([float(ends.sum()), float(logp.float()[ends].sum()), float(kept.sum()),
+                             float(advantages.float()[ends].sum())], dtype=torch.float64)
 
     def _policy_loss(self, logp: torch.Tensor, mb: RLBatch, advantages: torch.Tensor):
         """The method's policy loss on one micro-batch (all [b, w]): a token mean over its action tokens."""
         cfg, mask = self.config, mb.action_mask
-        if cfg.method in ("sao", "grpo_dis", "running_mean"):
+        if cfg.method in DIS_METHODS:
             return dis_policy_loss(logp, mb.rollout_logprobs, advantages, mask, cfg.eps_low, cfg.eps_high)
         if cfg.method == "grpo_async":
             return ppo_clip_loss(logp, mb.rollout_logprobs, advantages, mask, cfg.clip_low, cfg.clip_high)

@@ -140,10 +140,21 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
             turns += 1
             timings.generation_seconds += generation.seconds
             add(generation.token_ids, action=True, lps=generation.logprobs, vs=generation.versions)
-            if generation.finish_reason == "length":
-                finish = "length"
-                break
             text = action_text(tokenizer, generation.token_ids)
+            if generation.finish_reason == "length":
+                # Cut at the token cap: not graded (reward 0), but the environment may say whether the cut turn
+                # already held the right answer (a training-health metric, learner/health.py).
+                finish = "length"
+                info = {**info, "cut_turn": True}
+                grade = getattr(env, "grade_unfinished", None)
+                if grade is not None:
+                    try:
+                        correct = await in_thread(grade, text)
+                    except Exception:  # a metric only: never the episode's failure
+                        correct = None
+                    if isinstance(correct, bool):
+                        info["cut_turn_correct"] = correct
+                break
             try:
                 step = await _with_deadline(in_thread(env.step, text), deadline)
             except Exception as err:  # an environment bug ends this episode only
@@ -156,6 +167,7 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
             if step.done:
                 reward, finish, info = step.reward, step.finish_reason or "stop", step.info
                 break
+            info = dict(step.info)     # the latest step's (e.g. tool errors so far), kept if the episode is cut
             add(observation_tokens(tokenizer, step.observation or ""), action=False)
     except _PromptTooLong:
         pass

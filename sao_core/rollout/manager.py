@@ -133,6 +133,15 @@ def stream_positions(plan: RolloutPlan, num_tasks: int):
         epoch += 1
 
 
+def episode_seed(plan_seed: int, position: int, sample_index: int, attempt: int) -> int:
+    """The sampling seed of one training episode: 31 bits of sha256(plan seed / stream position / sample index /
+    attempt). The episode's turns then sample with `turn_seed(episode_seed, turn)`, so which random numbers an
+    episode draws depends on where it stands in the prompt stream, never on when it was admitted or which
+    requests shared the engine with it (the engine's own counter seeded requests in arrival order before)."""
+    digest = hashlib.sha256(f"{plan_seed}/{position}/{sample_index}/{attempt}".encode()).hexdigest()
+    return int(digest[:8], 16) & 0x7FFFFFFF
+
+
 @dataclass
 class _Lease:
     consumer: str
@@ -287,14 +296,16 @@ class RolloutManager:
                                         metadata={"info": {"error": f"cannot create the environment: {err}"}})
             limits = EpisodeLimits(plan.max_total_tokens, plan.max_new_tokens_per_turn, plan.episode_timeout_s)
             bound = plan.abandon_after_versions
+            params = SamplingParams(**{**plan.sampling().__dict__,
+                                       "seed": episode_seed(plan.seed, position, k, attempt)})
             if env is not None:
-                trajectory = await run_episode(task, env, self.engine, self.tokenizer, plan.sampling(), limits,
+                trajectory = await run_episode(task, env, self.engine, self.tokenizer, params, limits,
                                                queued_at=queued, sample_index=k, trajectory_id=trajectory_id,
                                                executor=self._env_pool,
                                                abandon_if=None if bound is None else
                                                lambda oldest: self.engine.version - oldest > bound)
             trajectory.metadata.update(epoch=epoch, position=position, admitted_version=admitted,
-                                       attempt=attempt, task_index=index)
+                                       attempt=attempt, task_index=index, sampling_seed=params.seed)
         except asyncio.CancelledError:
             self.counts["dropped"] += 1
             self._slots.release()
