@@ -85,6 +85,16 @@ SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
         Chart("drops", "Dropped trajectories by reason (whole run)", ("dropped_by_reason",)),
         Chart("drops_total", "Dropped and re-queued trajectories (whole run)", ("dropped_total", "requeued_total")),
     )),
+    ("Turn ends", (
+        Chart("turn_cut", "Turns cut at the token cap, and tool errors (share of the batch's trajectories)",
+              ("turn_cut_share", "turn_cut_correct_share", "tool_error_share"), percent=True,
+              note="turn_cut_correct_share: of the cut turns, those that already held the right answer"),
+        Chart("end_of_turn_logprob", "End-of-turn token log-prob (sampled end-of-turn tokens)",
+              ("end_of_turn_logprob", "end_of_turn_learner_logprob"),
+              note="end_of_turn_logprob: the engine's when it sampled them; learner: the policy's at the update"),
+        Chart("end_of_turn_update", "End-of-turn tokens at the update: DIS kept share, mean advantage",
+              ("end_of_turn_kept", "end_of_turn_advantage")),
+    )),
     ("Episode length", (
         Chart("length_turns", "Episode length in turns: trained vs offered", ("trained_turns_mean", "arrived_turns_mean"),
               note="offered: every episode that reached the learner (trained or dropped)"),

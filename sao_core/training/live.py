@@ -48,7 +48,8 @@ PERF_KEYS = frozenset({"seconds", "learner_wait_s", "learner_wait_share", "updat
 #: RL record keys about the stream of trajectories (tag group ``rl/``); the other RL keys (losses, learning
 #: rates, gradient norms, entropy, log-prob gaps, critic) are ``train/``
 RL_PREFIXES = ("reward", "policy_kept", "policy_masked", "policy_ratio", "version", "staleness", "dropped",
-               "requeued", "positions_owed", "stream_", "arrived_", "trained_", "drop_rate_")
+               "requeued", "positions_owed", "stream_", "arrived_", "trained_", "drop_rate_", "turn_cut",
+               "end_of_turn", "tool_error")
 _NOT_LOGGED = frozenset({"step", "replayed"})
 
 
@@ -331,6 +332,8 @@ PROMETHEUS_GAUGES: dict[str, tuple[str, str]] = {
     "policy_loss": ("train/policy_loss", "policy loss of the step"),
     "critic_loss": ("train/critic_loss", "critic (value) loss of the step (sao)"),
     "entropy": ("train/entropy", "mean policy entropy on action tokens"),
+    "turn_cut_share": ("rl/turn_cut_share", "share of the step's trajectories whose last turn was cut at a token cap"),
+    "end_of_turn_logprob": ("rl/end_of_turn_logprob", "mean engine log-prob of the step's sampled end-of-turn tokens"),
 }
 #: labelled learner gauges -> (tag prefix, label, help)
 PROMETHEUS_LABELLED: dict[str, tuple[str, str, str]] = {
