@@ -2,17 +2,17 @@
 distribution of the reward rise, the dip rate and the turn-end health of every run (README "Learning that
 holds").
 
-One early-stopped SFT warm start (the test fixture's rows and settings), then per seed one RL run of 100 steps of
-32 on single-operation tool_arith: the rise is the mean batch reward of the last 25 steps minus the first 25. A run
-is a *dip* when its rise is below `--dip-below` (default 0.10: above 3 SD of a method that does not learn, about
-0.072, and below every healthy rise measured) or when more than 10 % of a quarter's trajectories ended in a turn
-cut at the token cap (the collapse mode of issue 25). Prints a line per run and a summary, writes
+One early-stopped SFT warm start (the test fixture's rows and settings), then per seed one RL run of the test's
+steps (SAO 100, GRPO 150) of 32 single-operation tool_arith episodes: the rise is the mean batch reward of the
+last quarter of the steps minus the first quarter. A run is a *dip* when its rise is below `--dip-below`
+(default 0.10) or when more than 10 % of a quarter's trajectories ended in a turn cut at the token cap (the
+collapse mode of issue 25). Prints a line per run and a summary, writes
 OUTPUT/learning_runs.json. Reproduce the README's figures with:
 
     .venv/bin/python bench/learning_runs.py --method sao --runs 24 --output local_outputs/bench/learning_sao
     .venv/bin/python bench/learning_runs.py --method grpo --runs 20 --output local_outputs/bench/learning_grpo
 
-About 50 s per SAO run and 60 s per GRPO run on 2 CPU cores.
+About 50 s per SAO run and 90 s per GRPO run alone on 2 CPU cores (several processes side by side share them).
 """
 
 from __future__ import annotations
@@ -43,17 +43,19 @@ HEALTH = ("turn_cut_share", "tool_error_share", "policy_kept", "end_of_turn_logp
 # runs below measure exactly what the tests run). `margin`: the rise the test asserts (README "Learning that
 # holds": at least 3 SD of a method that does not learn and below the smallest measured rise).
 LEARNING_TEST: dict[str, dict] = {
-    "sao": {"group_size": 4, "policy_lr": 3e-4, "critic_lr": 3e-4, "critic_warmup_steps": 5, "margin": 0.03},
-    "grpo": {"group_size": 8, "policy_lr": 3e-4, "critic_lr": 3e-4, "critic_warmup_steps": 5, "margin": 0.07},
+    "sao": {"steps": 100, "group_size": 4, "policy_lr": 2e-4, "critic_lr": 3e-4, "critic_warmup_steps": 20,
+            "margin": 0.03},
+    "grpo": {"steps": 150, "group_size": 8, "policy_lr": 3e-4, "critic_lr": 3e-4, "critic_warmup_steps": 5,
+             "margin": 0.07},
 }
 
 
 def learning_config(method: str, data: str, model: str, output: str, cache_dir: str, seed: int = 0,
                     **changes) -> RLConfig:
-    """The RL run of a learning test: 100 steps of 32 single-operation tool_arith episodes (turns of at most 32
+    """The RL run of a learning test: batches of 32 single-operation tool_arith episodes (turns of at most 32
     tokens, 160 per episode) with `method`'s settings from LEARNING_TEST; `changes` override fields."""
     settings = {k: v for k, v in LEARNING_TEST[method].items() if k != "margin"}
-    fields = dict(data=data, output=output, model=model, method=method, steps=100, batch_size=32,
+    fields = dict(data=data, output=output, model=model, method=method, batch_size=32,
                   max_new_tokens_per_turn=32, max_total_tokens=160, seed=seed, cache_dir=cache_dir, **settings)
     return RLConfig(**{**fields, **changes})
 
@@ -82,6 +84,14 @@ def rl_data(root: Path) -> str:
     return str(out)
 
 
+def first_and_last(rows: list[dict]) -> tuple[float, float]:
+    """Mean batch reward of the first and of the last quarter of the steps (25 steps of 100): what the learning
+    tests compare."""
+    quarter = max(1, len(rows) // 4)
+    return (sum(r["reward_mean"] for r in rows[:quarter]) / quarter,
+            sum(r["reward_mean"] for r in rows[-quarter:]) / quarter)
+
+
 def quarters(rows: list[dict], key: str) -> list[float | None]:
     """Mean of `key` over each quarter of the steps (None where no step logged it)."""
     size = max(1, len(rows) // 4)
@@ -99,9 +109,7 @@ def one_run(args, seed: int, model: str, data: str, cache: Path, out: Path) -> d
                              critic_warmup_steps=args.critic_warmup)
     summary = train_rl(config)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    quarter = max(1, len(rows) // 4)      # 25 steps of the test's 100
-    first = sum(r["reward_mean"] for r in rows[:quarter]) / quarter
-    last = sum(r["reward_mean"] for r in rows[-quarter:]) / quarter
+    first, last = first_and_last(rows)
     health = {key: quarters(rows, key) for key in HEALTH}
     cut_peak = max((v for v in health["turn_cut_share"] if v is not None), default=0.0)
     rise = last - first
@@ -114,10 +122,11 @@ def one_run(args, seed: int, model: str, data: str, cache: Path, out: Path) -> d
 def summarise(runs: list[dict], args) -> dict:
     rises = sorted(r["rise"] for r in runs)
     firsts = [r["first"] for r in runs]
-    # A method that does not learn: two means of 800 rewards at the starting reward rate p differ by
-    # sqrt(2 p (1 - p) / 800) (one SD).
+    # A method that does not learn: two means of n rewards (a quarter of the steps, 32 each) at the starting
+    # reward rate p differ by sqrt(2 p (1 - p) / n) (one SD).
     p = sum(firsts) / len(firsts)
-    noise_sd = math.sqrt(2 * p * (1 - p) / 800)
+    n = max(1, args.steps // 4) * 32
+    noise_sd = math.sqrt(2 * p * (1 - p) / n)
     dips = sum(r["dip"] for r in runs)
     return {"runs": len(runs), "rise_mean": round(statistics.mean(rises), 4),
             "rise_sd": round(statistics.stdev(rises), 4) if len(rises) > 1 else 0.0,
@@ -133,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--method", default="sao", help="sao (default) or grpo (the two learning tests)")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=None, help="default: the learning test's")
     parser.add_argument("--group-size", type=int, default=None, help="default: 4 for sao (unused), 8 for grpo")
     parser.add_argument("--policy-lr", type=float, default=None, help="default: the learning test's")
     parser.add_argument("--critic-lr", type=float, default=None, help="default: the learning test's")
@@ -147,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     # Torch's default threads, as in the tests (bench/_setup.py's one thread per process would measure another
     # schedule than the one the learning test runs).
     defaults = LEARNING_TEST[args.method]
+    args.steps = args.steps or defaults["steps"]
     args.group_size = args.group_size or defaults["group_size"]
     args.policy_lr = args.policy_lr or defaults["policy_lr"]
     args.critic_lr = args.critic_lr or defaults["critic_lr"]

@@ -27,7 +27,7 @@ from sao_core.rollout.client import RolloutClient, RolloutUnavailable
 from sao_core.rollout.server import RolloutServer, ServeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from learning_runs import LEARNING_TEST, learning_config  # noqa: E402  (the learning tests' settings, one place)
+from learning_runs import LEARNING_TEST, first_and_last, learning_config  # noqa: E402  (the learning tests' settings, one place)
 
 
 @pytest.fixture(scope="module")
@@ -149,17 +149,17 @@ def _diagnosis(rows: list[dict], summary: dict) -> str:
     # each whole batch, so load only slows it.
     pytest.param("sao", marks=pytest.mark.serial), "grpo"])
 def test_rl_raises_the_reward(method, rl_data, rl_warm_model, tmp_path, sao_cache):
-    """100 steps of 32 after the early-stopped SFT, with the settings of bench/learning_runs.py (LEARNING_TEST),
-    which measured this very computation over many seeds (README "Learning that holds": the distribution of the
-    rise, the dip rate, and how each margin was set: at least 3 SD of a method that does not learn, below the
-    smallest measured rise). A failing run prints its quarters (reward, kept share, entropy, critic loss,
-    staleness, wait, turns, cut turns) and the load average."""
+    """SAO 100 / GRPO 150 steps of 32 after the early-stopped SFT (first and last quarter compared), with the
+    settings of bench/learning_runs.py (LEARNING_TEST), which measured this very computation over many seeds
+    (README "Learning that holds": the distribution of the rise, the dip rate, and how each margin was set: at
+    least 3 SD of a method that does not learn, below the smallest measured rise). A failing run prints its
+    quarters (reward, kept share, entropy, critic loss, staleness, wait, turns, cut turns) and the load."""
     summary = train_rl(learning_config(method, rl_data, rl_warm_model, str(tmp_path / "run"), str(sao_cache)))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    first = sum(r["reward_mean"] for r in rows[:25]) / 25
-    last = sum(r["reward_mean"] for r in rows[-25:]) / 25
+    first, last = first_and_last(rows)
     print(f"{method} reward {first:.3f} -> {last:.3f} in {summary['seconds']:.0f} s")
-    assert summary["steps"] == 100 and last > first + LEARNING_TEST[method]["margin"], _diagnosis(rows, summary)
+    margin = LEARNING_TEST[method]["margin"]
+    assert summary["steps"] == LEARNING_TEST[method]["steps"] and last > first + margin, _diagnosis(rows, summary)
     assert max(int(k) for r in rows for k in r["staleness"]) <= 4
     if method == "sao":
         assert all(r["policy_kept"] > 0.5 for r in rows if "policy_kept" in r)
