@@ -118,6 +118,13 @@ def _rl_rows(method: str, steps: int = 40) -> list[dict]:
                    update_s=rng.random(), weight_push_s=rng.random() * 0.1, trajectories_per_s=rng.uniform(5, 9),
                    tokens_per_s=rng.uniform(100, 200), seconds=step * 0.8, world_size=1,
                    generator_idle_share=rng.random())
+        row.update(turn_cut_share=rng.random() * 0.1, tool_error_share=rng.random() * 0.4,
+                   end_of_turn_logprob=-rng.random() * 0.1, end_of_turn_learner_logprob=-rng.random() * 0.2,
+                   end_of_turn_advantage=rng.uniform(-0.2, 0.2))
+        if row["turn_cut_share"] > 0.05:   # only where some turn was cut
+            row["turn_cut_correct_share"] = rng.random()
+        if method != "grpo":
+            row["end_of_turn_kept"] = rng.uniform(0.9, 1.0)
         if step % 10 == 0:   # held-out evaluation every few steps (keys eval_*)
             row.update(eval_sampled_reward=rng.random(), eval_greedy_reward=rng.random())
         rows.append(row)
@@ -126,7 +133,8 @@ def _rl_rows(method: str, steps: int = 40) -> list[dict]:
 
 _RL_PLOTS = {"reward", "policy_loss", "entropy", "advantage", "ratio", "logp_diff", "staleness", "drops", "drops_total",
              "length_turns", "length_tokens", "trajectories_per_s", "tokens_per_s", "generator_idle", "learner_wait",
-             "step_seconds", "weight_push", "lr", "grad_norm", "eval-eval_sampled_reward", "eval-eval_greedy_reward"}
+             "step_seconds", "weight_push", "lr", "grad_norm", "eval-eval_sampled_reward", "eval-eval_greedy_reward",
+             "turn_cut", "end_of_turn_logprob", "end_of_turn_update"}
 EXPECTED = {
     "sft": {"loss", "lr", "grad_norm", "other-tokens", "other-seconds"},
     "cpt": {"loss", "lr", "grad_norm", "other-tokens", "other-seconds"},
@@ -423,7 +431,8 @@ def test_a_long_run_is_plotted_in_buckets_of_steps(tmp_path):
                     raw = [_wait_share(by_step[s]) for s in bucket]
                 else:
                     raw = [by_step[s][name] for s in bucket if name in by_step[s]]
-                assert values[i] == pytest.approx(sum(raw) / len(raw)), (plot_id, name, x)
+                # a sparse key (e.g. turn_cut_correct_share) may be absent from a whole bucket: None there
+                assert values[i] == (pytest.approx(sum(raw) / len(raw)) if raw else None), (plot_id, name, x)
         for name, values in (block.get("smoothed") or {}).items():
             whole = full[plot_id]["smoothed"][name]
             assert values == [whole[min(n, (i + 1) * size) - 1] for i in range(len(values))], plot_id
