@@ -171,16 +171,16 @@ def test_learner_memory_smoke(tmp_path, monkeypatch):
 
 
 def test_learning_runs_smoke_and_bad_arguments(tmp_path, sao_cache, capsys):
-    """Two short runs of the learning test's computation: a line per run, the summary and the JSON with each
-    run's health quarters; an unknown method is refused."""
+    """A short run of the learning test's computation: its line, the summary and the JSON with the run's health
+    quarters; an unknown method is refused."""
     import learning_runs
 
-    assert learning_runs.main(["--method", "sao", "--runs", "2", "--steps", "6", "--critic-warmup", "2",
-                               "--sft-steps", "10", "--output", str(tmp_path)]) == 0
+    assert learning_runs.main(["--method", "sao", "--runs", "1", "--first-seed", "3", "--steps", "6",
+                               "--critic-warmup", "2", "--sft-steps", "10", "--output", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "learning_runs.json").read_text())
-    assert [r["seed"] for r in result["runs"]] == [0, 1] and result["summary"]["runs"] == 2
+    assert [r["seed"] for r in result["runs"]] == [3] and result["summary"]["runs"] == 1
     assert set(result["runs"][0]["quarters"]) == set(learning_runs.HEALTH)
     assert len(result["runs"][0]["quarters"]["turn_cut_share"]) == 4
-    assert result["summary"]["settings"]["critic_warmup"] == 2 and "seed   0:" in capsys.readouterr().out
+    assert result["summary"]["settings"]["critic_warmup"] == 2 and "seed   3:" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         learning_runs.main(["--method", "ppo", "--output", str(tmp_path / "x")])

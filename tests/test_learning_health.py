@@ -147,17 +147,17 @@ def _roll_out(server: RolloutServer, dataset: str, in_flight: int, consumer: str
 
 def test_training_episodes_sample_the_same_tokens_whatever_else_runs_beside_them(warm_tool_model, sao_cache,
                                                                                   tmp_path):
-    """The same plan rolled out one episode at a time and twelve at once (other arrival orders, other requests
+    """The same plan rolled out one episode at a time and eight at once (other arrival orders, other requests
     sharing the engine's forward passes) samples the same tokens at every stream position: each episode's seed
     comes from its place in the stream (the engine's arrival counter seeded them before)."""
-    dataset = _dataset(tmp_path, 12)
+    dataset = _dataset(tmp_path, 8)
     server = RolloutServer(ServeConfig(model=warm_tool_model, port=0, cache_dir=str(sao_cache), max_batch=16)).start()
     try:
         alone = _roll_out(server, dataset, in_flight=1, consumer="one")
-        together = _roll_out(server, dataset, in_flight=12, consumer="many")
+        together = _roll_out(server, dataset, in_flight=8, consumer="many")
     finally:
         server.stop()
-    assert sorted(alone) == sorted(together) == list(range(12))
+    assert sorted(alone) == sorted(together) == list(range(8))
     for position, t in alone.items():
         assert t.metadata["sampling_seed"] == episode_seed(5, position, 0, 0)
         assert together[position].token_ids == t.token_ids, f"position {position}"
