@@ -149,7 +149,7 @@ def _diagnosis(rows: list[dict], summary: dict) -> str:
     # each whole batch, so load only slows it.
     pytest.param("sao", marks=pytest.mark.serial), "grpo"])
 def test_rl_raises_the_reward(method, rl_data, rl_warm_model, tmp_path, sao_cache):
-    """SAO 100 / GRPO 150 steps of 32 after the early-stopped SFT (first and last quarter compared), with the
+    """150 steps of 32 after the early-stopped SFT (first and last quarter compared), with the
     settings of bench/learning_runs.py (LEARNING_TEST), which measured this very computation over many seeds
     (README "Learning that holds": the distribution of the rise, the dip rate, and how each margin was set: at
     least 3 SD of a method that does not learn, below the smallest measured rise). A failing run prints its
