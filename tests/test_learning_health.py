@@ -162,3 +162,45 @@ def test_training_episodes_sample_the_same_tokens_whatever_else_runs_beside_them
         assert t.metadata["sampling_seed"] == episode_seed(5, position, 0, 0)
         assert together[position].token_ids == t.token_ids, f"position {position}"
         assert together[position].rollout_logprobs == pytest.approx(t.rollout_logprobs, abs=1e-4)
+
+
+def test_the_update_reports_its_end_of_turn_tokens(tiny_model_dir, sao_cache):
+    """A real grpo_dis update on two groups of two: the end_of_turn_* metrics are the policy's log-prob of the
+    sampled end-of-turn tokens, the share DIS kept (one recorded 2 nats too low: ratio e^2 = 7.4 > 1 + eps_high,
+    masked) and their mean advantage (0: each group has one rewarded and one unrewarded turn end)."""
+    import torch
+
+    from sao_core.learner.batch import collate
+    from sao_core.learner.updates import Updater
+    from sao_core.models import load_model_and_tokenizer
+    from sao_core.objectives.common import token_logprobs
+
+    torch.manual_seed(0)
+    policy, tok = load_model_and_tokenizer(tiny_model_dir, sao_cache)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Compute 2 + 3"}], tokenize=True,
+                                     add_generation_prompt=True, return_dict=True)["input_ids"]
+    eot = tok.eos_token_id
+    actions = [tok.encode("The answer is \\boxed{5}.", add_special_tokens=False) + [eot],
+               tok.encode("The answer is \\boxed{7}.", add_special_tokens=False) + [eot]]
+    rows, end_logprobs = [], []
+    for g in range(2):
+        for k, (action, reward) in enumerate(zip(actions, (1.0, 0.0), strict=True)):
+            ids = torch.tensor([prompt + action])
+            with torch.no_grad():
+                lps = token_logprobs(policy(input_ids=ids).logits, ids)[0, len(prompt):].tolist()
+            end_logprobs.append(lps[-1])
+            if g == 1 and k == 1:
+                lps[-1] -= 2.0          # recorded 2 nats lower: ratio e^2 = 7.4 > 1 + eps_high
+            rows.append(Trajectory(id=f"{g}{k}", prompt_id=f"p{g}", env="tool_arith", token_ids=prompt + action,
+                                   action_mask=[0] * len(prompt) + [1] * len(action),
+                                   rollout_logprobs=[0.0] * len(prompt) + lps,
+                                   versions=[-1] * len(prompt) + [0] * len(action), reward=reward, num_turns=1,
+                                   finish_reason="stop", metadata={"position": g}))
+    config = RLConfig(data="u", output="u", method="grpo_dis", batch_size=4, group_size=2, policy_lr=1e-3)
+    metrics, changed = Updater(config, policy, end_of_turn_ids=(eot,)).step(collate(rows, tok.pad_token_id), 0)
+    assert changed
+    assert metrics["end_of_turn_learner_logprob"] == pytest.approx(sum(end_logprobs) / 4, abs=1e-5)
+    assert metrics["end_of_turn_kept"] == 0.75
+    assert metrics["end_of_turn_advantage"] == pytest.approx(0.0, abs=1e-6)
+    metrics, _ = Updater(config, policy).step(collate(rows, tok.pad_token_id), 0)
+    assert not any(k.startswith("end_of_turn") for k in metrics)
