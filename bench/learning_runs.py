@@ -3,16 +3,17 @@ distribution of the reward rise, the dip rate and the turn-end health of every r
 holds").
 
 One early-stopped SFT warm start (the test fixture's rows and settings), then per seed one RL run of the test's
-steps (SAO 100, GRPO 150) of 32 single-operation tool_arith episodes: the rise is the mean batch reward of the
+steps (150 for both) of 32 single-operation tool_arith episodes: the rise is the mean batch reward of the
 last quarter of the steps minus the first quarter. A run is a *dip* when its rise is below `--dip-below`
 (default 0.10) or when more than 10 % of a quarter's trajectories ended in a turn cut at the token cap (the
 collapse mode of issue 25). Prints a line per run and a summary, writes
 OUTPUT/learning_runs.json. Reproduce the README's figures with:
 
-    .venv/bin/python bench/learning_runs.py --method sao --runs 24 --output local_outputs/bench/learning_sao
-    .venv/bin/python bench/learning_runs.py --method grpo --runs 20 --output local_outputs/bench/learning_grpo
+    .venv/bin/python bench/learning_runs.py --method sao --runs 20 --first-seed 100 --output local_outputs/bench/learning_sao
+    .venv/bin/python bench/learning_runs.py --method grpo --runs 20 --first-seed 200 --output local_outputs/bench/learning_grpo
 
-About 50 s per SAO run and 90 s per GRPO run alone on 2 CPU cores (several processes side by side share them).
+A run takes about as long as its test (in `.ci/run` on 2 cores: SAO 65 s alone, GRPO 52 s beside other tests);
+several processes side by side share the cores (the README's runs went four at a time, 120-250 s each).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sao_core.data.prepare import PrepareConfig, prepare  # noqa: E402
 from sao_core.data.synthetic import tool_arith_sft_rows  # noqa: E402
 from sao_core.envs.tool_arith import tool_arith_tasks  # noqa: E402
 from sao_core.learner.config import RLConfig  # noqa: E402
@@ -74,19 +74,15 @@ def warm_start(root: Path, cache: Path, steps: int = 240) -> str:
 
 
 def rl_data(root: Path) -> str:
-    out = root / "rl"
-    if not out.exists():
-        tasks = tool_arith_tasks(2000, seed=3, p_more=1.0)
-        raw = root / "rl.jsonl"
-        raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
-                                           "metadata": t.metadata}) + "\n" for t in tasks))
-        prepare(PrepareConfig(source=str(raw), kind="rl", output=str(out)))
-    return str(out)
+    """The learning test's RL prompts (2,000 single-operation tool_arith tasks, seed 3), prepared under `root`."""
+    import _setup  # noqa: PLC0415  (sets the bench thread environment: only when the script runs, not on import)
+
+    return _setup.write_rl_data(root / "rl", tool_arith_tasks(2000, seed=3, p_more=1.0))
 
 
 def first_and_last(rows: list[dict]) -> tuple[float, float]:
-    """Mean batch reward of the first and of the last quarter of the steps (25 steps of 100): what the learning
-    tests compare."""
+    """Mean batch reward of the first and of the last quarter of the steps (37 of 150): what the learning tests
+    compare."""
     quarter = max(1, len(rows) // 4)
     return (sum(r["reward_mean"] for r in rows[:quarter]) / quarter,
             sum(r["reward_mean"] for r in rows[-quarter:]) / quarter)
