@@ -50,8 +50,8 @@ def grpo_train(
         batch_size: Trajectories per step, B (a multiple of group_size for the group methods).
         group_size: Rollouts per prompt (G) for grpo, grpo_async and grpo_dis.
         policy_lr: Policy learning rate (constant).
-        max_staleness: Drop trajectories older than this many policy versions (S; asynchronous methods).
-        admission: How trajectories are admitted to a batch (window, version_order or requeue; asynchronous methods, synchronous grpo ignores it). window: up to (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the same window, but a batch takes the oldest admission versions first and never an episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped as stale is rolled out once more with fresh weights.
+        max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it).
+        admission: How the run admits episodes and batches them (asynchronous methods; synchronous grpo ignores it): window, version_order, requeue, no_drop or fragments. window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; no_drop: arrival order, nothing dropped, the early tokens of long episodes may lag more than S; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic, every token within S.
         engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
         options: Any other RLConfig field, e.g. {"clip_low": 0.2, "clip_high": 0.28, "max_total_tokens": 32768}.
         run_id: Run folder name under output_root (pipelines pass the run id; empty: a timestamp).

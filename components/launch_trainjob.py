@@ -85,8 +85,8 @@ def launch_trainjob(
         critic_lr: SAO critic learning rate (None = the RLConfig default, 5e-6).
         critic_updates: SAO critic updates per policy update, K (None = default 2).
         critic_warmup_steps: SAO critic-only steps before the first policy update (None = default 10).
-        max_staleness: Drop trajectories older than this many policy versions, S (None = default 4).
-        admission: How trajectories are admitted to a batch: window, version_order or requeue (None = default version_order). window: up to (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the same window, but a batch takes the oldest admission versions first and never an episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped as stale is rolled out once more with fresh weights.
+        max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it) (None = default 4).
+        admission: How the run admits episodes and batches them (None = default version_order): window, version_order, requeue, no_drop or fragments. window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; no_drop: arrival order, nothing dropped, the early tokens of long episodes may lag more than S; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic, every token within S.
         eps_low: DIS band lower width (None = default 0.3).
         eps_high: DIS band upper width (None = default 5.0).
         options: Any other RLConfig field, e.g. {"critic_lr": 5e-6, "max_total_tokens": 32768, "checkpoint_every": 50}.

@@ -56,8 +56,8 @@ def sao_train(
         critic_lr: Critic learning rate (constant).
         critic_updates: Critic updates per policy update (K).
         critic_warmup_steps: Critic-only steps before the first policy update.
-        max_staleness: Drop trajectories older than this many policy versions (S).
-        admission: How trajectories are admitted to a batch (window, version_order or requeue). window: up to (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the same window, but a batch takes the oldest admission versions first and never an episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped as stale is rolled out once more with fresh weights.
+        max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it).
+        admission: How the run admits episodes and batches them: window, version_order, requeue, no_drop or fragments. window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; no_drop: arrival order, nothing dropped, the early tokens of long episodes may lag more than S; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic, every token within S.
         eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked.
         eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked.
         engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).

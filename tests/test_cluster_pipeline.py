@@ -82,7 +82,7 @@ def test_the_launcher_component_refuses_repeated_settings(tmp_path):
         launch_trainjob.python_func(data=data, output_root="s3://o", admission="requeue",
                                     options={"admission": "requeue"}, **arts)
     with pytest.raises(ConfigError, match="RLConfig.admission must be one of window, version_order, requeue, "
-                                          "got 'fifo'"):
+                                          "no_drop, fragments, got 'fifo'"):
         launch_trainjob.python_func(data=data, output_root="s3://o", admission="fifo", run_id="r", **arts)
 
 

@@ -99,14 +99,14 @@ def test_sao_rl_admission_is_a_dropdown_that_reaches_every_sao_step(compiled):
     path = compiled["sao_rl"]
     spec, _ = _docs(path)
     admission = spec["root"]["inputDefinitions"]["parameters"]["admission"]
-    assert admission["literals"] == list(ADMISSION_RULES) == ["window", "version_order", "requeue"]
+    assert admission["literals"] == list(ADMISSION_RULES) == ["window", "version_order", "requeue", "no_drop", "fragments"]
     assert admission["defaultValue"] == "version_order" and admission["parameterType"] == "STRING"
     assert pipelines.build("sao_rl").literals["admission"] == list(ADMISSION_RULES)
     assert verify_package(path, {"admission": list(ADMISSION_RULES)})["literals"]["admission"] == list(ADMISSION_RULES)
     parameters = parameters_of(path)
     required = {"rl_source": "s3://b/rl.jsonl", "output_root": "s3://b/runs"}
     assert check_arguments(parameters, {**required, "admission": "version_order"})["admission"] == "version_order"
-    with pytest.raises(KFPError, match="pipeline parameter 'admission' must be one of window, version_order, requeue"):
+    with pytest.raises(KFPError, match="pipeline parameter 'admission' must be one of window, version_order, requeue, no_drop, fragments"):
         check_arguments(parameters, {**required, "admission": "fifo"})
     function_of = {label: func for func, labels in _executors_by_function(spec).items() for label in labels}
     reached = set()

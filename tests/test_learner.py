@@ -468,7 +468,8 @@ def test_fresh_run_with_resume_waits_for_a_service_that_starts_late(rl_data, tmp
 def test_each_service_may_hold_a_whole_batch_in_flight():
     """The run's in-flight cap is shared out over the services, but never below one batch: otherwise a
     single live replica could not fill a batch while the others are down, and the learner would hang."""
-    from sao_core.learner.loop import per_service_in_flight
+    def per_service_in_flight(config, n):
+        return config.admission_policy(n).max_in_flight
 
     config = RLConfig(data="unused", output="unused", batch_size=32, max_staleness=4)
     assert config.in_flight_cap == 160

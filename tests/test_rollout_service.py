@@ -438,8 +438,8 @@ def test_tool_calls_of_all_episodes_in_flight_wait_at_once(service, tmp_path):
 
 
 def test_episodes_that_can_no_longer_be_trained_end_early_as_stale(service, tmp_path, warm_model):
-    """With abandon_after_versions = 1, an episode whose first token is 2 versions behind the weights ends
-    before its next turn (finish_reason "stale"); the others run to their end."""
+    """With max_staleness = 1 (admission window), an episode whose first token is 2 versions behind the weights
+    ends before its next turn (finish_reason "stale"); the others run to their end."""
     server, client = service
     tasks = {t.id: t for t in tool_arith_tasks(12, seed=11, p_more=0.5, max_ops=4)}
     dataset = _rl_dataset(tmp_path, 12, seed=11)
@@ -448,7 +448,7 @@ def test_episodes_that_can_no_longer_be_trained_end_early_as_stale(service, tmp_
         weights = tmp_path / f"weights-v{version}"
         storage.publish_checkpoint(warm_model, str(weights), metadata={"step": version})
         published.append((version, str(weights), storage.checkpoint_digest(str(weights))))
-    client.start(_plan(dataset, max_in_flight=12, abandon_after_versions=1,
+    client.start(_plan(dataset, max_in_flight=12, max_staleness=1, admission="window",
                        env_options={"tool_arith": {"latency_median_s": 0.4, "latency_sigma": 0.0,
                                                    "fixed_turns": True}}))
     deadline = time.monotonic() + 60
@@ -467,13 +467,73 @@ def test_episodes_that_can_no_longer_be_trained_end_early_as_stale(service, tmp_
         else:
             assert t.finish_reason == "stop" and t.num_turns == needed
     assert client.status()["finish_reasons"].get("stale") == len(stale)
-    with pytest.raises(RolloutRequestError, match="422.*abandon_after_versions"):
-        client.start(_plan(dataset, abandon_after_versions=-1))
+    with pytest.raises(RolloutRequestError, match="422.*max_staleness"):
+        client.start(_plan(dataset, max_staleness=-1))
 
 
-def test_plan_refuses_a_negative_abandon_bound_from_python_too():
+def test_plan_refuses_a_negative_staleness_bound_from_python_too():
     from sao_core.rollout.manager import RolloutError, RolloutPlan
 
-    with pytest.raises(RolloutError, match="abandon_after_versions must be >= 0, got -1"):
-        RolloutPlan(dataset="unused", abandon_after_versions=-1).validate()
-    RolloutPlan(dataset="unused", abandon_after_versions=0).validate()
+    with pytest.raises(RolloutError, match="plan.max_staleness must be an integer >= 0 .versions., got -1"):
+        RolloutPlan(dataset="unused", max_staleness=-1).validate()
+    with pytest.raises(RolloutError, match="'fragments' needs plan.max_staleness"):
+        RolloutPlan(dataset="unused", admission="fragments").validate()
+    RolloutPlan(dataset="unused", max_staleness=0).validate()
+
+
+def test_fragments_hand_over_finished_turns_and_keep_the_slot_until_the_last_piece(service, tmp_path, warm_model):
+    """Admission fragments, S = 2 (cut once the oldest untrained token is 1 version old): after a weights push,
+    running multi-turn episodes hand their finished turns over as fragments and go on. Every episode's pieces
+    are consecutive, their action tokens are disjoint and together the whole episode's, every piece but the last
+    is a reward-0 "fragment" ending with an observation, and an episode's slot stays taken until its last piece
+    is acknowledged (in_flight counts episodes, not pieces)."""
+    server, client = service
+    dataset = _rl_dataset(tmp_path, 8, seed=11)
+    weights = tmp_path / "weights-v1"
+    storage.publish_checkpoint(warm_model, str(weights), metadata={"step": 1})
+    client.start(_plan(dataset, max_in_flight=8, max_staleness=2, admission="fragments",
+                       env_options={"tool_arith": {"latency_median_s": 0.3, "latency_sigma": 0.0,
+                                                   "fixed_turns": True}}))
+    deadline = time.monotonic() + 60
+    while client.status()["engine"]["tokens_generated"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    client.push_weights(1, str(weights), storage.checkpoint_digest(str(weights)))
+    pieces: dict[str, list] = {}
+    deadline = time.monotonic() + 120
+    held = None
+    while time.monotonic() < deadline:
+        items, info = client.take(max_items=4, wait_s=2.0)
+        for t in items:
+            pieces.setdefault(t.id.split("-f")[0], []).append(t)
+            if t.is_fragment and held is None:
+                held = t            # not acknowledged yet: its episode must still count as in flight
+                assert client.status()["in_flight"] <= 8
+                continue
+            client.ack([t.id])
+        if not items and info["plan_done"]:
+            break
+    assert held is not None, "no fragment was cut"
+    client.ack([held.id])
+    assert client.status()["fragments"] >= 1
+    whole = 0
+    for base, got in pieces.items():
+        got.sort(key=lambda t: t.fragment_index)
+        assert [t.fragment_index for t in got] == list(range(len(got)))
+        last = got[-1]
+        assert not last.is_fragment and last.id == base
+        assert all(t.is_fragment and t.reward == 0.0 and t.id == f"{base}-f{t.fragment_index}" for t in got[:-1])
+        assert all(t.action_mask[-1] == 0 for t in got[:-1])               # a cut ends with the observation
+        covered = [0] * len(last.token_ids)
+        for t in got:
+            assert t.token_ids == last.token_ids[:len(t.token_ids)]
+            for i, m in enumerate(t.action_mask):
+                covered[i] += m
+                if m:
+                    assert t.versions[i] >= 0 and t.rollout_logprobs[i] <= 0
+                else:
+                    assert t.versions[i] == -1
+        assert max(covered) == 1 and sum(covered) == sum(t.num_action_tokens for t in got)
+        whole += len(got) == 1
+    assert len(pieces) == 8 and whole < 8
+    status = client.status()
+    assert status["in_flight"] == 0 and status["plan_done"]

@@ -109,7 +109,8 @@ def test_a_plan_rolls_out_its_shard_from_start_position_without_the_skipped_posi
                        ({"rollouts_per_prompt": 8, "max_in_flight": 4}, "one prompt's 8 rollouts")):
         with pytest.raises(RolloutError, match=match):
             RolloutPlan(dataset="x", **bad).validate()
-    assert rollout_manager.ADMISSION_RULES == ADMISSION_RULES
+    from sao_core.rollout.admission import RULES
+    assert RULES == ADMISSION_RULES
 
 
 # ---------------------------------------------------------------------------------------------- pending
@@ -271,7 +272,7 @@ def test_the_service_rolls_a_requeued_position_out_once_more(varied_rl_data, sao
         server.stop()
 
 
-@pytest.mark.parametrize("admission", ["version_order", "requeue"])
+@pytest.mark.parametrize("admission", ["version_order", "requeue", "no_drop", "fragments"])
 def test_admission_rules_run_and_version_order_drops_nothing_as_stale(admission, varied_rl_data, tmp_path,
                                                                       sao_cache, warm_tool_model):
     """max_staleness 1 and B = 4, episodes of num_ops + 1 turns (fixed_turns) with a random tool latency: the
@@ -289,15 +290,21 @@ def test_admission_rules_run_and_version_order_drops_nothing_as_stale(admission,
     assert summary["steps"] == 8 and summary["admission"] == admission
     audit = journal.audit(str(out))
     assert audit["ok"], audit["problems"]
-    assert max(int(k) for r in rows for k in r["staleness"]) <= 1
-    assert {"positions_owed", "drop_rate_by_turns", "trained_turns_mean", "arrived_turns_mean"} <= set(rows[-1])
+    if admission in ("version_order", "requeue"):
+        assert max(int(k) for r in rows for k in r["staleness"]) <= 1
+    assert {"positions_owed", "drop_rate_by_turns", "trained_turns_mean", "arrived_turns_mean", "token_lag",
+            "token_lag_p99", "tokens_beyond_bound", "token_lag_by_turns", "fragments"} <= set(rows[-1])
+    assert all(sum(r["token_lag"].values()) == r["action_tokens"] for r in rows)
     assert summary["length_bias"]["trained_turns_mean"] > 0
-    if admission == "version_order":
+    if admission != "requeue":   # version_order: nothing goes stale; no_drop and fragments: nothing is dropped
         assert summary["dropped_by_reason"].get("stale", 0) == 0 and summary["requeued"] == 0
+    if admission == "fragments":  # S = 1 cuts at every turn boundary after a push: long episodes come in pieces
+        assert sum(r["fragments"] for r in rows) > 0 and audit["fragmented_episodes"] > 0
+        assert any("bootstrap_value_mean" in r for r in rows)
 
 
 def test_bad_admission_is_named():
-    with pytest.raises(ValueError, match="RLConfig.admission must be one of window, version_order, requeue"):
+    with pytest.raises(ValueError, match="RLConfig.admission must be one of window, version_order, requeue, no_drop, fragments"):
         RLConfig(data="u", output="u", admission="fifo").validate()
 
 

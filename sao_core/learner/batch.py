@@ -73,8 +73,13 @@ def micro_batch_rows(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def collate(trajectories: list[Trajectory], pad_id: int) -> RLBatch:
-    """Right-pad `trajectories` into one batch."""
-    width = max(len(t.token_ids) for t in trajectories)
+    """Right-pad `trajectories` into one batch.
+
+    A fragment (`Trajectory.is_fragment`) gets one extra real position: a pad token with attention 1 after its
+    last token. The critic's value at position n is computed from the hidden state at n − 1 (`ValueModel`), so
+    the value there is V(the fragment's whole prefix): the bootstrap value at the cut, whatever token sits at n.
+    The extra token is never an action."""
+    width = max(len(t.token_ids) + t.is_fragment for t in trajectories)
     n = len(trajectories)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
@@ -84,7 +89,7 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> RLBatch:
     for row, t in enumerate(trajectories):
         k = len(t.token_ids)
         ids[row, :k] = torch.tensor(t.token_ids)
-        attention[row, :k] = 1
+        attention[row, :k + t.is_fragment] = 1
         action[row, :k] = torch.tensor(t.action_mask)
         logprobs[row, :k] = torch.tensor(t.rollout_logprobs)
         versions[row, :k] = torch.tensor(t.versions)

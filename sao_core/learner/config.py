@@ -6,11 +6,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from sao_core.rollout.admission import DEFAULT_RULE, RULES, AdmissionError, AdmissionPolicy, check_method
 from sao_core.training.config import CoreConfig
 
 RL_METHODS = ("sao", "grpo", "grpo_async", "grpo_dis", "running_mean")
 GROUP_METHODS = ("grpo", "grpo_async", "grpo_dis")
-ADMISSION_RULES = ("window", "version_order", "requeue")
+ADMISSION_RULES = RULES
 
 
 @dataclass
@@ -30,7 +31,7 @@ class RLConfig(CoreConfig):
     engine: str = "hf"                         # engine of the colocated service: hf | vllm
     batch_size: int = 32                       # trajectories per step (B)
     group_size: int = 8                        # G for the GRPO methods (batch_size must be a multiple)
-    max_staleness: int = 4                     # drop trajectories older than this many versions
+    max_staleness: int = 4                     # S: the bound on a trained token's lag, in versions (rollout/admission.py)
     max_in_flight: int = 0                     # 0: (max_staleness + 1) × batch_size (sync grpo: batch_size)
     policy_lr: float = 1e-6
     critic_lr: float = 5e-6
@@ -55,12 +56,12 @@ class RLConfig(CoreConfig):
     take_wait_s: float = 2.0                   # long-poll wait per request
     service_retry_s: float = 300.0             # how long to wait when no rollout service answers before failing
     shutdown_services: bool = False            # at the end, shut the services down (TrainJob: lets the job end)
-    # How the run keeps generation ahead of training without starving long episodes (README "Admission"):
-    # window: up to max_in_flight episodes in flight, trained in arrival order (stale ones dropped);
-    # version_order: the same window, but a batch takes the oldest admission versions first and never an
-    # episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped
-    # as stale is rolled out once more with fresh weights.
-    admission: str = "version_order"           # version_order | window | requeue (README "Admission")
+    # How the run keeps generation ahead of training without starving long episodes (rollout/admission.py, README
+    # "Admission"): window (arrival order, stale dropped), version_order (oldest admission cohort first, waits
+    # for it), requeue (window; a stale position rolled out once more), no_drop (arrival order, nothing dropped,
+    # lag unbounded below the safety bound), fragments (SAO: long episodes trained in pieces within S).
+    admission: str = DEFAULT_RULE              # window | version_order | requeue | no_drop | fragments
+    hard_staleness: int = 0                    # no_drop / fragments: end episodes older than this many versions (0: 4 S)
     failed_episodes: str = "drop"              # drop | train: episodes ended by an engine/environment error or a timeout
     failed_reward: float = 0.0                 # the reward they are trained with when failed_episodes is train
     keep_weight_versions: int = 3              # published weight versions kept (older ones deleted)
@@ -81,6 +82,13 @@ class RLConfig(CoreConfig):
         if self.max_in_flight:
             return self.max_in_flight
         return self.batch_size if self.method == "grpo" else (self.max_staleness + 1) * self.batch_size
+
+    def admission_policy(self, services: int = 1) -> AdmissionPolicy:
+        """The admission policy each of `services` rollout services runs under. Its in-flight cap is the run's
+        shared out, but never below one batch, so a single live replica can still fill a batch while the others
+        are down (below that the learner would wait forever for trajectories the cap forbids)."""
+        return AdmissionPolicy(self.admission, self.max_staleness, max(self.in_flight_cap // max(services, 1),
+                                                                       self.batch_size), self.hard_staleness)
 
     @property
     def rollouts_per_prompt(self) -> int:
@@ -106,8 +114,12 @@ class RLConfig(CoreConfig):
             raise ValueError("RLConfig.policy_lr and critic_lr must be > 0")
         if not 0 <= self.eps_low <= 1 or self.eps_high < 0:
             raise ValueError("RLConfig needs 0 <= eps_low <= 1 and eps_high >= 0")
-        if self.admission not in ADMISSION_RULES:
-            raise ValueError(f"RLConfig.admission must be one of {', '.join(ADMISSION_RULES)}, got {self.admission!r}")
+        try:
+            policy = self.admission_policy()
+            policy.validate()
+            check_method(policy, self.method)
+        except AdmissionError as err:
+            raise ValueError(f"RLConfig.{err}") from None
         if self.failed_episodes not in ("drop", "train"):
             raise ValueError(f"RLConfig.failed_episodes must be drop or train, got {self.failed_episodes!r}")
         if not math.isfinite(self.failed_reward):

@@ -147,12 +147,18 @@ def read_drops(output: str, after_step: int, unverified: bool = False) -> list[l
 def audit(output: str) -> dict[str, Any]:
     """Check a run's journal against the stream-accounting invariant: every position up to the last one
     trained is trained exactly once, dropped with a recorded reason, or still owed by the newest ledger (so the
-    next plan rolls it out); no (position, rollout) is trained twice; nothing is both trained and dropped.
+    next plan rolls it out); no (position, rollout, piece) is trained twice; nothing is both trained and dropped.
+
+    Fragments: a position counts as trained when its episode's last piece is, and every piece before it must be
+    trained too (else `missing_pieces`); a position with only some pieces trained is owed, or settled with a
+    drop reason (its episode failed or was lost after those pieces: not a problem).
 
     The newest checkpoint's ledger is compared with the journal when it was written at the last journaled
     step (the end of a finished run); `ok` is False with the reasons in `problems` otherwise."""
     names = storage.list_files(journal_dir(output))
-    trained: Counter = Counter()             # (position, sample_index) -> times trained
+    trained: Counter = Counter()             # (position, sample_index, piece) -> times trained
+    pieces: dict[tuple[int, int], set[int]] = {}   # (position, sample_index) -> trained piece indices
+    last_piece: dict[tuple[int, int], int] = {}    # (position, sample_index) -> index of its trained last piece
     trained_positions: set[int] = set()
     dropped: dict[int, str] = {}
     ids: Counter = Counter()
@@ -173,8 +179,14 @@ def audit(output: str) -> dict[str, Any]:
                 if position is None:
                     problems.append(f"{name}: trajectory {t['id']} has no stream position")
                     continue
-                trained[(position, t.get("sample_index", 0))] += 1
-                trained_positions.add(position)
+                index = int(t.get("metadata", {}).get("fragment", 0))
+                trained[(position, t.get("sample_index", 0), index)] += 1
+                if t.get("finish_reason") == "fragment":
+                    pieces.setdefault((position, t.get("sample_index", 0)), set()).add(index)
+                else:
+                    trained_positions.add(position)
+                    pieces.setdefault((position, t.get("sample_index", 0)), set()).add(index)
+                    last_piece[(position, t.get("sample_index", 0))] = index
                 ids[t["id"]] += 1
         elif m := _DROP.match(name):
             after, index = int(m.group(1)), int(m.group(2))
@@ -191,7 +203,10 @@ def audit(output: str) -> dict[str, Any]:
                     dropped[record["position"]] = record["reason"]
     twice = sorted(k for k, n in trained.items() if n > 1)
     if twice:
-        problems.append(f"{len(twice)} (position, rollout) pairs trained more than once, e.g. {twice[:5]}")
+        problems.append(f"{len(twice)} (position, rollout, piece) triples trained more than once, e.g. {twice[:5]}")
+    missing = sorted(k for k, last in last_piece.items() if not pieces[k] >= set(range(last + 1)))
+    if missing:
+        problems.append(f"{len(missing)} episodes trained without all their fragments, e.g. {missing[:5]}")
     both = sorted(trained_positions & set(dropped))
     if both:
         problems.append(f"{len(both)} positions both trained and dropped, e.g. {both[:5]}")
@@ -217,7 +232,8 @@ def audit(output: str) -> dict[str, Any]:
             "trained_positions": len(trained_positions), "dropped_positions": len(dropped),
             "dropped_by_reason": dict(Counter(dropped.values())), "requeued": requeued, "frontier": frontier,
             "owed": [p for p in unsettled if p not in skipped], "skipped": skipped,
-            "ledger_step": ledger_step, "duplicate_ids": sorted(i for i, n in ids.items() if n > 1)}
+            "ledger_step": ledger_step, "duplicate_ids": sorted(i for i, n in ids.items() if n > 1),
+            "fragmented_episodes": sum(1 for k in last_piece if last_piece[k] > 0), "missing_pieces": missing}
 
 
 def _newest_ledger(output: str) -> tuple[StreamLedger | None, int | None]:

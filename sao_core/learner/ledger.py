@@ -7,6 +7,12 @@ settled) and the settled positions above it with their outcome, "trained" or a d
 settled positions above it (`plan_fields`), so it rolls out every owed position and none that is settled.
 Only a few positions sit above a mark at a time (those that finished before an older one), so the state
 stays small; it is saved in every checkpoint and rebuilt from the journal on resume.
+
+Fragments (admission "fragments"): an episode may be trained in pieces 0..n (`Trajectory.fragment_index`). The
+ledger keeps the trained piece indices of each unsettled position (`pieces`) and settles the position as trained
+once every piece up to its last one is trained, whatever order they were trained in. A position whose episode was
+lost after some of its pieces were trained (its service restarted) is settled with the drop reason
+FRAGMENT_LOST: rolling it out again would train its prompt twice.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ TRAINED = "trained"
 # The outcome of positions below a mark whose own outcome was not kept (a ledger converted from an older
 # checkpoint that only knew "everything before this position is done", or after a change of shard count).
 SETTLED = "settled"
+# The outcome of a position whose episode was lost (its service restarted) after some of its fragments trained.
+FRAGMENT_LOST = "fragment_lost"
 
 
 class StreamLedger:
@@ -30,6 +38,8 @@ class StreamLedger:
         self.lows = list(range(num_shards))      # lows[r]: first unsettled position of shard r
         self.settled: dict[int, str] = {}        # settled positions above their shard's mark
         self.outcomes: Counter = Counter()       # positions per outcome over the whole run
+        self.pieces: dict[int, dict[str, Any]] = {}   # unsettled positions with trained fragments:
+                                                      # {"trained": set of piece indices, "last": index or None}
 
     # ------------------------------------------------------------------ queries
     def is_settled(self, position: int) -> bool:
@@ -68,13 +78,39 @@ class StreamLedger:
                     break
         return out
 
+    def has_piece(self, position: int, index: int) -> bool:
+        """Whether piece `index` of `position` is trained (every piece of a settled position counts as done)."""
+        if self.is_settled(position):
+            return True
+        return index in self.pieces.get(position, {}).get("trained", ())
+
+    def partial(self, shard: int, num_shards: int) -> list[int]:
+        """Unsettled positions of `shard` (of `num_shards`) with some pieces trained, ascending."""
+        return sorted(p for p in self.pieces if p % num_shards == shard)
+
     # ------------------------------------------------------------------ updates
+    def train_piece(self, position: int, index: int, last: bool) -> bool:
+        """Piece `index` of `position` was trained (`last`: the episode's final piece); settles the position as
+        trained once pieces 0..last all are. Returns whether the position is settled now."""
+        if self.is_settled(position):
+            return True
+        if index == 0 and last:
+            return self.settle(position, TRAINED)
+        entry = self.pieces.setdefault(position, {"trained": set(), "last": None})
+        entry["trained"].add(index)
+        if last:
+            entry["last"] = index
+        if entry["last"] is not None and entry["trained"] >= set(range(entry["last"] + 1)):
+            return self.settle(position, TRAINED)
+        return False
+
     def settle(self, position: int, outcome: str) -> bool:
         """Record `outcome` for `position`; False (and no change) if it was settled already."""
         if position < 0:
             raise ValueError(f"stream positions are >= 0, got {position}")
         if self.is_settled(position):
             return False
+        self.pieces.pop(position, None)
         self.settled[position] = outcome
         self.outcomes[outcome] += 1
         self._advance(position % self.num_shards)
@@ -116,7 +152,9 @@ class StreamLedger:
     def to_state(self) -> dict[str, Any]:
         return {"num_shards": self.num_shards, "lows": list(self.lows),
                 "settled": {str(p): o for p, o in sorted(self.settled.items())},
-                "outcomes": dict(self.outcomes), "owed": self.owed_count()}
+                "outcomes": dict(self.outcomes), "owed": self.owed_count(),
+                "pieces": {str(p): {"trained": sorted(e["trained"]), "last": e["last"]}
+                           for p, e in sorted(self.pieces.items())}}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> StreamLedger:
@@ -126,12 +164,15 @@ class StreamLedger:
             lows = [int(x) for x in state["lows"]]
             settled = {int(p): str(o) for p, o in state.get("settled", {}).items()}
             outcomes = Counter({str(k): int(v) for k, v in state.get("outcomes", {}).items()})
+            pieces = {int(p): {"trained": {int(i) for i in e["trained"]},
+                               "last": None if e.get("last") is None else int(e["last"])}
+                      for p, e in state.get("pieces", {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(f"malformed stream ledger ({type(err).__name__}: {err})") from None
         if len(lows) != ledger.num_shards or any(low % ledger.num_shards != r or low < 0
                                                  for r, low in enumerate(lows)):
             raise ValueError(f"malformed stream ledger: lows {lows} do not fit {ledger.num_shards} shards")
-        ledger.lows, ledger.settled, ledger.outcomes = lows, settled, outcomes
+        ledger.lows, ledger.settled, ledger.outcomes, ledger.pieces = lows, settled, outcomes, pieces
         for shard in range(ledger.num_shards):
             ledger._advance(shard)
         return ledger

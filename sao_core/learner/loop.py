@@ -39,11 +39,13 @@ from sao_core.learner import journal
 from sao_core.learner.batch import collate
 from sao_core.learner.config import RLConfig
 from sao_core.learner.health import turn_health
-from sao_core.learner.ledger import TRAINED, StreamLedger
+from sao_core.learner.lag import lag_record
+from sao_core.learner.ledger import FRAGMENT_LOST, StreamLedger
 from sao_core.learner.pending import FAILED_REASONS, Drop, Pending, position_of
 from sao_core.learner.updates import Updater
 from sao_core.reporting.training import write_training_report
 from sao_core.rollout.auth import TokenError, new_token, resolve_token
+from sao_core.rollout.manager import RolloutPlan
 from sao_core.rollout.client import RolloutAuthError, RolloutClient, RolloutRequestError, RolloutUnavailable
 from sao_core.rollout.trajectory import Trajectory
 from sao_core.training.checkpointing import (
@@ -78,8 +80,9 @@ class ServiceSet:
     and rejoins. Only when every service is down does the learner wait, up to `retry_s`, then fail.
 
     `plan_for(index, num_shards)` gives the stream fields of a plan (re)started on service `index` (the owed
-    positions of its shard, from the ledger); `on_restart(index)` is told when a service had lost its plan,
-    so what it delivered earlier and was not trained is rolled out again rather than held twice.
+    positions of its shard, from the ledger); `on_restart(index)` is told first when a service had lost its plan,
+    so what it delivered earlier and was not trained is rolled out again rather than held twice (and episodes
+    lost after some of their fragments were trained are settled, not rolled out again).
 
     Weights: after every push each service must answer with the learner's own version and digest, or the
     run stops (LearnerError naming the service): a service whose weights are not the learner's would hand
@@ -148,11 +151,11 @@ class ServiceSet:
             self.holds[index] = 0
         if status.get("plan") is None:
             n = len(self.clients)
+            if self.on_restart:   # first: it may settle positions the new plan must then skip
+                self.on_restart(index)
             stream = self.plan_for(index, n) if self.plan_for else {}
             client.start({**self.plan, "shard": index, "num_shards": n, **stream})
             self.unacked.pop(index, None)   # ids of its previous plan mean nothing to the new one
-            if self.on_restart:
-                self.on_restart(index)
         else:  # its plan survived (learner restart, network blip): take back what we took but did not ack
             self.reconnecting.add(index)
         ids, gone, again = self.unacked.pop(index, ([], [], []))
@@ -377,13 +380,6 @@ def prune_weight_versions(weights_uri: str, newest: int, keep: int) -> list[str]
     return deleted
 
 
-def per_service_in_flight(config: RLConfig, services: int) -> int:
-    """Episodes each service may have in flight (started, not acknowledged): the run's cap shared out, but
-    never below one batch, so a single live replica can still fill a batch while the others are down
-    (below that the learner would wait forever for trajectories the cap forbids)."""
-    return max(config.in_flight_cap // services, config.batch_size)
-
-
 def colocated_serve_config(config: RLConfig):
     """The ServeConfig of the rollout service a run starts in its own process (no `services` given):
     GPU split on one machine is `rollout_options={"gpu_memory_utilization": ...}` with the vllm engine.
@@ -601,11 +597,12 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                                f" (step {step + 1}) holds a malformed trajectory ({type(err).__name__}: {err})") from err
         replayed_ids.extend(t.id for t in replay)
         for t in replay:
-            ledger.settle(position_of(t), TRAINED)
+            ledger.train_piece(position_of(t), t.fragment_index, not t.is_fragment)
         batch = collate(replay, tokenizer.pad_token_id)
         # Replayed as it was trained (a journal written before the learner dropped them may hold a trajectory
         # without action tokens).
-        metrics, changed = updater.step(batch, step, allow_empty_rows=True)
+        metrics, changed = updater.step(batch, step, allow_empty_rows=True, version=version)
+        metrics.update(lag_record(replay, version, config.max_staleness))
         staleness = Counter(t.staleness(version) for t in replay)
         step += 1
         version += int(changed)
@@ -628,14 +625,15 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
 
             server = RolloutServer(colocated_serve_config(config), token=token).start()
             urls = [server.url]
-        plan = {"dataset": config.data, "rollouts_per_prompt": config.rollouts_per_prompt, "epochs": 0,
-                "shuffle": True, "seed": config.seed, "max_in_flight": per_service_in_flight(config, len(urls)),
-                "env_options": config.env_options, "max_new_tokens_per_turn": config.max_new_tokens_per_turn,
-                "max_total_tokens": config.max_total_tokens, "training": True,
-                "abandon_after_versions": config.max_staleness, "admission": config.admission}
+        admission = config.admission_policy(len(urls))
+        plan = asdict(RolloutPlan(
+            dataset=config.data, rollouts_per_prompt=config.rollouts_per_prompt, epochs=0, shuffle=True,
+            seed=config.seed, env_options=config.env_options, max_new_tokens_per_turn=config.max_new_tokens_per_turn,
+            max_total_tokens=config.max_total_tokens, training=True, max_in_flight=admission.max_in_flight,
+            max_staleness=admission.max_staleness, admission=admission.rule, hard_staleness=admission.hard_staleness))
         services = ServiceSet(urls, consumer, plan, config.service_retry_s,
                               plan_for=lambda index, n: ledger.plan_fields(index, n),
-                              on_restart=lambda index: pending.forget_service(index), token=token)
+                              on_restart=lambda index: service_restarted(index, len(urls)), token=token)
 
     def publish_weights() -> float:
         """Gather the policy (collective); rank 0 publishes version `version` and pushes it to every service."""
@@ -705,17 +703,36 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
             (again if d.requeue else gone).setdefault(d.service, []).append(d.trajectory.id)
         services.ack({}, gone, again)
 
+    def service_restarted(index: int, num_shards: int) -> None:
+        """Service `index` lost its plan: forget what it delivered untrained (its new plan rolls it out again),
+        and settle its episodes that had fragments trained as FRAGMENT_LOST (journaled like any drop)."""
+        nonlocal drop_records
+        pending.forget_service(index)
+        lost = ledger.partial(index, num_shards)
+        if not lost:
+            return
+        records = [{"id": f"lost-{p}", "position": p, "sample_index": 0, "attempt": 0, "reason": FRAGMENT_LOST,
+                    "requeue": False} for p in lost]
+        journal.write_drops(config.output, step, drop_records, records)
+        drop_records += 1
+        settle_drops(records)
+        pending.dropped_by_reason[FRAGMENT_LOST] += len(records)
+        log.warning("rollout service %s restarted: %d episodes with trained fragments were lost; their positions "
+                    "are settled as %s", services.clients[index].url if services else index, len(lost), FRAGMENT_LOST)
+
     def next_batch() -> list[tuple[Trajectory, int]]:
         nonlocal waited
         wait_began = time.monotonic()
         chosen = None
-        ordered = config.admission == "version_order"
+        order = pending.policy.order
         while chosen is None:
             drops = pending.drop_unusable(version)
             if drops:
                 record_drops(drops)
-            if not ordered:
+            if order == "arrival":
                 chosen = pending.batch()
+            elif order == "oldest_token":
+                chosen = pending.batch(oldest_token=True)
             elif len(pending.items) >= config.batch_size:
                 # Nothing admitted after an episode that is still running: the oldest versions train first,
                 # so no episode waits long enough to go stale (README "Admission").
@@ -765,7 +782,8 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 staleness = Counter(t.staleness(version) for t in trajectories)
                 step_began = time.monotonic()
                 batch = collate(trajectories, tokenizer.pad_token_id)
-                metrics, changed = updater.step(batch, step)
+                metrics, changed = updater.step(batch, step, version=version)
+                lags = lag_record(trajectories, version, config.max_staleness)
                 step += 1
                 push_seconds = 0.0
 
@@ -774,8 +792,9 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 drop_records = 0
                 # Settled: a service that was unreachable when we acknowledged redelivers these; they are only acked.
                 for t in trajectories:
-                    ledger.settle(position_of(t), TRAINED)
-                    pending.bias.trained(t)
+                    ledger.train_piece(position_of(t), t.fragment_index, not t.is_fragment)
+                    if not t.is_fragment:
+                        pending.bias.trained(t)
                 if changed:
                     version += 1
                     push_seconds = publish_weights()
@@ -795,7 +814,8 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 trained_tokens += int(batch.action_mask.sum())
                 count_trained(trajectories, int(batch.action_mask.sum()))
                 elapsed = time.time() - started
-                record = {"step": step, "version": version, **metrics, **turn_health(trajectories, end_of_turn_ids),
+                record = {"step": step, "version": version, **metrics, **lags,
+                          **turn_health(trajectories, end_of_turn_ids),
                           "staleness": {str(k): v for k, v in sorted(staleness.items())},
                           "dropped_total": sum(dropped_by_reason().values()),
                           "dropped_by_reason": dict(dropped_by_reason()),
@@ -836,7 +856,8 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 "trained_trajectories": run["trained_trajectories"], "trained_tokens": run["trained_tokens"],
                 "dropped": sum(dropped_by_reason().values()), "dropped_by_reason": dict(dropped_by_reason()),
                 "requeued": run["requeued"] + pending.requeued,
-                "admission": config.admission, "length_bias": pending.bias.summary(),
+                "admission": config.admission, "max_staleness": config.max_staleness,
+                "length_bias": pending.bias.summary(),
                 "stream": {"low_water_mark": ledger.low_water_mark, "frontier": ledger.frontier,
                            "owed": ledger.owed_count(), "outcomes": dict(ledger.outcomes)},
                 "reward_first": sum(run["first_rewards"]) / max(1, len(run["first_rewards"])),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from sao_core.learner.bias import LengthBias
 from sao_core.learner.config import GROUP_METHODS, RLConfig
+from sao_core.rollout.admission import AdmissionPolicy
 from sao_core.learner.ledger import SETTLED, TRAINED, StreamLedger
 from sao_core.rollout.trajectory import Trajectory
 
@@ -28,9 +29,9 @@ def attempt_of(t: Trajectory) -> int:
     return int(t.metadata.get("attempt", 0))
 
 
-def stream_key(t: Trajectory) -> tuple[int, int, int]:
-    """(stream position, sample index, attempt): a trajectory's place in the run's fixed prompt stream."""
-    return position_of(t), t.sample_index, attempt_of(t)
+def stream_key(t: Trajectory) -> tuple[int, int, int, int]:
+    """(stream position, sample index, attempt, piece): a trajectory's place in the run's fixed prompt stream."""
+    return position_of(t), t.sample_index, attempt_of(t), t.fragment_index
 
 
 def admitted_of(t: Trajectory) -> int:
@@ -57,8 +58,9 @@ class Drop:
 class Pending:
     """Taken, untrained trajectories in arrival order, and the counters of what was dropped."""
 
-    def __init__(self, config: RLConfig, ledger: StreamLedger):
+    def __init__(self, config: RLConfig, ledger: StreamLedger, policy: AdmissionPolicy | None = None):
         self.config = config
+        self.policy = policy or config.admission_policy()
         self.ledger = ledger
         self.items: OrderedDict[str, tuple[Trajectory, int]] = OrderedDict()
         self.dropped_by_reason: Counter = Counter()     # trajectories dropped by this learner process
@@ -84,7 +86,9 @@ class Pending:
             position = position_of(trajectory)
             outcome = self.ledger.outcome(position) if position >= 0 else None
             late_attempt = position in self.requeued_positions and attempt_of(trajectory) == 0
-            if outcome in (TRAINED, SETTLED) and position not in self.dropped_positions:
+            piece_done = (position >= 0 and outcome is None
+                          and self.ledger.has_piece(position, trajectory.fragment_index))
+            if piece_done or (outcome in (TRAINED, SETTLED) and position not in self.dropped_positions):
                 trained.setdefault(index, []).append(trajectory.id)
                 continue
             if outcome is not None or late_attempt:
@@ -97,7 +101,8 @@ class Pending:
                 trajectory = dataclasses.replace(trajectory, reward=self.config.failed_reward)
             if trajectory.id not in self._seen:
                 self._seen.add(trajectory.id)
-                self.bias.arrived(trajectory)
+                if not trajectory.is_fragment:      # episodes, counted once: by their last piece
+                    self.bias.arrived(trajectory)
             self.items.setdefault(trajectory.id, (trajectory, index))
         return trained, dropped
 
@@ -108,7 +113,7 @@ class Pending:
             return trajectory.finish_reason
         # "stale": ended early by the service for the same reason (its check uses the service's weights
         # version, never ahead of ours).
-        if trajectory.staleness(version) > self.config.max_staleness or trajectory.finish_reason == "stale":
+        if self.policy.too_stale(trajectory.staleness(version)) or trajectory.finish_reason == "stale":
             return "stale"
         if trajectory.num_action_tokens == 0:
             return NO_ACTION_TOKENS
@@ -129,10 +134,11 @@ class Pending:
         for tid in [tid for tid, (t, _) in self.items.items() if self._group_key(t) in reasons]:
             trajectory, index = self.items.pop(tid)
             own = self._reason(trajectory, version) or "group"
-            requeue = (self.config.admission == "requeue" and attempt_of(trajectory) == 0
+            requeue = (self.policy.requeues and attempt_of(trajectory) == 0
                        and set(reasons[self._group_key(trajectory)]) == {"stale"})
             out.append(Drop(trajectory, index, own, requeue))
-            self.bias.dropped(trajectory)
+            if not trajectory.is_fragment:
+                self.bias.dropped(trajectory)
             if requeue:
                 self.requeued += 1
                 self.requeued_positions.add(position_of(trajectory))
@@ -155,12 +161,14 @@ class Pending:
             self._seen.discard(tid)
         return len(gone)
 
-    def batch(self, oldest_first: bool = False, admitted_at_most: int | None = None
+    def batch(self, oldest_first: bool = False, admitted_at_most: int | None = None, oldest_token: bool = False
               ) -> list[tuple[Trajectory, int]] | None:
         """The next batch if one is complete: B trajectories, or B/G whole groups, chosen in arrival order, or with
-        `oldest_first` by admission version, then stream position. With `admitted_at_most`, only episodes admitted
-        at or before that version are candidates (admission version_order: nothing admitted after an episode
-        still running). The rows are returned in stream order (`stream_key`)."""
+        `oldest_first` by admission version, then stream position, or with `oldest_token` by the version of each
+        piece's oldest untrained token, then stream position (admission fragments: the pieces nearest the bound
+        first). With `admitted_at_most`, only episodes admitted at or before that version are candidates
+        (admission version_order: nothing admitted after an episode still running). The rows are returned in
+        stream order (`stream_key`)."""
         size = self.config.batch_size
         groups: OrderedDict[tuple, list[str]] = OrderedDict()
         for tid, (t, _) in self.items.items():
@@ -177,6 +185,9 @@ class Pending:
             # Within a version by stream position, not arrival: which episodes fill the batch does not depend
             # on which of them happened to finish first.
             candidates.sort(key=lambda ids: (admitted(ids), min(stream_key(self.items[tid][0]) for tid in ids)))
+        if oldest_token:
+            candidates.sort(key=lambda ids: (min(self.items[tid][0].min_version for tid in ids),
+                                             min(stream_key(self.items[tid][0]) for tid in ids)))
         if len(candidates) * need < size:
             return None
         chosen = [tid for ids in candidates[: size // need] for tid in ids]

@@ -45,7 +45,7 @@ from sao_core.training.forward import model_logprobs
 # The methods whose policy loss is DIS against the rollout log-probs.
 DIS_METHODS = ("sao", "grpo_dis", "running_mean")
 # Metrics combined over ranks by sum or max instead of the token-weighted mean.
-_SUMMED = {"action_tokens"}
+_SUMMED = {"action_tokens", "fragment_rows", "bootstrap_value_sum"}
 _MAXED = {"logp_diff_max"}
 _ROW_MEANS = {"lambda_mean"}  # means over trajectories, not tokens
 
@@ -101,6 +101,23 @@ def group_index(batch: RLBatch) -> torch.Tensor:
                          for t in batch.trajectories])
 
 
+def sao_targets(batch: RLBatch, values: torch.Tensor, config: RLConfig
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SAO's policy advantages (skip-observation GAE, adaptive λ) and the critic's targets (λ = 1) from the
+    critic's values [B, T] of `batch`: (advantages [B, T], returns [B, T], bootstrap [B]). A fragment's bootstrap
+    is the value at its cut, read at the extra position `collate` gives it (V of its whole prefix); an episode's
+    last piece bootstraps from 0. λ is adaptive on each row's own action tokens (a fragment's: those of its turns)."""
+    mask = batch.action_mask
+    bootstrap = torch.zeros(len(batch.trajectories), dtype=torch.float32, device=mask.device)
+    for row, t in enumerate(batch.trajectories):
+        if t.is_fragment:
+            bootstrap[row] = values[row, len(t.token_ids)].float()
+    lam = adaptive_lambda(mask.sum(dim=1), config.lambda_alpha)
+    advantages, _ = skip_observation_gae(batch.rewards, values, mask, config.gamma, lam, bootstrap)
+    _, returns = skip_observation_gae(batch.rewards, values, mask, config.gamma, 1.0, bootstrap)
+    return advantages, returns, bootstrap
+
+
 class Updater:
     """Holds the models and optimisers of one run and performs learner steps."""
 
@@ -126,9 +143,17 @@ class Updater:
             self.critic_sched = build_scheduler(self.critic_opt, config, config.steps)
         self.baseline = RunningMeanBaseline(window=config.baseline_window)
 
-    def step(self, batch: RLBatch, step_index: int, allow_empty_rows: bool = False) -> tuple[dict[str, float], bool]:
+    def step(self, batch: RLBatch, step_index: int, allow_empty_rows: bool = False,
+             version: int | None = None) -> tuple[dict[str, float], bool]:
         """One learner step on the whole batch (every rank passes the same batch); returns (metrics, whether
-        the policy changed). Metrics are the same on every rank.
+        the policy changed). Metrics are the same on every rank. `version`: the learner's weights version, for
+        the DIS methods' ``dis_kept_lag_<k>`` metrics (the share of action tokens of lag k the DIS band kept;
+        k = max_staleness + 1 stands for every lag beyond the bound).
+
+        Fragments (`Trajectory.is_fragment`, SAO only): the advantages and the critic's targets of a fragment's
+        tokens bootstrap from the critic's value at its cut (`collate` gives it the extra position that value is
+        read from); its λ is adaptive on the fragment's own action length, so the cut's value reaches its first
+        token with the weight exp(−1/α) a whole episode's reward has at its first token.
 
         A trajectory without action tokens is refused (the learner drops it as "no_action_tokens" before it
         reaches a batch: it has nothing to train, and its prompt may be long enough to stall the critic's
@@ -142,6 +167,9 @@ class Updater:
             if empty:
                 raise ValueError(f"trajectory {empty[0]} has no action tokens ({len(empty)} in this batch); the "
                                  "learner must drop such trajectories (no_action_tokens), not train on them")
+        if method != "sao" and any(t.is_fragment for t in batch.trajectories):
+            raise ValueError(f"{method} cannot train a fragment of a running episode (no critic to bootstrap from); "
+                             "admission 'fragments' is for sao")
         # Scalar advantages need the whole batch (groups, running-mean history): computed on every rank.
         scalar = None
         if method == "running_mean":
@@ -172,12 +200,16 @@ class Updater:
         self.policy.train()
         parts = []
         turn_ends = torch.zeros(4, dtype=torch.float64)   # end-of-turn tokens: count, Σ logp, Σ kept, Σ advantage
+        lag_bins = self.config.max_staleness + 2           # lags 0..S and one bin for every lag beyond S
+        by_lag = torch.zeros(2, lag_bins, dtype=torch.float64)   # action tokens, kept by DIS; per lag
         for index, mb, real in micro:
             with autocast(self.config.precision, self.ctx.device):
                 logp, stats = _policy_forward(self.policy, mb)
                 loss, m = self._policy_loss(logp, mb, advantages[index, :mb.input_ids.shape[1]])
             if real and self.end_of_turn_ids:
                 turn_ends += self._end_of_turn_sums(logp.detach(), mb, advantages[index, :mb.input_ids.shape[1]])
+            if real and version is not None and method in DIS_METHODS:
+                by_lag += self._kept_by_lag(logp.detach(), mb, version, lag_bins)
             n_micro = float(mb.action_mask.sum()) if real else 0.0
             # The micro-batch's token mean times n_micro / n_local: its share of the local token mean.
             (loss * (n_micro / max(n_local, 1.0) * loss_scale)).backward()
@@ -190,6 +222,11 @@ class Updater:
                                                     self.policy_sched)
         metrics["advantage_mean"] = float(advantages[mask.bool()].mean()) if mask.any() else 0.0
         out = self._reduce(metrics, n_local, len(batch.trajectories), reward_mean)
+        if version is not None and method in DIS_METHODS:
+            sums = all_reduce([float(x) for x in by_lag.flatten()], self.ctx)
+            for k in range(lag_bins):
+                if sums[k]:
+                    out[f"dis_kept_lag_{k}"] = sums[lag_bins + k] / sums[k]
         if self.end_of_turn_ids:
             count, logp_sum, kept_sum, adv_sum = all_reduce([float(x) for x in turn_ends], self.ctx)
             if count:
@@ -197,6 +234,16 @@ class Updater:
                 if self.config.method in DIS_METHODS:
                     out["end_of_turn_kept"] = kept_sum / count
         return out, True
+
+    def _kept_by_lag(self, logp: torch.Tensor, mb: RLBatch, version: int, bins: int) -> torch.Tensor:
+        """[2, bins]: action tokens and those inside the DIS band, by lag (version − the token's version; the
+        last bin holds every lag ≥ bins − 1)."""
+        mask = mb.action_mask.bool() & (mb.versions >= 0)
+        lag = (version - mb.versions[mask]).clamp(min=0, max=bins - 1)
+        ratio = torch.exp(logp.float()[mask] - mb.rollout_logprobs.float()[mask])
+        kept = (ratio > 1.0 - self.config.eps_low) & (ratio < 1.0 + self.config.eps_high)
+        return torch.stack([torch.bincount(lag, minlength=bins).double(),
+                            torch.bincount(lag[kept], minlength=bins).double()]).cpu()
 
     def _end_of_turn_sums(self, logp: torch.Tensor, mb: RLBatch, advantages: torch.Tensor) -> torch.Tensor:
         """[count, Σ learner log-prob, Σ kept by the DIS band, Σ advantage] over the micro-batch's sampled
@@ -246,6 +293,10 @@ class Updater:
                else v / max(total_rows if k in _ROW_MEANS else total_tokens, 1e-12)
                for k, v in zip(keys, summed, strict=True)}
         out["reward_mean"] = reward_mean
+        if "bootstrap_value_sum" in out:   # the critic's mean value at the cuts of this step's fragments
+            total = out.pop("bootstrap_value_sum")
+            if out["fragment_rows"]:
+                out["bootstrap_value_mean"] = total / out["fragment_rows"]
         return out
 
     def _critic_phase(self, batch: RLBatch, micro: list[MicroBatch], metrics: dict[str, float],
@@ -264,8 +315,11 @@ class Updater:
                 if real:
                     old_values[index, :values.shape[1]] = values.float()
         lam = adaptive_lambda(mask.sum(dim=1), cfg.lambda_alpha)
-        advantages, _ = skip_observation_gae(batch.rewards, old_values, mask, cfg.gamma, lam)
-        _, returns = skip_observation_gae(batch.rewards, old_values, mask, cfg.gamma, 1.0)
+        advantages, returns, bootstrap = sao_targets(batch, old_values, cfg)
+        # Sums over ranks (every rank sets both keys, so the metric reduction stays in step): see `_reduce`.
+        fragments = [row for row, t in enumerate(batch.trajectories) if t.is_fragment]
+        metrics["fragment_rows"] = float(len(fragments))
+        metrics["bootstrap_value_sum"] = float(bootstrap[fragments].sum()) if fragments else 0.0
         self.critic.train()
         for k in range(cfg.critic_updates):
             # The first update's values [B_local, T], for the explained variance.

@@ -1,8 +1,9 @@
 """Skip-observation GAE and the adaptive λ of SAO (DESIGN.md §3).
 
 Prompt and observation tokens are removed; GAE runs over each row's action tokens in order, with the
-scalar reward on the last action token and a value of 0 after it; results are scattered back. Tokens
-that are not actions get advantage 0 and return 0.
+scalar reward on the last action token and a value of 0 after it (or, for a fragment of a running episode, the
+critic's value at the cut: truncated GAE); results are scattered back. Tokens that are not actions get advantage
+0 and return 0.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def skip_observation_gae(
     action_mask: torch.Tensor,
     gamma: float = 1.0,
     lam: float | torch.Tensor = 1.0,
+    bootstrap: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over action tokens only.
 
@@ -31,6 +33,9 @@ def skip_observation_gae(
         action_mask: [B, T] 1 on action tokens.
         gamma: discount per action token.
         lam: GAE λ, a float or a [B] tensor (one λ per row, e.g. `adaptive_lambda`).
+        bootstrap: [B] value of the state after each row's last action token (None: 0, the episode ended). A
+            fragment of a running episode (reward 0) passes the critic's value at its cut, so its last action
+            token's TD error is γ·V(cut) − V(before it), as for any truncated rollout.
 
     Returns:
         (advantages [B, T], returns [B, T]); both 0 outside action tokens; returns = advantages + values
@@ -54,7 +59,9 @@ def skip_observation_gae(
         step_rewards = values.new_zeros(batch, width, dtype=torch.float32)
         has_actions = counts > 0
         step_rewards[has_actions, counts[has_actions] - 1] = rewards[has_actions].float()
-        next_values = compact[:, 1:] * (positions.unsqueeze(0) + 1 < counts.unsqueeze(1))
+        if bootstrap is not None:
+            compact[torch.arange(batch, device=values.device), counts] = bootstrap.float().to(values.device)
+        next_values = compact[:, 1:] * (positions.unsqueeze(0) + 1 <= counts.unsqueeze(1))
         deltas = (step_rewards + gamma * next_values - compact[:, :width]) * valid
         decay = gamma * (lam.float().to(values.device) if torch.is_tensor(lam) else torch.full((batch,), float(lam)))
         compact_adv = torch.zeros_like(deltas)

@@ -72,7 +72,9 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
 async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, params: SamplingParams,
                       limits: EpisodeLimits, queued_at: float | None = None, sample_index: int = 0,
                       trajectory_id: str | None = None, executor: Executor | None = None,
-                      abandon_if: Callable[[int], bool] | None = None) -> Trajectory:
+                      abandon_if: Callable[[int], bool] | None = None,
+                      fragment_if: Callable[[int], bool] | None = None,
+                      emit: Callable[[Trajectory], None] | None = None) -> Trajectory:
     """Play one episode to the end and return its trajectory (never raises for env or tool failures:
     they end the episode with finish_reason env_error / tool_error).
 
@@ -84,8 +86,17 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
     A seeded `params` samples each turn with :func:`turn_seed` (reproducible, and a turn of its own).
 
     `abandon_if(oldest_version)` is asked before every turn after the first, with the policy version of the
-    episode's first sampled token; True ends the episode there with finish_reason "stale" (a learner with a
-    staleness bound could no longer train it, so its remaining turns would be wasted generation)."""
+    episode's oldest sampled token not yet emitted in a fragment; True ends the episode there with finish_reason
+    "stale" (a learner with a staleness bound could no longer train it, so its remaining turns would be wasted
+    generation).
+
+    Fragments (admission "fragments", `rollout/admission.py`): `fragment_if(oldest_version)` is asked at the same
+    place; True hands the turns finished since the last cut to `emit` as a fragment: a trajectory of every token
+    so far (ending with the observation and the next generation prompt, so the critic can value the state at the
+    cut) whose action mask, log-probs and versions cover only those turns (earlier turns are context), reward 0,
+    finish_reason "fragment", id ``<id>-f<k>`` and ``metadata["fragment"] = k`` (0-based). The episode goes on;
+    the trajectory it returns at the end covers the turns after the last cut, with ``metadata["fragment"]`` = the
+    number of fragments emitted before it (absent when there were none)."""
     loop = asyncio.get_running_loop()
 
     def in_thread(fn, *args):
@@ -104,6 +115,17 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
         versions.extend(vs if vs is not None else [-1] * len(ids))
 
     reward, finish, turns, info = 0.0, "stop", 0, {}
+    cut = 0            # tokens before this index were emitted in fragments (context for what follows)
+    fragments = 0
+    base_id = trajectory_id or uuid.uuid4().hex
+
+    def piece(upto_cut: int, **fields) -> Trajectory:
+        """The tokens so far with the action fields of those from `upto_cut` on only."""
+        return Trajectory(
+            prompt_id=task.id, env=task.env, token_ids=list(tokens),
+            action_mask=[0] * upto_cut + mask[upto_cut:],
+            rollout_logprobs=[0.0] * upto_cut + logprobs[upto_cut:],
+            versions=[-1] * upto_cut + versions[upto_cut:], sample_index=sample_index, **fields)
     deadline = started + limits.timeout_s if limits.timeout_s else None
     try:
         messages = await in_thread(env.reset, task)
@@ -124,11 +146,19 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
             if deadline and time.time() > deadline:
                 finish = "timeout"
                 break
-            if abandon_if is not None:     # only then: the scan of the versions is per turn
-                oldest = min((v for v in versions if v >= 0), default=None)
-                if oldest is not None and abandon_if(oldest):
+            if abandon_if is not None or fragment_if is not None:   # only then: the scan of the versions is per turn
+                oldest = min((v for v in versions[cut:] if v >= 0), default=None)
+                if oldest is not None and abandon_if is not None and abandon_if(oldest):
                     finish = "stale"
                     break
+                if oldest is not None and fragment_if is not None and emit is not None and fragment_if(oldest):
+                    emit(piece(cut, id=f"{base_id}-f{fragments}", reward=0.0, num_turns=turns,
+                               finish_reason="fragment", timings=Timings(queued=timings.queued, started=started,
+                                                                         finished=time.time()),
+                               metadata={"fragment": fragments, "info": dict(info)} if info else
+                               {"fragment": fragments}))
+                    fragments += 1
+                    cut = len(tokens)
             turn_params = SamplingParams(**{**params.__dict__,
                                             "max_new_tokens": min(params.max_new_tokens,
                                                                   limits.max_new_tokens_per_turn, budget),
@@ -177,11 +207,11 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
     finally:
         await in_thread(_close_quietly, env)
     timings.finished = time.time()
-    return Trajectory(
-        id=trajectory_id or uuid.uuid4().hex, prompt_id=task.id, env=task.env, token_ids=tokens,
-        action_mask=mask, rollout_logprobs=logprobs, versions=versions, reward=float(reward), num_turns=turns,
-        finish_reason=finish, timings=timings, sample_index=sample_index, metadata={"info": info} if info else {},
-    )
+    metadata = {"info": info} if info else {}
+    if fragments:
+        metadata["fragment"] = fragments
+    return piece(cut, id=base_id, reward=float(reward), num_turns=turns, finish_reason=finish, timings=timings,
+                 metadata=metadata)
 
 
 class _PromptTooLong(Exception):

@@ -22,14 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from sao_core import storage
+from sao_core.rollout.admission import DEFAULT_RULE, AdmissionError, AdmissionPolicy
 from sao_core.rollout.engines.base import Engine, SamplingParams, check_context, check_training_sampling
 from sao_core.rollout.episode import EpisodeLimits, run_episode
 from sao_core.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
-
-
-ADMISSION_RULES = ("window", "version_order", "requeue")
 
 
 class RolloutError(ValueError):
@@ -63,11 +61,12 @@ class RolloutPlan:
     max_new_tokens_per_turn: int = 256
     max_total_tokens: int = 4096
     episode_timeout_s: float = 0.0
-    # A learner's staleness bound: an episode whose first token is more than this many versions older than
-    # the current weights can no longer be trained (the learner's version is never behind the service's),
-    # so it ends before its next turn with finish_reason "stale" and is delivered for the learner to drop
-    # (with its whole group), as it would have been at the end. None: episodes always run to the end.
-    abandon_after_versions: int | None = None
+    # The learner's staleness bound S (versions) and admission rule (rollout/admission.py: AdmissionPolicy, the
+    # one place their meaning is defined). With S set, an episode whose oldest untrained token is past the
+    # policy's `abandon_after` ends before its next turn with finish_reason "stale" (delivered for the learner to
+    # drop, with its whole group, as it would have been at the end), and under "fragments" its finished turns are
+    # handed over as fragments. None: no learner bound; episodes always run to the end whole.
+    max_staleness: int | None = None
     training: bool = True                        # training mode refuses non-default sampling
     # The prompt stream is one fixed sequence for a seed: position p = epoch × prompts + index in that
     # epoch's order. Services sharing a run take the positions p ≡ shard (mod num_shards); a plan
@@ -77,9 +76,16 @@ class RolloutPlan:
     skip_positions: list[int] = field(default_factory=list)
     shard: int = 0
     num_shards: int = 1
-    # The learner's admission rule (learner/config.py). Only "requeue" changes what the service does: it
-    # then accepts requeue requests (POST /v1/trajectories/ack) and rolls such a position out once more.
-    admission: str = "window"
+    # The learner's admission rule (AdmissionPolicy.rule). On the service, "requeue" accepts requeue requests
+    # (POST /v1/trajectories/ack) and rolls such a position out once more; "fragments" cuts long episodes.
+    admission: str = DEFAULT_RULE
+    hard_staleness: int = 0                      # safety bound of no_drop / fragments (0: 4 x max_staleness)
+
+    def policy(self) -> AdmissionPolicy | None:
+        """The admission policy of this plan (None without a learner bound: nothing abandoned or cut)."""
+        if self.max_staleness is None:
+            return None
+        return AdmissionPolicy(self.admission, self.max_staleness, self.max_in_flight, self.hard_staleness)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -98,13 +104,15 @@ class RolloutPlan:
                                f"{self.start_position}, {self.shard}, {self.num_shards}")
         if any(p < 0 for p in self.skip_positions):
             raise RolloutError("plan.skip_positions must be stream positions (>= 0)")
-        if self.admission not in ADMISSION_RULES:
-            raise RolloutError(f"plan.admission must be one of {', '.join(ADMISSION_RULES)}, got {self.admission!r}")
+        try:
+            AdmissionPolicy(self.admission, self.max_staleness or 0, self.max_in_flight, self.hard_staleness).validate()
+        except AdmissionError as err:
+            raise RolloutError(f"plan.{err}") from None
+        if self.admission == "fragments" and self.max_staleness is None:
+            raise RolloutError("plan.admission 'fragments' needs plan.max_staleness (the bound the cuts keep)")
         if self.max_in_flight < self.rollouts_per_prompt:
             raise RolloutError(f"plan.max_in_flight ({self.max_in_flight}) must hold one prompt's "
                                f"{self.rollouts_per_prompt} rollouts (they are admitted together)")
-        if self.abandon_after_versions is not None and self.abandon_after_versions < 0:
-            raise RolloutError(f"plan.abandon_after_versions must be >= 0, got {self.abandon_after_versions}")
         if any(v < 1 for v in self.env_concurrency.values()):
             raise RolloutError("plan.env_concurrency values must be >= 1")
         try:
@@ -295,17 +303,21 @@ class RolloutManager:
                                         finish_reason="env_error", sample_index=k,
                                         metadata={"info": {"error": f"cannot create the environment: {err}"}})
             limits = EpisodeLimits(plan.max_total_tokens, plan.max_new_tokens_per_turn, plan.episode_timeout_s)
-            bound = plan.abandon_after_versions
+            policy = plan.policy()
             params = SamplingParams(**{**plan.sampling().__dict__,
                                        "seed": episode_seed(plan.seed, position, k, attempt)})
+            stamp = {"epoch": epoch, "position": position, "admitted_version": admitted, "attempt": attempt,
+                     "task_index": index, "sampling_seed": params.seed}
             if env is not None:
                 trajectory = await run_episode(task, env, self.engine, self.tokenizer, params, limits,
                                                queued_at=queued, sample_index=k, trajectory_id=trajectory_id,
                                                executor=self._env_pool,
-                                               abandon_if=None if bound is None else
-                                               lambda oldest: self.engine.version - oldest > bound)
-            trajectory.metadata.update(epoch=epoch, position=position, admitted_version=admitted,
-                                       attempt=attempt, task_index=index, sampling_seed=params.seed)
+                                               abandon_if=None if policy is None else
+                                               lambda oldest: policy.abandon_due(oldest, self.engine.version),
+                                               fragment_if=None if policy is None or not policy.fragments else
+                                               lambda oldest: policy.fragment_due(oldest, self.engine.version),
+                                               emit=lambda piece: self._emit(piece, stamp))
+            trajectory.metadata.update(stamp)
         except asyncio.CancelledError:
             self.counts["dropped"] += 1
             self._slots.release()
@@ -325,6 +337,13 @@ class RolloutManager:
         # counted the episode twice (running and ready), so in_flight could exceed max_in_flight.
         self._episodes.discard(asyncio.current_task())
         self._ready[trajectory.id] = trajectory
+        self._new_ready.set()
+
+    def _emit(self, piece: Trajectory, stamp: dict) -> None:
+        """A fragment of a running episode is ready (its slot stays taken until the episode's last piece)."""
+        piece.metadata.update(stamp)
+        self.counts["fragments"] += 1
+        self._ready[piece.id] = piece
         self._new_ready.set()
 
     # ---------------------------------------------------------------- delivery
@@ -370,6 +389,8 @@ class RolloutManager:
                 continue
             self._acked.add(tid)
             self.counts["acknowledged"] += 1
+            if lease.trajectory.is_fragment:   # the episode goes on and keeps its slot
+                continue
             released_dropped += tid in not_trained
             if self._slots is not None:
                 self._slots.release()
@@ -482,7 +503,10 @@ class RolloutManager:
             "running": running,
             "ready": len(self._ready),
             "taken": len(self._leased),
-            "in_flight": running + len(self._ready) + len(self._leased),
+            # Episodes: a fragment's episode is still running (or its last piece is counted), so pieces are not.
+            "in_flight": running + sum(not t.is_fragment for t in self._ready.values())
+            + sum(not lease.trajectory.is_fragment for lease in self._leased.values()),
+            "fragments": self.counts["fragments"],
             "finished": self.counts["finished"],
             "acknowledged": self.counts["acknowledged"],
             "dropped": self.counts["dropped"] + self.counts["dropped_by_learner"],

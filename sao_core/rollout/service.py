@@ -30,6 +30,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from sao_core.rollout.auth import REALM, same_token
 from sao_core.rollout.engines.base import SEED_LIMIT, SamplingParams
+from sao_core.rollout.admission import DEFAULT_RULE, RULES
 from sao_core.rollout.manager import ConflictError, ForbiddenError, RolloutError, RolloutManager, RolloutPlan
 
 log = logging.getLogger(__name__)
@@ -69,16 +70,19 @@ class PlanRequest(_Strict):
     max_new_tokens_per_turn: int = Field(256, ge=1, le=1_000_000)
     max_total_tokens: int = Field(4096, ge=1, le=10_000_000)
     episode_timeout_s: float = Field(0.0, ge=0)
-    abandon_after_versions: int | None = Field(None, ge=0, description="end an episode before its next turn once "
-                                               "its first token is more than this many versions behind the "
-                                               "weights (a learner's max_staleness: it could not be trained)")
+    max_staleness: int | None = Field(None, ge=0, le=1_000_000, description=(
+        "the learner's staleness bound S in weights versions (rollout/admission.py); None: episodes run to the end "
+        "whole. With it an episode past the rule's bound ends before its next turn as 'stale'"))
     training: bool = True
     start_position: int = Field(0, ge=0, description="skip prompt slots before this stream position")
     skip_positions: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=list, max_length=1_000_000,
         description="stream positions at or after start_position a resumed learner has settled already")
-    admission: Literal["window", "version_order", "requeue"] = Field(
-        "window", description="the learner's admission rule; requeue lets acks re-queue a dropped position once")
+    admission: Literal[RULES] = Field(
+        DEFAULT_RULE, description="the learner's admission rule (rollout/admission.py); requeue lets acks re-queue a "
+                                  "dropped position once; fragments cuts long episodes at turn boundaries")
+    hard_staleness: int = Field(0, ge=0, le=1_000_000, description="safety bound of no_drop / fragments in versions "
+                                                                   "(0: 4 x max_staleness)")
     shard: int = Field(0, ge=0, description="this service's share of the prompt stream (0-based)")
     num_shards: int = Field(1, ge=1, le=100_000, description="services sharing one prompt stream")
 

@@ -4,6 +4,12 @@ Token-aligned lists all have the length of `token_ids`: `action_mask[t]` is 1 wh
 token t, `rollout_logprobs[t]` is the engine's log-prob of that sampled token (0 elsewhere), and
 `versions[t]` is the policy version that sampled it (-1 on prompt and observation tokens). A trajectory
 may span several versions when weights changed mid-episode.
+
+Fragments (admission "fragments"): a long episode may reach the learner in pieces. Piece k carries every token
+of the episode so far, with the action fields set only on the turns finished since piece k − 1 (the earlier ones
+are context: action 0, log-prob 0, version −1) and ``metadata["fragment"] = k``. Every piece but the last has
+finish_reason "fragment" and reward 0 (its value at the cut comes from the critic); the last one has the
+episode's own finish_reason and reward. An episode that was never cut is one piece without the key.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ from typing import Any
 
 from sao_core.envs.base import FINISH_REASONS as ENV_FINISH_REASONS
 
-# An environment's reasons, and "stale": the rollout service ended the episode early because a learner's
-# staleness bound would have dropped it anyway (RolloutPlan.abandon_after_versions).
-FINISH_REASONS = (*ENV_FINISH_REASONS, "stale")
+# An environment's reasons; "stale": the rollout service ended the episode early because a learner's staleness
+# bound would have dropped it anyway (rollout/admission.py, `abandon_after`); "fragment": not an end but a cut,
+# the finished turns of a running episode handed over for training (admission "fragments").
+FRAGMENT = "fragment"
+FINISH_REASONS = (*ENV_FINISH_REASONS, "stale", FRAGMENT)
 
 
 class TrajectoryError(ValueError):
@@ -49,6 +57,16 @@ class Trajectory:
     timings: Timings = field(default_factory=Timings)
     sample_index: int = 0                    # k-th rollout of this prompt in its plan (GRPO groups)
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fragment_index(self) -> int:
+        """0-based index of this piece of its episode (0 for an episode delivered whole)."""
+        return int(self.metadata.get("fragment", 0))
+
+    @property
+    def is_fragment(self) -> bool:
+        """True for a piece that is not the episode's last (its advantages bootstrap from the critic)."""
+        return self.finish_reason == FRAGMENT
 
     @property
     def num_action_tokens(self) -> int:
