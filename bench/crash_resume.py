@@ -39,15 +39,18 @@ PLACEMENTS = ("colocated", "external")
 
 
 def learner_command(data: str, output: Path, model: str, steps: int, batch_size: int, services: list[str],
-                    method: str = "sao", admission: str = "window") -> list[str]:
+                    method: str = "sao", admission: str = "window", env_options: dict | None = None,
+                    max_total_tokens: int = 80, max_new_tokens_per_turn: int = 12) -> list[str]:
     """The `sao train-rl` command line of one learner incarnation (small and fast on CPU)."""
     cmd = [str(Path(sys.executable).parent / "sao"), "--quiet", "train-rl", "--data", data, "--output", str(output),
            "--model", model, "--method", method, "--steps", str(steps),
            "--batch-size", str(batch_size), "--group-size", "4", "--critic-warmup-steps", "2",
-           "--checkpoint-every", "3", "--max-new-tokens-per-turn", "12", "--max-total-tokens", "80",
+           "--checkpoint-every", "3", "--max-new-tokens-per-turn", str(max_new_tokens_per_turn), "--max-total-tokens", str(max_total_tokens),
            "--policy-lr", "1e-4", "--critic-lr", "1e-4", "--max-staleness", "2"]
     if admission != "window":
         cmd += ["--admission", admission]
+    if env_options:
+        cmd += ["--env-options", json.dumps(env_options)]
     if services:
         cmd += ["--services", *services]
     return cmd
@@ -58,9 +61,29 @@ def _metrics_lines(output: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def _journal_steps(output: Path) -> int:
+    """The newest journaled step (0: none)."""
+    names = list((output / "journal").glob("step-*.json")) if (output / "journal").exists() else []
+    return max((int(p.stem.split("-")[1]) for p in names), default=0)
+
+
+def split_by_kills(output: Path, kills: list[dict]) -> int:
+    """Episodes trained in fragments with a kill between two of their pieces (pieces journaled at steps a < b
+    with a kill after step a was journaled and before step b was)."""
+    steps: dict[str, list[int]] = {}
+    for path in sorted((output / "journal").glob("step-*.json")):
+        entry = json.loads(path.read_text())
+        for t in entry["trajectories"]:
+            base = t["id"].split("-f")[0]
+            steps.setdefault(base, []).append(entry["step"])
+    return sum(1 for got in steps.values() if len(got) > 1
+               and any(min(got) <= k["journal_steps"] < max(got) for k in kills))
+
+
 def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, model: str, data: str,
               cache_dir: str, batch_size: int = 8, method: str = "sao", admission: str = "window",
-              timeout_s: float = 300.0) -> dict:
+              timeout_s: float = 300.0, env_options: dict | None = None, max_total_tokens: int = 80,
+              max_new_tokens_per_turn: int = 12) -> dict:
     """One run of `steps` learner steps with `kills` SIGKILLs at random distinct steps and a resume after
     each; returns the kill points, the final summary and the audit of its journal."""
     if placement not in PLACEMENTS:
@@ -80,7 +103,8 @@ def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, mod
         server = RolloutServer(ServeConfig(model=model, port=0, cache_dir=cache_dir,
                                            allowed_weight_roots=[str(output / "weights")])).start()
         services = [server.url]
-    cmd = learner_command(data, output, model, steps, batch_size, services, method, admission)
+    cmd = learner_command(data, output, model, steps, batch_size, services, method, admission, env_options,
+                          max_total_tokens, max_new_tokens_per_turn)
     killed: list[dict] = []
     began = time.monotonic()
     try:
@@ -99,7 +123,8 @@ def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, mod
             time.sleep(rng.uniform(0.0, 0.1))    # anywhere in the step: train, journal, push, ack, checkpoint
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            killed.append({"planned_step": at, "metrics_lines": _metrics_lines(output)})
+            killed.append({"planned_step": at, "metrics_lines": _metrics_lines(output),
+                           "journal_steps": _journal_steps(output)})
         final = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=timeout_s)
         if final.returncode != 0:
             raise RuntimeError(f"{placement}: the final resume failed: {final.stderr[-3000:]}")
@@ -121,7 +146,9 @@ def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, mod
             "seconds": round(time.monotonic() - began, 1), "summary_steps": summary["steps"],
             "summary_trained": summary["trained_trajectories"], "metrics_steps": [r["step"] for r in lines],
             "replayed_lines": sum(1 for r in lines if r.get("replayed")),
-            "version": summary["version"], "stream": summary.get("stream"), "service": service, "audit": audit}
+            "version": summary["version"], "stream": summary.get("stream"), "service": service, "audit": audit,
+            "split_by_kills": split_by_kills(output, killed),
+            "dropped_by_reason": summary.get("dropped_by_reason", {})}
 
 
 def main(argv: list[str] | None = None) -> int:

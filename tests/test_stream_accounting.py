@@ -237,6 +237,37 @@ def test_five_kills_and_resumes_skip_nothing_and_train_nothing_twice(placement, 
         assert result["service"]["version"] == result["version"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["colocated", "external"])
+def test_kills_between_the_fragments_of_an_episode_skip_nothing_and_train_nothing_twice(placement, varied_rl_data,
+                                                                                        tmp_path, sao_cache,
+                                                                                        warm_tool_model):
+    """Admission fragments (S = 2: cut once the oldest untrained token is a version old), multi-turn episodes,
+    five SIGKILLs of the learner. External: the service survives, so an episode whose first pieces were trained
+    before a kill sends its later pieces to the resumed learner (measured: 6 of 7 fragmented episodes had a
+    kill between two of their pieces); every piece is trained once and every episode whole. Colocated: the
+    service dies with the learner, and an episode lost after some pieces trained is settled as fragment_lost
+    (journaled; the audit accepts it) instead of being rolled out and trained again."""
+    from crash_resume import crash_run
+
+    result = crash_run(placement, kills=5, steps=12, seed=11, root=tmp_path, model=warm_tool_model,
+                       data=varied_rl_data, cache_dir=str(sao_cache), batch_size=4, admission="fragments",
+                       max_total_tokens=400, max_new_tokens_per_turn=24,
+                       env_options={"tool_arith": {"fixed_turns": True, "latency_median_s": 0.05,
+                                                   "latency_sigma": 1.0}})
+    audit = result["audit"]
+    assert audit["ok"], audit["problems"]
+    assert result["summary_steps"] == 12 and result["metrics_steps"] == list(range(1, 13))
+    assert audit["trained_trajectories"] == 48 and not audit["duplicate_ids"] and not audit["missing_pieces"]
+    assert result["stream"]["owed"] == len(audit["owed"])
+    lost = result["dropped_by_reason"].get("fragment_lost", 0)
+    if placement == "external":
+        assert audit["fragmented_episodes"] >= 1 and result["split_by_kills"] >= 1 and lost == 0
+        assert result["service"]["version"] == result["version"]
+    else:
+        assert audit["fragmented_episodes"] + lost >= 1
+
+
 # ---------------------------------------------------------------------------------------------- admission
 def test_the_service_rolls_a_requeued_position_out_once_more(varied_rl_data, sao_cache, tiny_model_dir):
     from sao_core.rollout.client import RolloutClient, RolloutRequestError
