@@ -15,6 +15,11 @@ everywhere; the rollout service runs in its own process):
                 and nothing admitted after an episode still running (no episode goes stale)
   sao_requeue   the same, admission "requeue": a prompt dropped as stale is rolled out once more
   sao_bound4x   the same window and in-flight count, max_staleness 4 S: DIS alone guards the older tokens
+  sao_no_drop   the same in-flight count, admission "no_drop": arrival order, nothing dropped for staleness (only
+                past the safety bound 4 S), so the early tokens of long episodes may lag more than S
+  sao_fragments the same in-flight count, admission "fragments": a long episode is cut at a turn boundary once
+                its oldest untrained token is S/2 versions old, that prefix trained with advantages bootstrapped
+                from the critic, batches take the oldest untrained tokens first
   gen_only      generation only: the rollout service at (S + 1) B in flight, a consumer that takes and
                 acknowledges at once, no learner
   train_only    training only: a fresh learner replays the batches a run recorded in its journal (collate,
@@ -77,7 +82,7 @@ TAILS = {
     "heavy": {"p_more": 0.2, "max_ops": 30, "latency_median_s": 0.1, "latency_sigma": 1.2},
 }
 ARMS = ("sync_grpo", "sao_eqC", "async_grpo", "sao", "sao_version_order", "sao_requeue", "sao_bound4x",
-        "gen_only")   # train_only replays follow the runs
+        "sao_no_drop", "sao_fragments", "gen_only")   # train_only replays follow the runs
 
 
 @dataclass
@@ -109,13 +114,15 @@ def arm_plan(arm: str, s: Settings) -> tuple[str | None, int]:
     return {"sync_grpo": ("grpo", s.batch_size), "sao_eqC": ("sao", s.batch_size),
             "async_grpo": ("grpo_async", s.own_in_flight), "sao": ("sao", s.own_in_flight),
             "sao_version_order": ("sao", s.own_in_flight), "sao_requeue": ("sao", s.own_in_flight),
-            "sao_bound4x": ("sao", s.own_in_flight), "gen_only": (None, s.own_in_flight)}[arm]
+            "sao_bound4x": ("sao", s.own_in_flight), "sao_no_drop": ("sao", s.own_in_flight),
+            "sao_fragments": ("sao", s.own_in_flight), "gen_only": (None, s.own_in_flight)}[arm]
 
 
 def arm_admission(arm: str, s: Settings) -> tuple[str, int]:
     """(admission rule, max_staleness) of a learner arm."""
     return {"sao_version_order": ("version_order", s.max_staleness), "sao_requeue": ("requeue", s.max_staleness),
-            "sao_bound4x": ("window", 4 * s.max_staleness)}.get(arm, ("window", s.max_staleness))
+            "sao_bound4x": ("window", 4 * s.max_staleness), "sao_no_drop": ("no_drop", s.max_staleness),
+            "sao_fragments": ("fragments", s.max_staleness)}.get(arm, ("window", s.max_staleness))
 
 
 def length_bias(trajectories: list[Trajectory], tasks: list, seed: int, summary: dict) -> dict:
@@ -222,6 +229,30 @@ def _journal(run_dir: Path) -> list[list[Trajectory]]:
             for p in sorted((run_dir / "journal").glob("step-*.json"))]
 
 
+def token_lag(run_dir: Path, max_staleness: int) -> dict:
+    """The lag (learner version at training − sampling version) of every trained action token, from the journal:
+    p50 / p99 / max and the share beyond `max_staleness`; also the pieces per episode (fragments)."""
+    from sao_core.learner.lag import percentile, token_lags
+
+    lags: dict = {}
+    pieces = episodes = 0
+    for p in sorted((run_dir / "journal").glob("step-*.json")):
+        entry = json.loads(p.read_text())
+        batch = [Trajectory.from_dict(t) for t in entry["trajectories"]]
+        for lag, n in token_lags(batch, entry["version_before"]).items():
+            lags[lag] = lags.get(lag, 0) + n
+        pieces += len(batch)
+        episodes += sum(not t.is_fragment for t in batch)
+    total = sum(lags.values())
+    from collections import Counter
+
+    hist = Counter(lags)
+    return {"token_lag_p50": percentile(hist, 0.5), "token_lag_p99": percentile(hist, 0.99),
+            "token_lag_max": max(hist, default=0),
+            "tokens_beyond_bound": sum(n for k, n in hist.items() if k > max_staleness) / total if total else 0.0,
+            "token_lag": {str(k): hist[k] for k in sorted(hist)}, "pieces_per_episode": pieces / max(episodes, 1)}
+
+
 def run_learner(arm: str, s: Settings, model: str, data: str, tail: dict, out: Path, tasks: list) -> dict:
     method, in_flight = arm_plan(arm, s)
     admission, max_staleness = arm_admission(arm, s)
@@ -255,11 +286,14 @@ def run_learner(arm: str, s: Settings, model: str, data: str, tail: dict, out: P
         client.close()
         service.stop()
     metrics = [json.loads(x) for x in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
-    batches = _journal(run_dir / "run")
+    pieces = _journal(run_dir / "run")
+    # Episodes: a fragment's tokens count in the token rates; the episode counts once, by its last piece.
+    batches = [[t for t in b if not t.is_fragment] for b in pieces]
     trajectories = [t for b in batches for t in b]
-    first = min(t.timings.started for t in trajectories)
+    first = min(t.timings.started for b in pieces for t in b)
     wall = step_end[-1] - first
     stats = _trajectory_stats(trajectories)
+    stats["action_tokens"] = sum(t.num_action_tokens for b in pieces for t in b)
     staleness = [int(k) for m in metrics for k, n in m["staleness"].items() for _ in range(n)]
     engine = _engine_delta(engine0, engine_at[s.steps], wall)
     bias = length_bias(trajectories, tasks, s.seed, summary)
@@ -270,7 +304,7 @@ def run_learner(arm: str, s: Settings, model: str, data: str, tail: dict, out: P
     later = [t for b in batches[half:] for t in b]
     steady = {"trajectories_per_s": len(later) / window,
               "tokens_per_s": sum(len(t.token_ids) for t in later) / window,
-              "action_tokens_per_s": sum(t.num_action_tokens for t in later) / window,
+              "action_tokens_per_s": sum(t.num_action_tokens for b in pieces[half:] for t in b) / window,
               "turns_mean": statistics.mean(t.num_turns for t in later),
               "generator_idle_share": max(0.0, 1.0 - _engine_delta(engine_at.get(half, engine0), engine_at[s.steps],
                                                                    window)["busy_share"]),
@@ -288,6 +322,7 @@ def run_learner(arm: str, s: Settings, model: str, data: str, tail: dict, out: P
             "staleness_mean": statistics.mean(staleness) if staleness else 0.0,
             "staleness_max": max(staleness) if staleness else 0, "dropped": summary["dropped"],
             "step_update_s": [m["update_s"] for m in metrics], "step_wait_s": [m["learner_wait_s"] for m in metrics],
+            **token_lag(run_dir / "run", max_staleness),
             **stats, "conditions": {"before": load_before, "after": _setup.conditions()}, "run_dir": str(run_dir)}
 
 
@@ -467,7 +502,10 @@ def report(result: dict) -> str:
             ("trained_tokens_vs_sync_grpo", "x sync trained tok", ".2f"),
             ("length_ratio", "len ratio", ".3f"), ("stale_drop_share", "stale drop", ".3f"),
             ("untrained_token_share", "untrained tok", ".3f"), ("owed_at_end", "owed", ""),
-            ("staleness_mean", "stale", ".2f"), ("dropped", "drop", ""), ("eng_tps", "eng tok/s", ".0f"),
+            ("staleness_mean", "stale", ".2f"), ("dropped", "drop", ""),
+            ("token_lag_p50", "lag p50", ""), ("token_lag_p99", "lag p99", ""), ("token_lag_max", "lag max", ""),
+            ("tokens_beyond_bound", "tok > S", ".3f"), ("pieces_per_episode", "pieces/ep", ".2f"),
+            ("eng_tps", "eng tok/s", ".0f"),
             ("svc_cores", "svc cores", ".2f"), ("lrn_cores", "lrn cores", ".2f"), ("wall_s", "wall s", ".0f"),
             ("load", "load1", ".1f")]
     for tail in result["tails"]:
@@ -515,7 +553,9 @@ def report(result: dict) -> str:
                  "/ mean of the tasks at every stream position up to the last trained one; stale drop: trajectories "
                  "dropped as stale / trajectories that reached the learner; untrained tok: share of the engine's "
                  "sampled tokens never trained (dropped, abandoned, in flight at the end); owed: positions owed at "
-                 "the end")
+                 "the end; lag p50 / p99 / max: versions between the sampling and the training of each trained token; "
+                 "tok > S: share of trained tokens with lag > S; pieces/ep: pieces per trained episode (fragments); "
+                 "traj/s counts episodes (by their last piece), trained tokens every piece's")
     return "\n".join(lines)
 
 

@@ -324,7 +324,8 @@ def test_admission_rules_run_and_version_order_drops_nothing_as_stale(admission,
     if admission in ("version_order", "requeue"):
         assert max(int(k) for r in rows for k in r["staleness"]) <= 1
     assert {"positions_owed", "drop_rate_by_turns", "trained_turns_mean", "arrived_turns_mean", "token_lag",
-            "token_lag_p99", "tokens_beyond_bound", "token_lag_by_turns", "fragments"} <= set(rows[-1])
+            "token_lag_p99", "tokens_beyond_bound", "token_lag_by_turns", "fragments", "dis_kept_by_lag"} <= set(rows[-1])
+    assert all(0.0 <= v <= 1.0 for v in rows[-1]["dis_kept_by_lag"].values())
     assert all(sum(r["token_lag"].values()) == r["action_tokens"] for r in rows)
     assert summary["length_bias"]["trained_turns_mean"] > 0
     if admission != "requeue":   # version_order: nothing goes stale; no_drop and fragments: nothing is dropped

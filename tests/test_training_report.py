@@ -40,6 +40,11 @@ def _wait_share(row: dict) -> float:
     return parts[0] / sum(parts) if sum(parts) else 0.0
 
 
+#: plots of dict-valued metrics -> the metric
+_DICT_PLOTS = {"staleness": "staleness", "drops": "dropped_by_reason", "token_lag": "token_lag",
+               "token_lag_by_turns": "token_lag_by_turns", "dis_kept_by_lag": "dis_kept_by_lag"}
+
+
 def check_values(html: str, rows: list[dict]) -> dict[str, dict]:
     """Every plotted value equals the metrics line of its step (dict metrics per entry, 0 where absent); the
     moving averages are trailing means of the plotted values; returns the blocks."""
@@ -51,10 +56,8 @@ def check_values(html: str, rows: list[dict]) -> dict[str, dict]:
             assert len(values) == len(block["x"]), plot_id
             for step, value in zip(block["x"], values, strict=True):
                 row = by_step[step]
-                if plot_id == "staleness":
-                    expected = row["staleness"].get(name, 0)
-                elif plot_id == "drops":
-                    expected = row["dropped_by_reason"].get(name, 0)
+                if plot_id in _DICT_PLOTS:
+                    expected = row.get(_DICT_PLOTS[plot_id], {}).get(name, 0)
                 elif name == "learner_wait_share" and name not in row:
                     expected = _wait_share(row)
                 else:
@@ -62,7 +65,7 @@ def check_values(html: str, rows: list[dict]) -> dict[str, dict]:
                 assert value == expected, (plot_id, name, step, value, expected)
             # The x axis: exactly the steps that have the series (or, for several series, any of them).
         keys = list(block["series"])
-        if plot_id not in ("staleness", "drops", "learner_wait"):
+        if plot_id not in (*_DICT_PLOTS, "learner_wait"):
             assert block["x"] == [r["step"] for r in rows if any(k in r for k in keys)], plot_id
         for name, values in (block.get("smoothed") or {}).items():
             assert values == pytest.approx(moving_average(block["series"][name], block["window"])), plot_id
@@ -125,6 +128,13 @@ def _rl_rows(method: str, steps: int = 40) -> list[dict]:
             row["turn_cut_correct_share"] = rng.random()
         if method != "grpo":
             row["end_of_turn_kept"] = rng.uniform(0.9, 1.0)
+            row["dis_kept_by_lag"] = {"0": 1.0, "1": rng.uniform(0.9, 1.0), "5+": rng.uniform(0.8, 1.0)}
+        row.update(token_lag={str(k): rng.randint(0, 30) for k in range(rng.randint(1, 6))},
+                   token_lag_p50=1, token_lag_p99=4, token_lag_max=rng.randint(4, 6),
+                   tokens_beyond_bound=rng.random() * 0.02, token_lag_by_turns={"1": 0.5, "3-4": 1.5, "17-32": 3.0},
+                   fragments=rng.randint(0, 3), fragments_per_episode=rng.uniform(1, 2))
+        if method == "sao" and row["fragments"]:
+            row["bootstrap_value_mean"] = rng.random()
         if step % 10 == 0:   # held-out evaluation every few steps (keys eval_*)
             row.update(eval_sampled_reward=rng.random(), eval_greedy_reward=rng.random())
         rows.append(row)
@@ -134,15 +144,17 @@ def _rl_rows(method: str, steps: int = 40) -> list[dict]:
 _RL_PLOTS = {"reward", "policy_loss", "entropy", "advantage", "ratio", "logp_diff", "staleness", "drops", "drops_total",
              "length_turns", "length_tokens", "trajectories_per_s", "tokens_per_s", "generator_idle", "learner_wait",
              "step_seconds", "weight_push", "lr", "grad_norm", "eval-eval_sampled_reward", "eval-eval_greedy_reward",
-             "turn_cut", "end_of_turn_logprob", "end_of_turn_update"}
+             "turn_cut", "end_of_turn_logprob", "end_of_turn_update", "token_lag", "token_lag_percentiles",
+             "tokens_beyond_bound", "token_lag_by_turns", "fragments"}
 EXPECTED = {
     "sft": {"loss", "lr", "grad_norm", "other-tokens", "other-seconds"},
     "cpt": {"loss", "lr", "grad_norm", "other-tokens", "other-seconds"},
     "gkd": {"loss", "lr", "grad_norm", "other-tokens", "other-seconds"},
     "dpo": {"loss", "dpo_reward", "dpo_accuracy", "lr", "grad_norm", "other-tokens", "other-seconds"},
-    "sao": _RL_PLOTS | {"critic_loss", "explained_variance", "dis", "dis_pos", "dis_neg"},
+    "sao": _RL_PLOTS | {"critic_loss", "explained_variance", "dis", "dis_pos", "dis_neg", "dis_kept_by_lag",
+                        "bootstrap_value"},
     "grpo": _RL_PLOTS | {"clip"},
-    "grpo_dis": _RL_PLOTS | {"dis", "dis_pos", "dis_neg"},
+    "grpo_dis": _RL_PLOTS | {"dis", "dis_pos", "dis_neg", "dis_kept_by_lag"},
 }
 _RL = ("sao", "grpo", "grpo_dis")
 _OTHER_RL = {"other-version", "other-action_tokens", "other-positions_owed", "other-stream_low_water_mark",
@@ -424,9 +436,8 @@ def test_a_long_run_is_plotted_in_buckets_of_steps(tmp_path):
             bucket = steps[i * size:(i + 1) * size]
             assert x == bucket[-1], plot_id
             for name, values in block["series"].items():
-                if plot_id in ("staleness", "drops"):
-                    key = "staleness" if plot_id == "staleness" else "dropped_by_reason"
-                    raw = [by_step[s][key].get(name, 0) for s in bucket]
+                if plot_id in _DICT_PLOTS:
+                    raw = [by_step[s].get(_DICT_PLOTS[plot_id], {}).get(name, 0) for s in bucket]
                 elif name == "learner_wait_share":
                     raw = [_wait_share(by_step[s]) for s in bucket]
                 else:

@@ -9,6 +9,9 @@ and TensorBoard):
   token_lag_by_turns   {episode-turns bucket: mean lag of its trained tokens} (buckets as in learner/bias.py)
   fragments            pieces in the batch that are not an episode's last (admission fragments)
   fragments_per_episode  mean number of pieces of the episodes whose last piece is in the batch
+
+The update adds ``dis_kept_by_lag`` ({lag: share of that lag's action tokens the DIS band kept}, the key
+"<S+1>+" for every lag beyond max_staleness; `learner/updates.py`) and, for fragments, ``bootstrap_value_mean``.
 """
 
 from __future__ import annotations

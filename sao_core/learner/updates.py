@@ -147,8 +147,8 @@ class Updater:
              version: int | None = None) -> tuple[dict[str, float], bool]:
         """One learner step on the whole batch (every rank passes the same batch); returns (metrics, whether
         the policy changed). Metrics are the same on every rank. `version`: the learner's weights version, for
-        the DIS methods' ``dis_kept_lag_<k>`` metrics (the share of action tokens of lag k the DIS band kept;
-        k = max_staleness + 1 stands for every lag beyond the bound).
+        the DIS methods' ``dis_kept_by_lag`` metric ({lag: share of the action tokens of that lag the DIS band
+        kept}; the key "<S+1>+" holds every lag beyond max_staleness).
 
         Fragments (`Trajectory.is_fragment`, SAO only): the advantages and the critic's targets of a fragment's
         tokens bootstrap from the critic's value at its cut (`collate` gives it the extra position that value is
@@ -224,9 +224,9 @@ class Updater:
         out = self._reduce(metrics, n_local, len(batch.trajectories), reward_mean)
         if version is not None and method in DIS_METHODS:
             sums = all_reduce([float(x) for x in by_lag.flatten()], self.ctx)
-            for k in range(lag_bins):
-                if sums[k]:
-                    out[f"dis_kept_lag_{k}"] = sums[lag_bins + k] / sums[k]
+            last = f"{lag_bins - 1}+"     # every lag beyond max_staleness
+            out["dis_kept_by_lag"] = {(str(k) if k < lag_bins - 1 else last): sums[lag_bins + k] / sums[k]
+                                      for k in range(lag_bins) if sums[k]}
         if self.end_of_turn_ids:
             count, logp_sum, kept_sum, adv_sum = all_reduce([float(x) for x in turn_ends], self.ctx)
             if count:

@@ -20,6 +20,7 @@ import datetime as _dt
 import json
 import logging
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
@@ -85,6 +86,21 @@ SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
         Chart("drops", "Dropped trajectories by reason (whole run)", ("dropped_by_reason",)),
         Chart("drops_total", "Dropped and re-queued trajectories (whole run)", ("dropped_total", "requeued_total")),
     )),
+    ("Token lag", (
+        Chart("token_lag", "Lag of the trained tokens (versions between sampling and training), per step",
+              ("token_lag",)),
+        Chart("token_lag_percentiles", "Token lag: median, 99th percentile, maximum (versions)",
+              ("token_lag_p50", "token_lag_p99", "token_lag_max")),
+        Chart("tokens_beyond_bound", "Trained tokens lagging more than max_staleness (share)",
+              ("tokens_beyond_bound",), percent=True),
+        Chart("token_lag_by_turns", "Mean token lag by episode length (turns bucket)", ("token_lag_by_turns",)),
+        Chart("dis_kept_by_lag", "DIS kept share by token lag (the last key: every lag beyond max_staleness)",
+              ("dis_kept_by_lag",)),
+        Chart("fragments", "Fragments: pieces in the batch that are not an episode's last, pieces per episode",
+              ("fragments", "fragments_per_episode"),
+              note="admission fragments: long episodes trained in pieces, advantages bootstrapped from the critic"),
+        Chart("bootstrap_value", "Critic value at the fragments' cuts (mean)", ("bootstrap_value_mean",)),
+    )),
     ("Turn ends", (
         Chart("turn_cut", "Turns cut at the token cap, and tool errors (share of the batch's trajectories)",
               ("turn_cut_share", "turn_cut_correct_share", "tool_error_share"), percent=True,
@@ -126,7 +142,9 @@ figcaption { font-size: 12px; margin: -4px 0 8px 8px; }
 
 # Not charted on their own: the x axis, and bookkeeping the page shows elsewhere.
 _NOT_CHARTED = {"step", "replayed", "world_size"}
-_DICT_CHARTS = {"staleness", "dropped_by_reason"}
+#: metrics whose value is a dict: stacked (counts by a numeric key) or one line per key
+_DICT_CHARTS = {"staleness": "stacked", "dropped_by_reason": "line", "token_lag": "stacked",
+                "token_lag_by_turns": "line", "dis_kept_by_lag": "line"}
 
 
 # ----------------------------------------------------------------------------- reading a run
@@ -255,7 +273,13 @@ def _line_data(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], smooth: b
     return data
 
 
-def _dict_data(rows: Sequence[Mapping[str, Any]], key: str, sort_numeric: bool) -> dict[str, Any] | None:
+def _leading_number(name: str) -> tuple[float, str]:
+    """Sort key of a dict chart's series: by the number a name starts with ("3-4", "5+"), names without one last."""
+    digits = re.match(r"\d+(\.\d+)?", name)
+    return (float(digits.group()) if digits else math.inf, name)
+
+
+def _dict_data(rows: Sequence[Mapping[str, Any]], key: str, stacked: bool) -> dict[str, Any] | None:
     used = [r for r in rows if isinstance(r.get(key), dict)]
     if not used:
         return None
@@ -264,18 +288,9 @@ def _dict_data(rows: Sequence[Mapping[str, Any]], key: str, sort_numeric: bool) 
         names |= {str(k) for k, v in r[key].items() if _number(v) is not None}
     if not names:
         return None
-    order = sorted(names, key=lambda n: (float(n), n) if _is_number(n) else (math.inf, n)) if sort_numeric \
-        else sorted(names)
-    return {"kind": "stacked" if sort_numeric else "line", "x": [r["step"] for r in used],
+    order = sorted(names, key=_leading_number)
+    return {"kind": "stacked" if stacked else "line", "x": [r["step"] for r in used],
             "series": {n: [_number(r[key].get(n)) or 0.0 for r in used] for n in order}}
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 #: most points a chart draws (and embeds) per series; a longer run is plotted in buckets of steps
@@ -320,7 +335,7 @@ def _all_chart_data(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, Chart,
     for section, charts in SECTIONS:
         for chart in charts:
             if chart.keys[0] in _DICT_CHARTS:
-                data = _dict_data(rows, chart.keys[0], sort_numeric=chart.keys[0] == "staleness")
+                data = _dict_data(rows, chart.keys[0], stacked=_DICT_CHARTS[chart.keys[0]] == "stacked")
             else:
                 data = _line_data(rows, chart.keys, chart.smooth)
             used |= set(chart.keys)

@@ -121,7 +121,7 @@ class SimConfig:
     padded: bool = True
     push_s: float = 0.0
     # async: an episode whose start is more than max_staleness versions behind the weights ends before its next
-    # turn (the rollout service's abandon_after_versions, which the learner sets): it would be dropped anyway
+    # turn (the rollout service's abandon bound, AdmissionPolicy.abandon_after, which the learner sets): it would be dropped anyway
     abandon_stale: bool = True
     trajectories: int = 1024                   # trained trajectories to simulate
     seed: int = 0

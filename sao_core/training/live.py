@@ -49,7 +49,8 @@ PERF_KEYS = frozenset({"seconds", "learner_wait_s", "learner_wait_share", "updat
 #: rates, gradient norms, entropy, log-prob gaps, critic) are ``train/``
 RL_PREFIXES = ("reward", "policy_kept", "policy_masked", "policy_ratio", "version", "staleness", "dropped",
                "requeued", "positions_owed", "stream_", "arrived_", "trained_", "drop_rate_", "turn_cut",
-               "end_of_turn", "tool_error")
+               "end_of_turn", "tool_error", "token_lag", "tokens_beyond_bound", "fragment", "dis_kept_by_lag",
+               "bootstrap_value")
 _NOT_LOGGED = frozenset({"step", "replayed"})
 
 
@@ -334,6 +335,8 @@ PROMETHEUS_GAUGES: dict[str, tuple[str, str]] = {
     "entropy": ("train/entropy", "mean policy entropy on action tokens"),
     "turn_cut_share": ("rl/turn_cut_share", "share of the step's trajectories whose last turn was cut at a token cap"),
     "end_of_turn_logprob": ("rl/end_of_turn_logprob", "mean engine log-prob of the step's sampled end-of-turn tokens"),
+    "token_lag_p99": ("rl/token_lag_p99", "99th percentile of the lag (versions) of the step's trained tokens"),
+    "tokens_beyond_bound": ("rl/tokens_beyond_bound", "share of the step's trained tokens lagging more than max_staleness"),
 }
 #: labelled learner gauges -> (tag prefix, label, help)
 PROMETHEUS_LABELLED: dict[str, tuple[str, str, str]] = {
