@@ -18,7 +18,6 @@ from sao_core.learner import journal
 from sao_core.learner.config import ADMISSION_RULES, RLConfig
 from sao_core.learner.ledger import SETTLED, TRAINED, StreamLedger
 from sao_core.learner.pending import Pending
-from sao_core.rollout import manager as rollout_manager
 from sao_core.rollout.manager import RolloutError, RolloutPlan, stream_positions
 from sao_core.rollout.trajectory import Trajectory
 

@@ -45,8 +45,8 @@ from sao_core.learner.pending import FAILED_REASONS, Drop, Pending, position_of
 from sao_core.learner.updates import Updater
 from sao_core.reporting.training import write_training_report
 from sao_core.rollout.auth import TokenError, new_token, resolve_token
-from sao_core.rollout.manager import RolloutPlan
 from sao_core.rollout.client import RolloutAuthError, RolloutClient, RolloutRequestError, RolloutUnavailable
+from sao_core.rollout.manager import RolloutPlan
 from sao_core.rollout.trajectory import Trajectory
 from sao_core.training.checkpointing import (
     STATE_FILE,

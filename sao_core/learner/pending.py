@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from sao_core.learner.bias import LengthBias
 from sao_core.learner.config import GROUP_METHODS, RLConfig
-from sao_core.rollout.admission import AdmissionPolicy
 from sao_core.learner.ledger import SETTLED, TRAINED, StreamLedger
+from sao_core.rollout.admission import AdmissionPolicy
 from sao_core.rollout.trajectory import Trajectory
 
 # Episodes that ended through no doing of the policy: an engine or environment error (both reported as

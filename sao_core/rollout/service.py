@@ -28,9 +28,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from sao_core.rollout.admission import DEFAULT_RULE, RULES
 from sao_core.rollout.auth import REALM, same_token
 from sao_core.rollout.engines.base import SEED_LIMIT, SamplingParams
-from sao_core.rollout.admission import DEFAULT_RULE, RULES
 from sao_core.rollout.manager import ConflictError, ForbiddenError, RolloutError, RolloutManager, RolloutPlan
 
 log = logging.getLogger(__name__)
