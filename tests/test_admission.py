@@ -55,7 +55,10 @@ def test_each_rule_says_what_it_drops_orders_requeues_and_cuts():
         assert policy.abandon_due(oldest_untrained=10, current=10 + abandon + 1)
         assert not policy.abandon_due(oldest_untrained=10, current=10 + abandon)
     fragments = AdmissionPolicy("fragments", S, 80)
-    assert fragments.fragment_after == 2
+    assert fragments.fragment_after == 2 and fragments.backlog_cap is None          # B unknown
+    assert AdmissionPolicy("fragments", S, 80, batch_size=16).backlog_cap == 32
+    assert AdmissionPolicy("fragments", 1, 8, batch_size=8).backlog_cap == 8      # never below one batch
+    assert AdmissionPolicy("no_drop", S, 80, batch_size=16).backlog_cap is None
     assert [fragments.fragment_due(5, current) for current in (5, 6, 7, 8)] == [False, False, True, True]
     assert not AdmissionPolicy("no_drop", S, 80).fragment_due(0, 100)
     assert AdmissionPolicy("fragments", 1, 8).fragment_after == 1 and AdmissionPolicy("fragments", 0, 8).fragment_after == 1
@@ -88,9 +91,9 @@ def test_fragments_need_a_critic():
 def test_the_run_config_and_the_plan_build_the_same_policy():
     config = RLConfig(data="u", output="u", batch_size=8, max_staleness=3, admission="fragments", hard_staleness=9)
     policy = config.admission_policy(services=2)
-    assert policy == AdmissionPolicy("fragments", 3, 16, 9)
+    assert policy == AdmissionPolicy("fragments", 3, 16, 9, 8)
     plan = RolloutPlan(dataset="x", max_in_flight=policy.max_in_flight, max_staleness=policy.max_staleness,
-                       admission=policy.rule, hard_staleness=policy.hard_staleness)
+                       admission=policy.rule, hard_staleness=policy.hard_staleness, batch_size=policy.batch_size)
     assert plan.policy() == policy
     assert RolloutPlan(dataset="x").policy() is None        # no learner bound: nothing abandoned or cut
     with pytest.raises(RolloutError, match="plan.admission must be one of"):

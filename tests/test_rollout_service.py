@@ -537,3 +537,30 @@ def test_fragments_hand_over_finished_turns_and_keep_the_slot_until_the_last_pie
     assert len(pieces) == 8 and whole < 8
     status = client.status()
     assert status["in_flight"] == 0 and status["plan_done"]
+
+
+def test_fragments_generation_waits_while_the_learner_backlog_is_full(service, tmp_path):
+    """Admission fragments with B = 2, S = 2: the backlog cap is (S − S // 2)·B = 2 pieces. Once two pieces are
+    ready and nobody takes them, no episode starts another turn (the engine samples nothing more while episodes
+    are still running); taking and acknowledging them lets generation go on."""
+    server, client = service
+    dataset = _rl_dataset(tmp_path, 8, seed=11)
+    client.start(_plan(dataset, max_in_flight=8, max_staleness=2, admission="fragments", batch_size=2,
+                       env_options={"tool_arith": {"latency_median_s": 0.05, "latency_sigma": 0.0,
+                                                   "fixed_turns": True}}))
+    deadline = time.monotonic() + 120
+    while client.status()["ready"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    while client.status()["engine"]["active"] and time.monotonic() < deadline:   # turns under way finish
+        time.sleep(0.05)
+    status = client.status()
+    assert status["ready"] >= 2 and status["running"] >= 1, status
+    before = status["engine"]["tokens_generated"]
+    time.sleep(1.0)
+    assert client.status()["engine"]["tokens_generated"] == before       # every running episode waits
+    got, _ = client.take(max_items=8, wait_s=1.0)
+    client.ack([t.id for t in got])
+    while client.status()["engine"]["tokens_generated"] == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.status()["engine"]["tokens_generated"] > before
+    client.stop()

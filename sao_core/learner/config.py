@@ -88,7 +88,8 @@ class RLConfig(CoreConfig):
         shared out, but never below one batch, so a single live replica can still fill a batch while the others
         are down (below that the learner would wait forever for trajectories the cap forbids)."""
         return AdmissionPolicy(self.admission, self.max_staleness, max(self.in_flight_cap // max(services, 1),
-                                                                       self.batch_size), self.hard_staleness)
+                                                                       self.batch_size), self.hard_staleness,
+                               self.batch_size)
 
     @property
     def rollouts_per_prompt(self) -> int:

@@ -630,7 +630,8 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
             dataset=config.data, rollouts_per_prompt=config.rollouts_per_prompt, epochs=0, shuffle=True,
             seed=config.seed, env_options=config.env_options, max_new_tokens_per_turn=config.max_new_tokens_per_turn,
             max_total_tokens=config.max_total_tokens, training=True, max_in_flight=admission.max_in_flight,
-            max_staleness=admission.max_staleness, admission=admission.rule, hard_staleness=admission.hard_staleness))
+            max_staleness=admission.max_staleness, admission=admission.rule, hard_staleness=admission.hard_staleness,
+            batch_size=admission.batch_size))
         services = ServiceSet(urls, consumer, plan, config.service_retry_s,
                               plan_for=lambda index, n: ledger.plan_fields(index, n),
                               on_restart=lambda index: service_restarted(index, len(urls)), token=token)

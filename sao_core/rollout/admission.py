@@ -17,7 +17,10 @@ about S whatever the rule (Little's law); the rules differ in who pays (README "
   fragments      (SAO: needs the critic) an episode whose oldest untrained token reaches `fragment_after`
                  versions is cut at its last finished turn; that prefix is trained as a fragment, its advantages
                  bootstrapped from the critic's value at the cut, and the episode goes on. Batches take the
-                 oldest untrained tokens first. Nothing is dropped or waited for, and the lag stays within S.
+                 oldest untrained tokens first. Generation waits (at turn boundaries, still cutting fragments
+                 that fall due) while the learner holds `backlog_cap` or more untrained pieces: a token's lag is
+                 its age at the cut plus its wait for a batch, and the wait is the backlog over B. Nothing is
+                 dropped, and the learner never waits while B pieces are ready.
 
 The safety bound (`no_drop`, `fragments`): an episode whose oldest untrained token is more than `hard_staleness`
 versions old (default 4·S) is ended before its next turn and dropped as stale, so a stuck tool or a runaway
@@ -50,12 +53,14 @@ class AdmissionPolicy:
     max_staleness: S, in weights versions (the bound on a trained token's lag).
     max_in_flight: episodes started and not yet settled on this service (running, or a piece of them
         ready / taken and not acknowledged); a GRPO group counts G.
-    hard_staleness: the safety bound of `no_drop` / `fragments`, in versions (0: 4·S, at least 1)."""
+    hard_staleness: the safety bound of `no_drop` / `fragments`, in versions (0: 4·S, at least 1).
+    batch_size: B, pieces per learner step (0: unknown; `fragments` then has no backlog cap)."""
 
     rule: str = DEFAULT_RULE
     max_staleness: int = 4
     max_in_flight: int = 64
     hard_staleness: int = 0
+    batch_size: int = 0
 
     def validate(self) -> None:
         if self.rule not in RULES:
@@ -64,6 +69,8 @@ class AdmissionPolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise AdmissionError(f"{name} must be an integer >= 0 (versions), got {value!r}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 0:
+            raise AdmissionError(f"batch_size must be an integer >= 0 (pieces per learner step), got {self.batch_size!r}")
         if isinstance(self.max_in_flight, bool) or not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
             raise AdmissionError(f"max_in_flight must be an integer >= 1 (episodes), got {self.max_in_flight!r}")
         if self.hard_staleness and self.hard_staleness < self.max_staleness:
@@ -105,6 +112,16 @@ class AdmissionPolicy:
         versions old: half of S (at least 1), leaving the other half for the fragment's wait for a batch and
         the turn in progress, which cannot be cut."""
         return max(1, self.max_staleness // 2)
+
+    @property
+    def backlog_cap(self) -> int | None:
+        """`fragments`: generation waits while this many pieces or more are ready or taken and not acknowledged
+        (the learner's backlog): max(1, S − fragment_after)·B, so a piece cut at `fragment_after` versions waits
+        about S − fragment_after more versions for its batch (oldest first). None: no cap (other rules, or B
+        unknown). At least B, so the learner always has a batch while generation waits."""
+        if not self.fragments or not self.batch_size:
+            return None
+        return max(1, self.max_staleness - self.fragment_after) * self.batch_size
 
     # ------------------------------------------------------------------ decisions
     def too_stale(self, lag: int) -> bool:

@@ -74,7 +74,8 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
                       trajectory_id: str | None = None, executor: Executor | None = None,
                       abandon_if: Callable[[int], bool] | None = None,
                       fragment_if: Callable[[int], bool] | None = None,
-                      emit: Callable[[Trajectory], None] | None = None) -> Trajectory:
+                      emit: Callable[[Trajectory], None] | None = None,
+                      may_generate: Callable[[], bool] | None = None) -> Trajectory:
     """Play one episode to the end and return its trajectory (never raises for env or tool failures:
     they end the episode with finish_reason env_error / tool_error).
 
@@ -96,7 +97,11 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
     cut) whose action mask, log-probs and versions cover only those turns (earlier turns are context), reward 0,
     finish_reason "fragment", id ``<id>-f<k>`` and ``metadata["fragment"] = k`` (0-based). The episode goes on;
     the trajectory it returns at the end covers the turns after the last cut, with ``metadata["fragment"]`` = the
-    number of fragments emitted before it (absent when there were none)."""
+    number of fragments emitted before it (absent when there were none).
+
+    `may_generate()` (admission "fragments": the learner's backlog is below its cap) is asked before every turn;
+    while it says no, the episode waits (every 20 ms), still cutting a fragment when one falls due, so that
+    its untrained tokens do not age while it waits. The wait counts against the episode's timeout."""
     loop = asyncio.get_running_loop()
 
     def in_thread(fn, *args):
@@ -118,6 +123,25 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
     cut = 0            # tokens before this index were emitted in fragments (context for what follows)
     fragments = 0
     base_id = trajectory_id or uuid.uuid4().hex
+
+    def check_cut() -> bool:
+        """At a turn boundary: True when the episode must end as stale; emits a fragment when one is due."""
+        nonlocal fragments, cut, finish
+        if abandon_if is None and fragment_if is None:   # only then: the scan of the versions is per turn
+            return False
+        oldest = min((v for v in versions[cut:] if v >= 0), default=None)
+        if oldest is None:
+            return False
+        if abandon_if is not None and abandon_if(oldest):
+            finish = "stale"
+            return True
+        if fragment_if is not None and emit is not None and fragment_if(oldest):
+            emit(piece(cut, id=f"{base_id}-f{fragments}", reward=0.0, num_turns=turns, finish_reason="fragment",
+                       timings=Timings(queued=timings.queued, started=started, finished=time.time()),
+                       metadata={"fragment": fragments, "info": dict(info)} if info else {"fragment": fragments}))
+            fragments += 1
+            cut = len(tokens)
+        return False
 
     def piece(upto_cut: int, **fields) -> Trajectory:
         """The tokens so far with the action fields of those from `upto_cut` on only."""
@@ -146,19 +170,18 @@ async def run_episode(task: Task, env: Environment, engine: Engine, tokenizer, p
             if deadline and time.time() > deadline:
                 finish = "timeout"
                 break
-            if abandon_if is not None or fragment_if is not None:   # only then: the scan of the versions is per turn
-                oldest = min((v for v in versions[cut:] if v >= 0), default=None)
-                if oldest is not None and abandon_if is not None and abandon_if(oldest):
-                    finish = "stale"
+            if check_cut():
+                finish = "stale"
+                break
+            if may_generate is not None:
+                while not may_generate() and not (deadline and time.time() > deadline) and finish != "stale":
+                    await asyncio.sleep(0.02)
+                    check_cut()
+                if finish == "stale":
                     break
-                if oldest is not None and fragment_if is not None and emit is not None and fragment_if(oldest):
-                    emit(piece(cut, id=f"{base_id}-f{fragments}", reward=0.0, num_turns=turns,
-                               finish_reason="fragment", timings=Timings(queued=timings.queued, started=started,
-                                                                         finished=time.time()),
-                               metadata={"fragment": fragments, "info": dict(info)} if info else
-                               {"fragment": fragments}))
-                    fragments += 1
-                    cut = len(tokens)
+                if deadline and time.time() > deadline:
+                    finish = "timeout"
+                    break
             turn_params = SamplingParams(**{**params.__dict__,
                                             "max_new_tokens": min(params.max_new_tokens,
                                                                   limits.max_new_tokens_per_turn, budget),

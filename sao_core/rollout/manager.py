@@ -80,12 +80,14 @@ class RolloutPlan:
     # (POST /v1/trajectories/ack) and rolls such a position out once more; "fragments" cuts long episodes.
     admission: str = DEFAULT_RULE
     hard_staleness: int = 0                      # safety bound of no_drop / fragments (0: 4 x max_staleness)
+    batch_size: int = 0                          # the learner's B (fragments: generation waits on its backlog)
 
     def policy(self) -> AdmissionPolicy | None:
         """The admission policy of this plan (None without a learner bound: nothing abandoned or cut)."""
         if self.max_staleness is None:
             return None
-        return AdmissionPolicy(self.admission, self.max_staleness, self.max_in_flight, self.hard_staleness)
+        return AdmissionPolicy(self.admission, self.max_staleness, self.max_in_flight, self.hard_staleness,
+                               self.batch_size)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -105,7 +107,8 @@ class RolloutPlan:
         if any(p < 0 for p in self.skip_positions):
             raise RolloutError("plan.skip_positions must be stream positions (>= 0)")
         try:
-            AdmissionPolicy(self.admission, self.max_staleness or 0, self.max_in_flight, self.hard_staleness).validate()
+            AdmissionPolicy(self.admission, self.max_staleness or 0, self.max_in_flight, self.hard_staleness,
+                            self.batch_size).validate()
         except AdmissionError as err:
             raise RolloutError(f"plan.{err}") from None
         if self.admission == "fragments" and self.max_staleness is None:
@@ -316,7 +319,9 @@ class RolloutManager:
                                                lambda oldest: policy.abandon_due(oldest, self.engine.version),
                                                fragment_if=None if policy is None or not policy.fragments else
                                                lambda oldest: policy.fragment_due(oldest, self.engine.version),
-                                               emit=lambda piece: self._emit(piece, stamp))
+                                               emit=lambda piece: self._emit(piece, stamp),
+                                               may_generate=None if policy is None or policy.backlog_cap is None
+                                               else lambda cap=policy.backlog_cap: self._backlog() < cap)
             trajectory.metadata.update(stamp)
         except asyncio.CancelledError:
             self.counts["dropped"] += 1
@@ -338,6 +343,10 @@ class RolloutManager:
         self._episodes.discard(asyncio.current_task())
         self._ready[trajectory.id] = trajectory
         self._new_ready.set()
+
+    def _backlog(self) -> int:
+        """Pieces ready or taken and not acknowledged: what the learner has yet to train."""
+        return len(self._ready) + len(self._leased)
 
     def _emit(self, piece: Trajectory, stamp: dict) -> None:
         """A fragment of a running episode is ready (its slot stays taken until the episode's last piece)."""
