@@ -4,8 +4,8 @@
 
 Task: tool_arith chains of 1 + Geometric(`--p-more`) <= `--max-ops` calculator calls (2 to max_ops + 1 turns) with
 a log-normal tool latency (median 0.05 s, sigma 1.0), so episodes differ in length and in time and the rules
-differ in which episodes they train and how old their tokens are. Warm start: SFT on solved chains of the same
-distribution (trained once, cached). Each run: the learning test's SAO settings (bench/learning_runs.py
+differ in which episodes they train and how old their tokens are. Warm start: bench/async_vs_sync.py's (800 SFT
+steps on solved chains, cached; `--warm-start own` trains one on this distribution instead). Each run: the learning test's SAO settings (bench/learning_runs.py
 LEARNING_TEST: lr 2e-4 cosine, 20 critic warm-up steps) for `--steps` steps of B = 32, S = `--max-staleness`,
 (S + 1)·B in flight, held-out evaluation (64 prompts of another seed, one greedy and one sampled answer each) at
 steps 0, `--eval-every`, ... and the last. Per rule: the held-out rewards at the end (mean over seeds and its
@@ -46,6 +46,12 @@ def _prepare(root: Path, args) -> tuple[str, str, str]:
 
     cache = _setup.default_cache_dir()
     model = root / f"sft-{args.sft_steps}-p{args.p_more}-{args.max_ops}" / "model"
+    if args.model:
+        model = Path(args.model)
+    elif args.warm_start == "bench":
+        # async_vs_sync's warm start: 800 SFT steps on solved chains of 1 + Geometric(0.4) <= 8 calls (cached)
+        model = Path(_setup.warm_start(Path(cache) / "bench-warm", sft_steps=800, seed=0, p_more=0.4,
+                                       max_tokens=256))
     if not model.exists():
         data = root / "sft-data"
         data.mkdir(parents=True, exist_ok=True)
@@ -143,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-ops", type=int, default=4)
     parser.add_argument("--max-total-tokens", type=int, default=512)
     parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--sft-steps", type=int, default=240)
+    parser.add_argument("--sft-steps", type=int, default=240, help="with --warm-start own")
+    parser.add_argument("--warm-start", default="bench", choices=["bench", "own"],
+                        help="bench: async_vs_sync's cached warm start (800 SFT steps on 1 + Geometric(0.4) <= 8 "
+                             "calls); own: --sft-steps on this task's distribution")
+    parser.add_argument("--model", default="", help="start from this model instead")
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--output", default="local_outputs/bench/admission_learning")
     args = parser.parse_args(argv)

@@ -56,7 +56,7 @@ def test_each_rule_says_what_it_drops_orders_requeues_and_cuts():
         assert not policy.abandon_due(oldest_untrained=10, current=10 + abandon)
     fragments = AdmissionPolicy("fragments", S, 80)
     assert fragments.fragment_after == 2 and fragments.backlog_cap is None          # B unknown
-    assert AdmissionPolicy("fragments", S, 80, batch_size=16).backlog_cap == 32
+    assert AdmissionPolicy("fragments", S, 80, batch_size=16).backlog_cap == 16   # (S - S // 2 - 1)·B
     assert AdmissionPolicy("fragments", 1, 8, batch_size=8).backlog_cap == 8      # never below one batch
     assert AdmissionPolicy("no_drop", S, 80, batch_size=16).backlog_cap is None
     assert [fragments.fragment_due(5, current) for current in (5, 6, 7, 8)] == [False, False, True, True]

@@ -540,7 +540,7 @@ def test_fragments_hand_over_finished_turns_and_keep_the_slot_until_the_last_pie
 
 
 def test_fragments_generation_waits_while_the_learner_backlog_is_full(service, tmp_path):
-    """Admission fragments with B = 2, S = 2: the backlog cap is (S − S // 2)·B = 2 pieces. Once two pieces are
+    """Admission fragments with B = 2, S = 2: the backlog cap is max(1, S − S // 2 − 1)·B = 2 pieces. Once two pieces are
     ready and nobody takes them, no episode starts another turn (the engine samples nothing more while episodes
     are still running); taking and acknowledging them lets generation go on."""
     server, client = service

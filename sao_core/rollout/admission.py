@@ -116,12 +116,13 @@ class AdmissionPolicy:
     @property
     def backlog_cap(self) -> int | None:
         """`fragments`: generation waits while this many pieces or more are ready or taken and not acknowledged
-        (the learner's backlog): max(1, S − fragment_after)·B, so a piece cut at `fragment_after` versions waits
-        about S − fragment_after more versions for its batch (oldest first). None: no cap (other rules, or B
-        unknown). At least B, so the learner always has a batch while generation waits."""
+        (the learner's backlog): max(1, S − fragment_after − 1)·B. A piece cut at `fragment_after` versions waits
+        one version for the step in progress and about backlog / B more for its batch (oldest first), so it is
+        trained within S. None: no cap (other rules, or B unknown). At least B, so the learner always has a
+        batch while generation waits."""
         if not self.fragments or not self.batch_size:
             return None
-        return max(1, self.max_staleness - self.fragment_after) * self.batch_size
+        return max(1, self.max_staleness - self.fragment_after - 1) * self.batch_size
 
     # ------------------------------------------------------------------ decisions
     def too_stale(self, lag: int) -> bool:

@@ -84,7 +84,7 @@ class PlanRequest(_Strict):
     hard_staleness: int = Field(0, ge=0, le=1_000_000, description="safety bound of no_drop / fragments in versions "
                                                                    "(0: 4 x max_staleness)")
     batch_size: int = Field(0, ge=0, le=1_000_000, description="the learner's batch size B (fragments: generation "
-                                                               "waits while its backlog is (S - S//2)·B pieces)")
+                                                               "waits while its backlog is max(1, S - S//2 - 1)·B pieces)")
     shard: int = Field(0, ge=0, description="this service's share of the prompt stream (0-based)")
     num_shards: int = Field(1, ge=1, le=100_000, description="services sharing one prompt stream")
 
