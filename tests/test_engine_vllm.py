@@ -258,6 +258,7 @@ def test_weight_update_while_a_request_is_in_flight(engine, loop, tokenizer, per
         return found[0]
 
     params, before = _run(loop, find_long_request())
+    engine.recompute_kv_on_update = True     # this update re-prefills; the next test keeps the KV cache
 
     async def swap_mid_request():
         task = asyncio.create_task(engine.generate(prompt, params))
@@ -269,6 +270,7 @@ def test_weight_update_while_a_request_is_in_flight(engine, loop, tokenizer, per
 
     gen = _run(loop, swap_mid_request())
     assert engine.version == 1 and engine.stats()["weight_loads"] == 1
+    assert engine.stats()["reprefilled_tokens"] >= len(prompt) + 20       # the request's context, recomputed
     switch = gen.versions.index(1)
     assert 20 <= switch < len(gen.token_ids)
     assert gen.versions == [0] * switch + [1] * (len(gen.token_ids) - switch)
@@ -296,6 +298,70 @@ def test_weight_update_while_a_request_is_in_flight(engine, loop, tokenizer, per
     back = _run(loop, engine.generate(prompt, SamplingParams(max_new_tokens=10, seed=3)))
     assert back.versions == [2] * len(back.token_ids) and engine.version == 2
     assert _max_diff(back.logprobs, _reference_logprobs(old_dir, prompt, back.token_ids)) < LOGPROB_TOL
+
+
+def _continued_logprobs(old_dir, new_dir, prefix: list[int], rest: list[int]) -> list[float]:
+    """log p(rest[i + 1] | ...) when `prefix` was encoded by the old model (its KV cache) and `rest` by the new
+    model on top of that cache: what a swap that keeps the KV cache computes."""
+    import torch
+
+    from sao_core.models import load_model
+
+    old, new = load_model(str(old_dir), str(old_dir)), load_model(str(new_dir), str(new_dir))
+    with torch.no_grad():
+        cache = old(input_ids=torch.tensor([prefix]), use_cache=True).past_key_values
+        logits = new(input_ids=torch.tensor([rest]), past_key_values=cache, use_cache=True).logits[0, :-1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return logp.gather(1, torch.tensor(rest[1:]).unsqueeze(1)).squeeze(1).tolist()
+
+
+def test_a_swap_that_keeps_the_kv_cache_labels_every_token_exactly(engine, loop, tokenizer, perturbed_dir):
+    """recompute_kv_on_update False (the default): the request in flight is not re-prefilled; its tokens
+    before the swap carry
+    the old version and the rest the new one (vLLM's own step labels, no arrival-time guess), and the recorded
+    log-probs are those the tokens were sampled with: the old model before the swap, after it the new model
+    continuing the old model's KV cache (the KV of the last old token is computed by the first new step)."""
+    prompt = _prompt(tokenizer, "Tell me a long story")
+    old_dir, version = engine.model_dir, engine.version
+    engine.recompute_kv_on_update = False
+    reprefilled = engine.stats()["reprefilled_tokens"]
+
+    async def find_long_request():
+        params = [SamplingParams(max_new_tokens=300, seed=s) for s in range(200, 212)]
+        gens = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
+        found = [p for p, g in zip(params, gens, strict=True) if g.finish_reason == "length"]
+        if not found:
+            pytest.fail(f"no seed in 200..211 ran 300 tokens: {[len(g.token_ids) for g in gens]}")
+        return found[0]
+
+    params = _run(loop, find_long_request())
+
+    async def swap_mid_request():
+        task = asyncio.create_task(engine.generate(prompt, params))
+        start = engine.stats()["tokens_generated"]
+        while engine.stats()["tokens_generated"] - start < 20:
+            await asyncio.sleep(0.002)
+        await engine.load_weights(str(perturbed_dir), version + 1)
+        return await task
+
+    gen = _run(loop, swap_mid_request())
+    switch = gen.versions.index(version + 1)
+    assert 20 <= switch < len(gen.token_ids) - 1
+    assert gen.versions == [version] * switch + [version + 1] * (len(gen.token_ids) - switch)
+    assert engine.stats()["reprefilled_tokens"] == reprefilled               # nothing recomputed
+    old = _reference_logprobs(old_dir, prompt, gen.token_ids)
+    kept = _continued_logprobs(old_dir, perturbed_dir, prompt + gen.token_ids[:switch - 1],
+                               gen.token_ids[switch - 1:])
+    fresh = _reference_logprobs(perturbed_dir, prompt, gen.token_ids)
+    worst_old, worst_kept = _max_diff(gen.logprobs[:switch], old[:switch]), _max_diff(gen.logprobs[switch:], kept)
+    print(f"keep: swap after {switch} tokens; max log-prob difference before {worst_old:.2e}, after (old KV + new "
+          f"weights) {worst_kept:.2e}; vs a full recomputation with the new weights {_max_diff(gen.logprobs[switch:], fresh[switch:]):.2e}")
+    assert worst_old < LOGPROB_TOL and worst_kept < LOGPROB_TOL
+    assert _max_diff(gen.logprobs[switch:], fresh[switch:]) > 10 * LOGPROB_TOL   # the KV was indeed kept
+    with pytest.raises(EngineError, match="reported weight versions for 1 of 2 sampled tokens"):
+        engine._versions([type("Span", (), {"version": "v1", "start": 0, "end": 1})()], 2)
+    with pytest.raises(EngineError, match="recompute_kv_on_update must be true or false, got 'yes'"):
+        type(engine)(engine.model_dir, "unused", recompute_kv_on_update="yes")
 
 
 def test_close_fails_requests_in_flight_and_refuses_new_ones(engine, loop, tokenizer):

@@ -541,7 +541,7 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
     def count_trained(trajectories: list[Trajectory], tokens: int) -> None:
         run["trained_trajectories"] += len(trajectories)
         run["trained_tokens"] += tokens
-        rewards = [t.reward for t in trajectories]
+        rewards = [t.reward for t in trajectories if not t.is_fragment]   # episodes' rewards (by their last piece)
         if len(run["first_rewards"]) < 3 * config.batch_size:
             run["first_rewards"] += rewards
         run["last_rewards"] = (run["last_rewards"] + rewards)[-3 * config.batch_size:]

