@@ -30,7 +30,7 @@ def grpo_train(
     group_size: int = 8,
     policy_lr: float = 1e-6,
     max_staleness: int = 4,
-    admission: str = "version_order",
+    admission: str = "no_drop",
     engine: str = "vllm",
     options: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
     run_id: str = "",
@@ -50,8 +50,8 @@ def grpo_train(
         batch_size: Trajectories per step, B (a multiple of group_size for the group methods).
         group_size: Rollouts per prompt (G) for grpo, grpo_async and grpo_dis.
         policy_lr: Policy learning rate (constant).
-        max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it).
-        admission: How the run admits episodes and batches them (asynchronous methods; synchronous grpo ignores it): window, version_order, requeue, no_drop or fragments. window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; no_drop: arrival order, nothing dropped, the early tokens of long episodes may lag more than S; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic, every token within S.
+        max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
+        admission: How the run admits episodes and batches them (asynchronous methods; synchronous grpo ignores it): window, version_order, requeue, no_drop or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
         engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
         options: Any other RLConfig field, e.g. {"clip_low": 0.2, "clip_high": 0.28, "max_total_tokens": 32768}.
         run_id: Run folder name under output_root (pipelines pass the run id; empty: a timestamp).

@@ -32,7 +32,7 @@ def sao_train(
     critic_updates: int = 2,
     critic_warmup_steps: int = 10,
     max_staleness: int = 4,
-    admission: str = "version_order",
+    admission: str = "no_drop",
     eps_low: float = 0.3,
     eps_high: float = 5.0,
     engine: str = "vllm",
@@ -56,8 +56,8 @@ def sao_train(
         critic_lr: Critic learning rate (constant).
         critic_updates: Critic updates per policy update (K).
         critic_warmup_steps: Critic-only steps before the first policy update.
-        max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it).
-        admission: How the run admits episodes and batches them: window, version_order, requeue, no_drop or fragments. window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; no_drop: arrival order, nothing dropped, the early tokens of long episodes may lag more than S; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic, every token within S.
+        max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
+        admission: How the run admits episodes and batches them: window, version_order, requeue, no_drop or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
         eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked.
         eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked.
         engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).

@@ -146,8 +146,8 @@ def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_
             critic_lr: Critic learning rate.
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
-            max_staleness: Drop trajectories older than this many policy versions.
-            admission: Admission rule: window (arrival order, stale ones dropped), version_order (oldest admission versions first, none goes stale) or requeue (a prompt dropped as stale is rolled out once more).
+            max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
+            admission: Admission rule (README "Admission"): no_drop (the default: arrival order, nothing dropped, early tokens of long episodes may lag more than S), window (arrival order, stale ones dropped), version_order (oldest admission cohort first, none goes stale), requeue (a prompt dropped as stale is rolled out once more) or fragments (sao only: long episodes trained in pieces, bootstrapped from the critic).
             eps_low: DIS band lower width.
             eps_high: DIS band upper width.
             engine: Rollout engine: vllm or hf.

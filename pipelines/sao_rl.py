@@ -75,8 +75,8 @@ def build_sao_stages(settings: k8s.ClusterSettings):
             critic_lr: Critic learning rate.
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
-            max_staleness: Drop trajectories older than this many policy versions.
-            admission: Admission rule: window (arrival order, stale ones dropped), version_order (oldest admission versions first, none goes stale) or requeue (a prompt dropped as stale is rolled out once more).
+            max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
+            admission: Admission rule (README "Admission"): no_drop (the default: arrival order, nothing dropped, early tokens of long episodes may lag more than S), window (arrival order, stale ones dropped), version_order (oldest admission cohort first, none goes stale), requeue (a prompt dropped as stale is rolled out once more) or fragments (sao only: long episodes trained in pieces, bootstrapped from the critic).
             eps_low: DIS band lower width.
             eps_high: DIS band upper width.
             engine: Rollout engine: vllm or hf.
@@ -155,8 +155,8 @@ def build_sao_stages(settings: k8s.ClusterSettings):
             critic_lr: Critic learning rate.
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
-            max_staleness: Drop trajectories older than this many policy versions.
-            admission: Admission rule: window (arrival order, stale ones dropped), version_order (oldest admission versions first, none goes stale) or requeue (a prompt dropped as stale is rolled out once more).
+            max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
+            admission: Admission rule (README "Admission"): no_drop (the default: arrival order, nothing dropped, early tokens of long episodes may lag more than S), window (arrival order, stale ones dropped), version_order (oldest admission cohort first, none goes stale), requeue (a prompt dropped as stale is rolled out once more) or fragments (sao only: long episodes trained in pieces, bootstrapped from the critic).
             eps_low: DIS band lower width.
             eps_high: DIS band upper width.
             engine: Rollout engine: vllm or hf.
@@ -219,7 +219,7 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
         critic_updates: int = 2,
         critic_warmup_steps: int = 10,
         max_staleness: int = 4,
-        admission: str = "version_order",
+        admission: str = "no_drop",
         eps_low: float = 0.3,
         eps_high: float = 5.0,
         engine: str = "vllm",
@@ -264,8 +264,8 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
             critic_lr: Critic learning rate (constant).
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
-            max_staleness: Drop trajectories older than this many policy versions (S).
-            admission: How trajectories are admitted to a batch. window: up to (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the same window, but a batch takes the oldest admission versions first and never an episode admitted after one still running, so none goes stale; requeue: window, and a prompt dropped as stale is rolled out once more with fresh weights.
+            max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
+            admission: How the run admits episodes and batches them: no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
             eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).
             eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding).
             engine: Rollout and evaluation engine: vllm (GPU) or hf (transformers).

@@ -100,7 +100,7 @@ def test_sao_rl_admission_is_a_dropdown_that_reaches_every_sao_step(compiled):
     spec, _ = _docs(path)
     admission = spec["root"]["inputDefinitions"]["parameters"]["admission"]
     assert admission["literals"] == list(ADMISSION_RULES) == ["window", "version_order", "requeue", "no_drop", "fragments"]
-    assert admission["defaultValue"] == "version_order" and admission["parameterType"] == "STRING"
+    assert admission["defaultValue"] == "no_drop" and admission["parameterType"] == "STRING"
     assert pipelines.build("sao_rl").literals["admission"] == list(ADMISSION_RULES)
     assert verify_package(path, {"admission": list(ADMISSION_RULES)})["literals"]["admission"] == list(ADMISSION_RULES)
     parameters = parameters_of(path)
