@@ -212,7 +212,8 @@ def run_arm(arm: str, s: Settings, model: str, data: str, out: Path, say) -> dic
                 "generator_idle_share")
         steps.append({"t_s": now, **{k: record[k] for k in keep if k in record}})
         last = now - (steps[-2]["t_s"] if len(steps) > 1 else 0.0)
-        say(f"  [{arm}] step {step}: reward {record['reward_mean']:.3f}, t {now:.0f} s, version {record['version']}")
+        reward = f"{record['reward_mean']:.3f}" if "reward_mean" in record else "-"   # none for fragments only
+        say(f"  [{arm}] step {step}: reward {reward}, t {now:.0f} s, version {record['version']}")
         if now + last > budget_s and step < s.max_steps:
             raise _BudgetSpent()
 

@@ -67,7 +67,8 @@ def main() -> int:
         policy_rows = [r for r in chunk if "policy_kept" in r] or [{}]
         curve.append({
             "steps": f"{chunk[0]['step']}-{chunk[-1]['step']}",
-            "reward": round(sum(r["reward_mean"] for r in chunk) / len(chunk), 3),
+            "reward": round(sum(r["reward_mean"] for r in chunk if "reward_mean" in r)
+                            / max(1, sum("reward_mean" in r for r in chunk)), 3),
             "max_staleness": max(int(k) for r in chunk for k in r["staleness"]),
             "dis_kept": round(sum(r.get("policy_kept", 0) for r in policy_rows) / len(policy_rows), 4),
             "masked_low": round(sum(r.get("policy_masked_low", 0) for r in policy_rows) / len(policy_rows), 4),

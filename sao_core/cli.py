@@ -132,7 +132,9 @@ def cmd_train_rl(args: argparse.Namespace) -> int:
     with _progress_bar(config.steps, f"train-rl {config.method}", args.quiet or not main_rank) as bar:
         def show(step: int, metrics: dict) -> None:
             bar.update(step - bar.n)
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", v=metrics["version"], refresh=False)
+            # a batch of fragments only has no episode reward (rollout/admission.py)
+            reward = f"{metrics['reward_mean']:.2f}" if "reward_mean" in metrics else "-"
+            bar.set_postfix(reward=reward, v=metrics["version"], refresh=False)
 
         summary = train_rl(config, progress=show)
     if main_rank:

@@ -58,10 +58,17 @@ def test_async_vs_sync_smoke_and_simulator_validation(tmp_path, sao_cache, monke
     result = json.loads((tmp_path / "async_vs_sync.json").read_text())
     arms = result["tails"][0]["arms"]
     assert set(arms) == {"sync_grpo", "sao_eqC", "async_grpo", "sao", "sao_version_order", "sao_requeue",
-                         "sao_bound4x", "gen_only", "train_only_sao", "train_only_grpo"}
+                         "sao_bound4x", "sao_no_drop", "sao_fragments", "gen_only", "train_only_sao",
+                         "train_only_grpo"}
     assert all(r["trajectories"] == 8 for r in arms.values())
-    assert [arms[a]["admission"] for a in ("sao", "sao_version_order", "sao_requeue", "sao_bound4x")] == [
-        "window", "version_order", "requeue", "window"] and arms["sao_bound4x"]["max_staleness"] == 16
+    rules = ("sao", "sao_version_order", "sao_requeue", "sao_bound4x", "sao_no_drop", "sao_fragments")
+    assert [arms[a]["admission"] for a in rules] == [
+        "window", "version_order", "requeue", "window", "no_drop", "fragments"] and arms["sao_bound4x"]["max_staleness"] == 16
+    for arm in rules:   # per-token lag from the journal: a histogram whose count is the trained action tokens
+        lag = arms[arm]["token_lag"]
+        assert sum(lag.values()) == arms[arm]["action_tokens"] > 0, arm
+        assert 0 <= arms[arm]["token_lag_p50"] <= arms[arm]["token_lag_p99"] <= arms[arm]["token_lag_max"]
+        assert 0 <= arms[arm]["tokens_beyond_bound"] <= 1 and arms[arm]["pieces_per_episode"] >= 1
     for arm in ("sync_grpo", "sao", "sao_version_order"):   # one operation per task here: the ratio is exactly 1
         bias = arms[arm]["length_bias"]
         assert bias["length_ratio"] == pytest.approx(1.0) and bias["task_ops_mean"] == 1.0

@@ -202,7 +202,7 @@ def test_rl_components_pass_admission_to_the_config(tmp_path, monkeypatch):
     with pytest.raises(_Stop):
         sao_train.python_func(critic=Model(uri="c"), **common)
     assert [(c.method, c.admission) for c in seen] == [("sao", "version_order"), ("grpo_async", "requeue"),
-                                                       ("sao", "window"), ("sao", "version_order")]
+                                                       ("sao", "window"), ("sao", "no_drop")]   # the default
     allowed = "RLConfig.admission must be one of window, version_order, requeue, no_drop, fragments, got 'fifo'"
     with pytest.raises(ConfigError, match=f"^sao_train: {allowed}$"):
         sao_train.python_func(critic=Model(uri="c"), admission="fifo", **common)

@@ -486,19 +486,26 @@ def test_episodes_the_service_ended_as_stale_are_dropped_with_their_group(method
     from sao_core.learner.ledger import StreamLedger
     from sao_core.learner.loop import Pending
 
-    config = RLConfig(data="u", output="u", method=method, batch_size=2, group_size=2, max_staleness=1)
     made = {tid: _trajectory(tid, prompt, [1, 2], [3, 4], 1.0, [-0.5, -0.5])
             for tid, prompt in (("a1", "p"), ("a2", "p"), ("b1", "q"), ("b2", "q"))}
     made["a2"] = dataclasses.replace(made["a2"], finish_reason="stale")
     if method == "sao":  # one rollout per position
         made = {tid: dataclasses.replace(t, metadata={"position": i}) for i, (tid, t) in enumerate(made.items())}
-    pending = Pending(config, StreamLedger())
-    pending.add([(t, 0) for t in made.values()])
-    dropped = _dropped_ids(pending.drop_unusable(version=1))   # every version tag is 0: staleness 1, within bound
     expected = ["a1", "a2"] if method == "grpo_async" else ["a2"]
-    assert dropped == {0: expected} and pending.dropped == len(expected)
-    assert sorted(pending.items) == sorted(set(made) - set(expected))
-    assert _dropped_ids(pending.drop_unusable(version=2)) == {0: sorted(set(made) - set(expected))}  # 2 > 1: all
+    rest = sorted(set(made) - set(expected))
+    for admission in ("window", "no_drop"):
+        config = RLConfig(data="u", output="u", method=method, batch_size=2, group_size=2, max_staleness=1,
+                          admission=admission)
+        pending = Pending(config, StreamLedger())
+        pending.add([(t, 0) for t in made.values()])
+        dropped = _dropped_ids(pending.drop_unusable(version=1))   # every version tag is 0: staleness 1, within bound
+        assert dropped == {0: expected} and pending.dropped == len(expected)
+        assert sorted(pending.items) == rest
+        if admission == "window":
+            assert _dropped_ids(pending.drop_unusable(version=2)) == {0: rest}  # 2 > 1: all
+        else:   # no_drop: kept past S, dropped only past the safety bound 4·S
+            assert _dropped_ids(pending.drop_unusable(version=4)) == {} and sorted(pending.items) == rest
+            assert _dropped_ids(pending.drop_unusable(version=5)) == {0: rest}
 
 
 @pytest.mark.parametrize("method", ["sao", "grpo_async"])
