@@ -491,11 +491,29 @@ def _method_in(argv: list[str]) -> str | None:
     return None
 
 
+class SaoArgumentParser(argparse.ArgumentParser):
+    """argparse without option abbreviations (`--token X` must not be taken for `--token-file X`) and with
+    errors that never echo the value of an unrecognised argument (it may be a secret put in the wrong place:
+    the message names the options only)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            words = message[len(prefix):].split()
+            shown = [w.split("=", 1)[0] + ("=..." if "=" in w else "") if w.startswith("-") else "..." for w in words]
+            message = prefix + " ".join(shown) + " (values not shown)"
+        super().error(message)
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from sao_core.data.prepare import PrepareConfig
     from sao_core.training.config import METHOD_CONFIGS, TrainConfig
 
-    parser = argparse.ArgumentParser(prog="sao", description="SAO and LLM post-training on Kubeflow Pipelines.")
+    parser = SaoArgumentParser(prog="sao", description="SAO and LLM post-training on Kubeflow Pipelines.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument("--cache-dir", default=default_cache_dir(),

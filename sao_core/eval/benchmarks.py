@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from sao_core import storage
-from sao_core.data.prepare import DATA_FILE, REJECTS_FILE, STATS_FILE, PrepareConfig, prepare
+from sao_core.data.prepare import DATA_FILE, FAILED_MARKER, REJECTS_FILE, STATS_FILE, PrepareConfig, prepare
 from sao_core.data.prepared import failure_of, open_prepared
 from sao_core.data.schemas import DataError
 from sao_core.envs.base import Task
@@ -178,10 +178,18 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def _prepared_folder(source: str, spec: BenchmarkSpec) -> tuple[list[dict], dict] | None:
     """Records and stats of a folder (or s3:// prefix) written by ``sao prepare-data``, else None. A folder
     whose preparation failed (``FAILED`` marker, failed status) or that holds no rows is refused."""
-    if storage.is_s3_uri(source):
-        if Path(source.rstrip("/").rsplit("/", 1)[-1]).suffix:
-            return None                                   # an object: read it as a file
-    elif not Path(source).expanduser().is_dir():
+    is_file = (Path(source.rstrip("/").rsplit("/", 1)[-1]).suffix != "" if storage.is_s3_uri(source)
+               else not Path(source).expanduser().is_dir())
+    if is_file:
+        # A file (read as a raw source) must not be the data of a prepared folder whose preparation failed.
+        folder = source.rsplit("/", 1)[0] if "/" in source else "."
+        try:
+            reason = failure_of(folder) if storage.is_s3_uri(folder) or Path(folder).expanduser().is_dir() else None
+        except storage.StorageError as err:
+            raise EvalError(f"benchmark {spec.name}: cannot read {source}'s folder {folder}: {err}") from err
+        if reason is not None:
+            raise EvalError(f"benchmark {spec.name}: {source} lies in the prepared folder {folder}, which is marked "
+                            f"unusable ({storage.join(folder, FAILED_MARKER)}: {reason}); prepare it again")
         return None
     stats_uri = storage.join(source, STATS_FILE)
     try:

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 ENV_TOKEN = "SAO_ROLLOUT_TOKEN"
 ENV_TOKEN_FILE = "SAO_ROLLOUT_TOKEN_FILE"
@@ -63,6 +66,13 @@ def check_token(token: str, source: str) -> str:
 
 def _read(path: str, source: str) -> str:
     try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0
+    if mode & 0o077:   # a Kubernetes Secret volume: set its defaultMode to 0400
+        log.warning("the rollout token file %s (%s) is readable by other users (mode %o); chmod 600 it", path,
+                    source, mode & 0o777)
+    try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as err:
         raise TokenError(f"cannot read the rollout token file {path} ({source}): {type(err).__name__}") from None
@@ -93,36 +103,44 @@ def same_token(offered: str, expected: str) -> bool:
 
 
 def _s3_parts(uri: str) -> tuple[str, list[str]] | None:
+    """(bucket, key segments) of an s3:// URI, or None when its key has an empty, `.` or `..` segment (one
+    trailing `/` is allowed): such a key is refused, never normalised, since S3 reads it verbatim (`a//b` is
+    not `a/b` there)."""
     from sao_core import storage
 
     try:
         bucket, key = storage.parse_s3_uri(uri)
     except storage.StorageError:
         return None
-    parts = [p for p in key.split("/") if p]
-    if any(p in (".", "..") for p in parts):
+    key = key[:-1] if key.endswith("/") else key
+    parts = key.split("/") if key else []
+    if any(p in ("", ".", "..") for p in parts):
         return None
     return bucket, parts
 
 
-def within_roots(uri: str, roots: list[str]) -> bool:
-    """True when `uri` lies inside one of `roots`: local paths compared after resolving symlinks and `..`
-    (realpath), s3:// URIs by bucket and whole key segments (a key with `.` or `..` segments never matches)."""
+def resolve_within_roots(uri: str, roots: list[str]) -> str | None:
+    """The one reading of a weight URI: its canonical form when it lies inside one of `roots`, else None.
+
+    Local paths (plain or file://) resolve to their real path (symlinks and `..` followed once, here); s3://
+    URIs are compared by bucket and whole key segments and come back rebuilt from those segments (a key with
+    an empty, `.` or `..` segment never matches). The caller reads the checkpoint only through the returned
+    form, so the check and the read cannot see two different places."""
     from sao_core import storage
 
     if storage.is_s3_uri(uri):
         target = _s3_parts(uri)
         if target is None:
-            return False
+            return None
         for root in roots:
             allowed = _s3_parts(root) if storage.is_s3_uri(root) else None
             if allowed is not None and allowed[0] == target[0] and target[1][:len(allowed[1])] == allowed[1]:
-                return True
-        return False
+                return "s3://" + "/".join([target[0], *target[1]])
+        return None
     try:
         path = os.path.realpath(storage._local_path(uri))
     except (storage.StorageError, OSError, ValueError):
-        return False
+        return None
     for root in roots:
         if storage.is_s3_uri(root):
             continue
@@ -131,5 +149,31 @@ def within_roots(uri: str, roots: list[str]) -> bool:
         except (storage.StorageError, OSError, ValueError):
             continue
         if os.path.commonpath([path, base]) == base:
-            return True
-    return False
+            return path
+    return None
+
+
+def within_roots(uri: str, roots: list[str]) -> bool:
+    """True when `uri` lies inside one of `roots` (see `resolve_within_roots`)."""
+    return resolve_within_roots(uri, roots) is not None
+
+
+def files_outside(directory: str, roots: list[str]) -> list[str]:
+    """Files and folders under a local checkpoint `directory` whose real path (after symlinks) leaves every
+    local root: a symlinked file inside a checkpoint must not pull bytes from elsewhere."""
+    from sao_core import storage
+
+    bases = []
+    for root in roots:
+        if not storage.is_s3_uri(root):
+            try:
+                bases.append(os.path.realpath(storage._local_path(root)))
+            except (storage.StorageError, OSError, ValueError):
+                continue
+    outside = []
+    for folder, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            real = os.path.realpath(os.path.join(folder, name))
+            if not any(os.path.commonpath([real, base]) == base for base in bases):
+                outside.append(os.path.relpath(os.path.join(folder, name), directory))
+    return sorted(outside)

@@ -56,7 +56,7 @@ class RolloutClient:
         return self._call("POST", "/v1/rollouts/start", json=plan)
 
     def stop(self) -> dict:
-        return self._call("POST", "/v1/rollouts/stop")
+        return self._call("POST", "/v1/rollouts/stop", json={})
 
     def take(self, max_items: int = 1, wait_s: float = 0.0, reconnect: bool = False) -> tuple[list[Trajectory], dict]:
         """Finished trajectories (validated) and the response's other fields."""
@@ -80,10 +80,10 @@ class RolloutClient:
         return self._call("POST", "/v1/weights", timeout_s=600.0, json=body)
 
     def pause(self) -> dict:
-        return self._call("POST", "/v1/pause")
+        return self._call("POST", "/v1/pause", json={})
 
     def resume(self) -> dict:
-        return self._call("POST", "/v1/resume")
+        return self._call("POST", "/v1/resume", json={})
 
     def generate(self, prompts: list, **sampling) -> list[list[dict]]:
         return self._call("POST", "/v1/generate", timeout_s=600.0, json={"prompts": prompts, **sampling})["results"]

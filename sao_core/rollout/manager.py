@@ -442,15 +442,24 @@ class RolloutManager:
         the next one (current + 1) unless `resync` (a learner re-syncing a service, e.g. after its own
         resume: any version; the same version and digest again is a no-op) (ConflictError), the checkpoint's
         manifest must hash to `sha256` and every file must match the manifest; otherwise nothing changes."""
-        from sao_core.rollout.auth import within_roots
+        from sao_core.rollout.auth import files_outside, resolve_within_roots
 
         if not self.allowed_weight_roots:
             raise ForbiddenError("this rollout service loads no weights: it was started without "
                                  "allowed_weight_roots (the run's output prefix, e.g. s3://bucket/run/weights)")
-        if not within_roots(uri, self.allowed_weight_roots):
-            raise ForbiddenError(f"{uri} is outside the allowed weight roots ({', '.join(self.allowed_weight_roots)}); "
-                                 f"the current weights (version {self.engine.version}) stay")
+
+        def outside() -> ForbiddenError:
+            return ForbiddenError(f"{uri} is outside the allowed weight roots ({', '.join(self.allowed_weight_roots)}); "
+                                  f"the current weights (version {self.engine.version}) stay")
+
+        if resolve_within_roots(uri, self.allowed_weight_roots) is None:   # fail fast, before the lock
+            raise outside()
         async with self._weights_lock:   # one update at a time: the version check and the load are one step
+            # The URI is read once more here, after the wait for the lock, and only its resolved form is used
+            # from now on: a symlink swapped while this request waited cannot redirect the load.
+            resolved = resolve_within_roots(uri, self.allowed_weight_roots)
+            if resolved is None:
+                raise outside()
             current = self.engine.version
             if resync and version == current and sha256 == self.weights_sha256:
                 return {"version": current, "sha256": self.weights_sha256, "seconds": 0.0, "unchanged": True}
@@ -462,14 +471,19 @@ class RolloutManager:
                                     f"takes only version {current + 1} next (a learner re-syncing sends resync=true)")
             started = time.monotonic()
             try:
-                actual = await asyncio.to_thread(storage.checkpoint_digest, uri)
+                actual = await asyncio.to_thread(storage.checkpoint_digest, resolved)
             except storage.StorageError as err:
                 raise RolloutError(f"cannot read the weights at {uri}: {err}") from err
             if actual != sha256:
                 raise RolloutError(f"checksum mismatch for {uri}: its manifest hashes to {actual}, the request says "
                                    f"{sha256}; the current weights (version {current}) stay")
+            if not storage.is_s3_uri(resolved):
+                escaped = await asyncio.to_thread(files_outside, resolved, self.allowed_weight_roots)
+                if escaped:
+                    raise ForbiddenError(f"{uri}: {escaped[0]} is a link to a place outside the allowed weight roots; "
+                                         f"the current weights (version {current}) stay")
             try:
-                local = await asyncio.to_thread(storage.fetch_checkpoint, uri, Path(self.cache_dir) / "weights")
+                local = await asyncio.to_thread(storage.fetch_checkpoint, resolved, Path(self.cache_dir) / "weights")
                 await self.engine.load_weights(str(local), version)
             except Exception as err:
                 raise RolloutError(f"cannot load the weights at {uri}: {err}; the current weights (version "

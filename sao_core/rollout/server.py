@@ -150,7 +150,7 @@ class RolloutServer:
         manager = RolloutManager(engine, engine.tokenizer, self.config.cache_dir, self.config.lease_seconds,
                                  allowed_weight_roots=self.config.allowed_weight_roots)
         app = create_app(manager, on_shutdown=self._request_exit, token=self._token,
-                         max_body_bytes=self.config.max_body_bytes)
+                         max_body_bytes=self.config.max_body_bytes, insecure=self.config.insecure)
         return manager, app
 
     def _request_exit(self) -> None:

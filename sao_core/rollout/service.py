@@ -19,17 +19,19 @@ Every /v1 endpoint needs ``Authorization: Bearer <token>`` when the service has 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from sao_core.rollout.admission import DEFAULT_RULE, RULES
-from sao_core.rollout.auth import REALM, same_token
+from sao_core.rollout.auth import REALM, is_loopback, same_token
 from sao_core.rollout.engines.base import SEED_LIMIT, SamplingParams
 from sao_core.rollout.manager import ConflictError, ForbiddenError, RolloutError, RolloutManager, RolloutPlan
 
@@ -54,6 +56,32 @@ def _no_bool(value):
 TokenId = Annotated[int, BeforeValidator(_no_bool)]
 
 
+#: bounds of a plan's free-form JSON options (env_options): nesting depth and encoded size. A plan that was
+#: accepted must always be reportable (/v1/status echoes it), and a deep structure is what breaks encoders.
+MAX_OPTIONS_DEPTH = 16
+MAX_OPTIONS_BYTES = 256 * 1024
+
+
+def _depth(value, limit: int) -> int:
+    """Nesting depth of a JSON value, counting stops past `limit` (so a hostile one costs at most that)."""
+    if limit < 0 or not isinstance(value, (dict, list)):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(v, limit - 1) for v in children), default=0)
+
+
+def _bounded_options(value: dict) -> dict:
+    if _depth(value, MAX_OPTIONS_DEPTH + 1) > MAX_OPTIONS_DEPTH:
+        raise ValueError(f"nested more than {MAX_OPTIONS_DEPTH} levels deep")
+    try:
+        size = len(json.dumps(value, allow_nan=False).encode("utf-8"))
+    except (ValueError, UnicodeEncodeError) as err:
+        raise ValueError("not plain JSON (NaN, infinity or an unpaired surrogate)") from err
+    if size > MAX_OPTIONS_BYTES:
+        raise ValueError(f"{size} bytes as JSON; at most {MAX_OPTIONS_BYTES}")
+    return value
+
+
 class PlanRequest(_Strict):
     dataset: str = Field(min_length=1, description="prepared rl dataset: directory, data.jsonl or s3:// URI")
     rollouts_per_prompt: int = Field(1, ge=1, le=1024)
@@ -63,7 +91,7 @@ class PlanRequest(_Strict):
     limit: int | None = Field(None, ge=1)
     max_in_flight: int = Field(64, ge=1, le=100_000)
     env_concurrency: dict[str, int] = Field(default_factory=dict)
-    env_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    env_options: Annotated[dict[str, dict[str, Any]], AfterValidator(_bounded_options)] = Field(default_factory=dict)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
@@ -179,11 +207,65 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+def _host_of(value: str) -> str:
+    """The host part of a Host header or of an Origin URL ("[::1]:8000" -> "::1", "http://a:1" -> "a")."""
+    value = value.strip()
+    if "://" in value:
+        value = value.split("://", 1)[1].split("/", 1)[0]
+    if value.startswith("["):
+        return value[1:].split("]", 1)[0]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class LoopbackGuard:
+    """ASGI middleware of a service without a token (loopback use): a web page open in a browser on the same
+    host must not drive it. Any request whose Host is not a loopback name or address is refused (DNS
+    rebinding: a page's own name resolving to 127.0.0.1), as is any request from a browser page of another
+    origin (an Origin header that is not loopback, "null" included), and a POST must say Content-Type:
+    application/json (a cross-origin page cannot send that without a CORS preflight, which this service never
+    grants). With a token none of this is needed: a page cannot know the token."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope.get("headers", [])}
+        refusal = None
+        if not is_loopback(_host_of(headers.get("host", ""))):
+            refusal = (421, "this service has no token and answers only requests addressed to a loopback host "
+                            "(Host: 127.0.0.1, ::1 or localhost)")
+        elif "origin" in headers and not is_loopback(_host_of(headers["origin"])):
+            refusal = (403, "this service has no token and refuses requests from web pages of other origins")
+        elif scope.get("method") == "POST" and not headers.get("content-type", "").lower().startswith(
+                "application/json"):
+            refusal = (415, "POST requests need Content-Type: application/json")
+        if refusal is not None:
+            return await JSONResponse({"detail": refusal[1]}, status_code=refusal[0],
+                                      headers={"Connection": "close"})(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """Characters of the tokenizer's longest vocabulary entry (at least 1; cached on the tokenizer)."""
+    cached = getattr(tokenizer, "_sao_longest_token_chars", None)
+    if cached is None:
+        cached = max((len(piece) for piece in tokenizer.get_vocab()), default=1) or 1
+        try:
+            tokenizer._sao_longest_token_chars = cached
+        except AttributeError:
+            pass
+    return cached
+
+
 def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, insecure: bool = False) -> FastAPI:
     """The FastAPI application around a manager. `on_shutdown()` is called after a graceful shutdown.
 
     `token`: the bearer token every /v1 endpoint needs (None: no authentication, loopback or insecure use).
+    Without a token the service answers only loopback Hosts and same-host origins (`LoopbackGuard`), unless
+    `insecure` (served without a token on purpose, on any address).
     """
     from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
@@ -199,6 +281,8 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
 
     app = FastAPI(title="SAO rollout service", version="1")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if token is None and not insecure:
+        app.add_middleware(LoopbackGuard)
     guarded = {"dependencies": [Depends(authenticated)]}
     shutdown_tasks: set[asyncio.Task] = set()
     registry = CollectorRegistry()
@@ -213,6 +297,17 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
     tool_latency = Histogram("sao_rollout_tool_seconds", "tool seconds per episode", registry=registry,
                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
     manager.listeners.append(lambda t: tool_latency.observe(t.timings.tool_seconds))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError):
+        # Where and what, never the input itself: it may not be encodable (NaN, an unpaired surrogate) or be
+        # large, and echoing it made FastAPI's own handler answer 500.
+        def clean(text) -> str:
+            return str(text).encode("utf-8", "backslashreplace").decode("utf-8")[:500]
+
+        detail = [{"loc": [clean(x) if isinstance(x, str) else x for x in e.get("loc", ())],
+                   "msg": clean(e.get("msg", "")), "type": clean(e.get("type", ""))} for e in err.errors()[:20]]
+        return JSONResponse(status_code=422, content={"detail": detail})
 
     @app.exception_handler(ForbiddenError)
     async def _forbidden(_: Request, err: ForbiddenError):
@@ -299,18 +394,33 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
         tokenizer = manager.tokenizer
         from sao_core.rollout.episode import prompt_tokens
 
-        prompt_ids = []
-        for i, prompt in enumerate(body.prompts):
-            if prompt and all(isinstance(x, int) for x in prompt):
-                if any(x < 0 or x >= len(tokenizer) for x in prompt):
-                    raise RolloutError(f"prompts[{i}]: token id out of range [0, {len(tokenizer)})")
-                prompt_ids.append(list(prompt))
-            else:
-                try:
-                    prompt_ids.append(prompt_tokens(tokenizer, prompt))
-                except Exception as err:
-                    raise RolloutError(f"prompts[{i}]: not valid chat messages ({err})") from err
         limit = getattr(manager.engine, "context_length", None)
+        if limit is not None:
+            # Bounded before any work in proportion to the input: a prompt of more characters than the context
+            # times the longest token's cannot fit, and is refused without tokenising it.
+            most = limit * _longest_token_chars(tokenizer)
+            for i, prompt in enumerate(body.prompts):
+                if prompt and not all(isinstance(x, int) for x in prompt):
+                    chars = sum(len(str(m.get("content", ""))) for m in prompt if isinstance(m, dict))
+                    if chars > most:
+                        raise RolloutError(f"prompts[{i}]: {chars} characters cannot fit the engine's context of "
+                                           f"{limit} tokens")
+
+        def tokenise() -> list[list[int]]:
+            out = []
+            for i, prompt in enumerate(body.prompts):
+                if prompt and all(isinstance(x, int) for x in prompt):
+                    if any(x < 0 or x >= len(tokenizer) for x in prompt):
+                        raise RolloutError(f"prompts[{i}]: token id out of range [0, {len(tokenizer)})")
+                    out.append(list(prompt))
+                else:
+                    try:
+                        out.append(prompt_tokens(tokenizer, prompt))
+                    except Exception as err:
+                        raise RolloutError(f"prompts[{i}]: not valid chat messages ({err})") from err
+            return out
+
+        prompt_ids = await asyncio.to_thread(tokenise)   # off the event loop: health checks and acks go on
         if limit is not None:
             for i, ids in enumerate(prompt_ids):
                 if len(ids) >= limit:
