@@ -259,3 +259,105 @@ def test_a_token_given_on_the_command_line_is_not_echoed(capsys):
         err = capsys.readouterr().err
         assert secret not in err and "unrecognized arguments" in err and "values not shown" in err, argv
     assert os.environ.get("SAO_ROLLOUT_TOKEN", "") != secret
+
+
+# ---------------------------------------------------------------------------------- 4: connection limits
+
+
+@pytest.fixture(scope="module")
+def limited_service(sao_cache, tiny_model_dir):
+    """A service with small connection limits, so that each can be hit quickly."""
+    config = ServeConfig(model=str(tiny_model_dir), port=0, cache_dir=str(sao_cache), max_batch=2,
+                         max_header_bytes=8192, max_headers=20, header_timeout_s=0.5, body_timeout_s=0.5,
+                         keep_alive_s=0.5, max_connections=6)
+    server = RolloutServer(config).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _connect(url: str):
+    import socket
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+def _read_until_closed(sock, limit_s: float = 10.0) -> bytes:
+    """Everything the server sends until it closes the connection (at most `limit_s`: a generous bound, the
+    limits under test are 0.5 s)."""
+    import time
+
+    sock.settimeout(limit_s)
+    data, deadline = b"", time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    raise AssertionError(f"the connection stayed open for {limit_s} s; received {data[:200]!r}")
+
+
+def test_an_oversized_request_head_gets_431_before_any_endpoint_runs(limited_service):
+    """Class 4: one 64 MiB header cost 4.2 s of server CPU before the 401 (no header-size limit)."""
+    sock = _connect(limited_service.url)
+    try:
+        sock.sendall(b"GET /v1/status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 20_000)
+        answer = _read_until_closed(sock)
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"request head above 8192 bytes" in answer
+    many = {f"x-h{i}": "1" for i in range(30)}
+    with httpx.Client(base_url=limited_service.url, timeout=30) as http:
+        too_many = http.get("/healthz", headers=many)
+        assert too_many.status_code == 431 and "more than 20 header fields" in too_many.text
+        assert http.get("/healthz", headers={"x-one": "1"}).status_code == 200
+
+
+def test_slow_heads_slow_bodies_and_idle_connections_are_closed(limited_service):
+    """Class 4: idle and slow connections were never closed."""
+    slow_head = _connect(limited_service.url)
+    slow_body = _connect(limited_service.url)
+    idle = _connect(limited_service.url)
+    try:
+        slow_head.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")          # never finished
+        slow_body.sendall(b"POST /v1/trajectories/ack HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                          b"application/json\r\nContent-Length: 100\r\n\r\n{")          # 1 of 100 bytes
+        idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")         # one request, then nothing
+        assert _read_until_closed(slow_head).startswith(b"HTTP/1.1 408 ")
+        assert _read_until_closed(slow_body) == b""                                # cut off, unanswered
+        assert _read_until_closed(idle).startswith(b"HTTP/1.1 200 ")               # answered, then closed
+    finally:
+        for sock in (slow_head, slow_body, idle):
+            sock.close()
+
+
+def test_connections_above_the_cap_get_503(limited_service):
+    """Class 4: no cap on concurrent connections. With max_connections 6, six open connections make the
+    seventh's request a 503; once they close, requests are served again."""
+    import time
+
+    held = [_connect(limited_service.url) for _ in range(6)]
+    try:
+        time.sleep(0.1)    # the server has accepted them (the asserts below do not depend on this)
+        with httpx.Client(base_url=limited_service.url, timeout=30) as http:
+            assert http.get("/healthz").status_code == 503
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while True:
+        with httpx.Client(base_url=limited_service.url, timeout=30) as http:
+            if http.get("/healthz").status_code == 200:
+                break
+        assert time.monotonic() < deadline, "the service did not serve again after the connections closed"
+        time.sleep(0.05)
+
+
+def test_connection_limits_are_validated():
+    for field, value in (("max_header_bytes", 10), ("max_headers", 2), ("header_timeout_s", 0),
+                         ("body_timeout_s", -1), ("keep_alive_s", 10_000), ("max_connections", 0)):
+        with pytest.raises(ValueError, match=f"ServeConfig.{field} must be"):
+            ServeConfig(**{field: value}).validate()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from sao_core.rollout.auth import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, is_loopback, resolve_token
+from sao_core.rollout.http_limits import HeaderCount, HttpLimits, limited_protocol
 from sao_core.rollout.manager import RolloutManager, RolloutPlan
 from sao_core.rollout.service import DEFAULT_MAX_BODY_BYTES, create_app
 
@@ -52,6 +53,13 @@ class ServeConfig:
     insecure: bool = False                  # serve without a token on a non-loopback address
     allowed_weight_roots: list[str] = field(default_factory=list)  # weights load only from inside these (paths, s3:// prefixes)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies get 413
+    # Connection limits (sao_core/rollout/http_limits.py): what a sender can cost before any endpoint runs.
+    max_header_bytes: int = 65536           # request line + headers; above: 431
+    max_headers: int = 100                  # header fields per request; above: 431
+    header_timeout_s: float = 10.0          # to send a complete request head; else 408 and closed
+    body_timeout_s: float = 60.0            # to send a complete body after its head; else closed
+    keep_alive_s: float = 5.0               # idle keep-alive connections are closed after this
+    max_connections: int = 1000             # open connections + running requests; above: 503
 
     def validate(self) -> None:
         if self.engine not in ("hf", "vllm"):
@@ -66,6 +74,15 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.seed must be in [0, 2^63), got {self.seed}")
         if not 1024 <= self.max_body_bytes <= 2**31:
             raise ValueError(f"ServeConfig.max_body_bytes must be in [1024, 2^31], got {self.max_body_bytes}")
+        if not 1024 <= self.max_header_bytes <= 2**24:
+            raise ValueError(f"ServeConfig.max_header_bytes must be in [1024, 2^24], got {self.max_header_bytes}")
+        if not 8 <= self.max_headers <= 10_000:
+            raise ValueError(f"ServeConfig.max_headers must be in [8, 10000], got {self.max_headers}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise ValueError(f"ServeConfig.{name} must be in (0, 3600] seconds, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"ServeConfig.max_connections must be >= 1, got {self.max_connections}")
         if any(not str(root).strip() for root in self.allowed_weight_roots):
             raise ValueError("ServeConfig.allowed_weight_roots may not hold empty entries")
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -162,8 +179,13 @@ class RolloutServer:
         self.manager, app = self._build()
         if self.plan is not None:
             self.manager.start(self.plan)
+        limits = HttpLimits(max_header_bytes=self.config.max_header_bytes, max_headers=self.config.max_headers,
+                            header_timeout_s=self.config.header_timeout_s, body_timeout_s=self.config.body_timeout_s,
+                            keep_alive_s=self.config.keep_alive_s, max_connections=self.config.max_connections)
+        app = HeaderCount(app, limits.max_headers)
         config = uvicorn.Config(app, host=self.config.host, port=self.port, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=HTTP_DRAIN_S)
+                                timeout_graceful_shutdown=HTTP_DRAIN_S, http=limited_protocol(limits),
+                                timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections)
         self._server = uvicorn.Server(config)
         await self._server.serve()
         await self.manager.shutdown(grace_s=0)

@@ -1,0 +1,137 @@
+"""Connection-level limits of the rollout service's HTTP server: what an unauthenticated sender can make the
+server spend before any endpoint (or the bearer-token check) runs.
+
+uvicorn's h11 protocol, extended (`limited_protocol`) with:
+
+- a header-size limit: a request whose head (request line + headers) passes `max_header_bytes` before it is
+  complete gets 431 and the connection is closed (uvicorn's default parser had no limit: a 64 MiB header cost
+  seconds of CPU before the 401);
+- a header read timeout: a connection that has not completed a request head within `header_timeout_s` of its
+  first byte (or of the end of its previous response) gets 408 and is closed (slow-header connections);
+- a body read timeout: a request whose body has not fully arrived `body_timeout_s` after its head is cut off;
+- the header count (`max_headers`) is checked by `HeaderCount` (ASGI middleware, 431).
+
+uvicorn's own settings give the rest: `timeout_keep_alive` closes idle keep-alive connections, and
+`limit_concurrency` answers 503 above that many open connections and tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import h11
+from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The limits, as `ServeConfig` defines them (names, defaults, help): units in the names."""
+
+    max_header_bytes: int
+    max_headers: int
+    header_timeout_s: float
+    body_timeout_s: float
+    keep_alive_s: float
+    max_connections: int
+
+
+def limited_protocol(limits: HttpLimits) -> type[H11Protocol]:
+    """An h11 protocol class for uvicorn (`uvicorn.Config(http=...)`) that enforces `limits`."""
+
+    class LimitedH11Protocol(H11Protocol):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # h11's own bound must not fire first (it answers a bare 400): ours is checked after each chunk.
+            self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes + (1 << 20))
+            self._head_bytes = 0
+            self._timer: asyncio.TimerHandle | None = None
+            self._timer_phase: str | None = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm("head")
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            waiting_for_head = self.conn.their_state is h11.IDLE
+            if waiting_for_head:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if self.transport.is_closing():
+                return
+            state = self.conn.their_state
+            if state is h11.IDLE:          # the head is still incomplete
+                if self._head_bytes > limits.max_header_bytes:
+                    self._refuse(431, f"request head above {limits.max_header_bytes} bytes")
+                    return
+                self._arm("head")
+            else:
+                self._head_bytes = 0
+                if state is h11.SEND_BODY:
+                    self._arm("body")
+                else:
+                    self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # The next request's head is timed from the end of this response (uvicorn's keep-alive timer
+            # closes the connection earlier if nothing at all arrives).
+            self._head_bytes = 0
+            if not self.transport.is_closing():
+                self._arm("head")
+
+        # ---------------------------------------------------------------- timers
+        def _arm(self, phase: str) -> None:
+            if self._timer is not None and self._timer_phase == phase:
+                return
+            self._disarm()
+            delay = limits.header_timeout_s if phase == "head" else limits.body_timeout_s
+            self._timer = self.loop.call_later(delay, self._expired, phase)
+            self._timer_phase = phase
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_phase = None, None
+
+        def _expired(self, phase: str) -> None:
+            self._timer, self._timer_phase = None, None
+            if self.transport.is_closing():
+                return
+            if phase == "head" and self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
+                if self._head_bytes:
+                    self._refuse(408, f"request head not received within {limits.header_timeout_s} s")
+                else:
+                    self.transport.close()
+            elif phase == "body" and self.conn.their_state is h11.SEND_BODY:
+                self.transport.close()   # the app sees a disconnect
+
+        def _refuse(self, status: int, message: str) -> None:
+            self._disarm()
+            reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+            body = message.encode()
+            head = (b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+                    b"connection: close\r\n\r\n" % (status, reason, len(body)))
+            self.transport.write(head + body)
+            self.transport.close()
+
+    return LimitedH11Protocol
+
+
+class HeaderCount:
+    """ASGI middleware: 431 for a request with more than `max_headers` header fields."""
+
+    def __init__(self, app, max_headers: int):
+        self.app = app
+        self.max_headers = max_headers
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and len(scope.get("headers", ())) > self.max_headers:
+            return await JSONResponse({"detail": f"more than {self.max_headers} header fields"}, status_code=431,
+                                      headers={"Connection": "close"})(scope, receive, send)
+        await self.app(scope, receive, send)
