@@ -265,7 +265,9 @@ def _atomic_write_local(path: pathlib.Path, write: Callable[[pathlib.Path], None
 def exists(uri: str, settings: S3Settings | None = None) -> bool:
     """True if a file/directory (local) or an object or non-empty prefix (S3) exists at ``uri``."""
     if not is_s3_uri(uri):
-        return _local_path(uri).exists()
+        path = _local_path(uri)
+        with _local_errors(path, "checking"):   # e.g. a name too long for the file system: an error, not a 500
+            return path.exists()
     with _s3(uri, settings, "checking") as (client, bucket, key):
         try:
             if not key:
