@@ -198,18 +198,14 @@ class RolloutManager:
         self.listeners: list = []             # callables(trajectory) for metrics
 
     # ---------------------------------------------------------------- plan and episodes
-    def start(self, plan: RolloutPlan) -> dict:
-        """Start producing episodes for `plan` (one plan at a time). A plan whose `max_total_tokens` exceeds the
-        engine's context is refused."""
+    def load_tasks(self, plan: RolloutPlan) -> list:
+        """The plan's tasks, read from its dataset after the plan is checked (RolloutError naming what is wrong).
+        Work in proportion to the dataset: the HTTP service runs it off the event loop (`asyncio.to_thread`)."""
         plan.validate()
         try:
             check_context(self.engine, plan.max_total_tokens)
         except ValueError as err:
             raise RolloutError(str(err)) from err
-        if self._producer is not None and not self._producer.done():
-            raise ConflictError("a rollout plan is already running; stop it first")
-        if not self._accepting:
-            raise ConflictError("the service is shutting down")
         from sao_core.data.prepared import open_prepared
         from sao_core.data.schemas import DataError
         from sao_core.envs import task_from_row
@@ -224,9 +220,19 @@ class RolloutManager:
         if kind is not None and kind != "rl":
             raise RolloutError(f"{uri} was prepared with --kind {kind}; rollouts need --kind rl")
         try:
-            tasks = [task_from_row(row) for row in rows[: plan.limit]]
+            return [task_from_row(row) for row in rows[: plan.limit]]
         except (KeyError, TypeError, ValueError) as err:
             raise RolloutError(f"{uri}: {err}") from err
+
+    def start(self, plan: RolloutPlan, tasks: list | None = None) -> dict:
+        """Start producing episodes for `plan` (one plan at a time), with `tasks` from `load_tasks(plan)` (read
+        here when not given). A plan whose `max_total_tokens` exceeds the engine's context is refused."""
+        if self._producer is not None and not self._producer.done():
+            raise ConflictError("a rollout plan is already running; stop it first")
+        if not self._accepting:
+            raise ConflictError("the service is shutting down")
+        if tasks is None:
+            tasks = self.load_tasks(plan)
         self.plan = plan
         self.plan_done = False
         self._tasks = tasks

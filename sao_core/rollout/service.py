@@ -331,7 +331,9 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
 
     @app.post("/v1/rollouts/start", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
     async def start(plan: PlanRequest) -> dict:
-        return manager.start(RolloutPlan(**plan.model_dump()))
+        rollout_plan = RolloutPlan(**plan.model_dump())
+        tasks = await asyncio.to_thread(manager.load_tasks, rollout_plan)   # reading a dataset: off the loop
+        return manager.start(rollout_plan, tasks)
 
     @app.post("/v1/rollouts/stop", **guarded, responses={**UNAUTHORIZED})
     async def stop() -> dict:
