@@ -90,9 +90,8 @@ def test_grader_timeouts_are_wrong_and_reported(grader):
         assert g.grade("1", "1.0").correct  # starts the worker
         (pid,) = g.worker_pids()
         os.kill(pid, signal.SIGSTOP)
-        t0 = time.monotonic()
         r = g.grade("2", "2.0", timeout_s=0.2)
-        assert (r.correct, r.reason) == (False, "timeout") and time.monotonic() - t0 < 3
+        assert (r.correct, r.reason) == (False, "timeout")   # answered, not hung on the stopped worker
         assert g.stats["workers_killed"] == 1
         # a crashed worker counts as an error, and the next answer gets a fresh worker
         assert g.grade("3", "3.0").correct
@@ -170,21 +169,32 @@ def test_tool_arith_max_turns_is_length():
         env.step("\\boxed{6}")
 
 
-def test_tool_arith_latency_is_slept_and_reported():
+def test_tool_arith_latency_is_slept_and_reported(monkeypatch):
+    """The drawn latency is slept (the reported tool seconds are at least it) and drawn, not constant; the
+    distribution is checked on the drawn values, not on wall time (no upper bound that a loaded machine breaks)."""
+    from sao_core.envs import tool_arith
+
+    slept: list[float] = []
+    real_sleep = time.sleep
+
+    def recording_sleep(seconds: float) -> None:
+        slept.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(tool_arith.time, "sleep", recording_sleep)
     env = ToolArithEnv(latency_median_s=0.03, latency_sigma=0.5, seed=3)
     env.reset(_chain_task(1, [("+", 1)] * 4, 5))
-    seconds = []
     for x in range(1, 5):
         t0 = time.monotonic()
         step = env.step(_call(f"{x} + 1"))
         wall = time.monotonic() - t0
-        assert step.tool_seconds > 0.003 and wall >= step.tool_seconds * 0.99
-        seconds.append(step.tool_seconds)
-    assert len(set(round(s, 4) for s in seconds)) > 1  # drawn, not constant
-    assert 0.005 < statistics.median(seconds) < 0.3
+        assert step.tool_seconds >= slept[-1] * 0.99 and wall >= step.tool_seconds * 0.99
+    assert len(slept) == 4 and len(set(slept)) == 4   # drawn, not constant
+    assert 0.005 < statistics.median(slept) < 0.3     # log-normal around 0.03 s (seeded draws)
     no_latency = ToolArithEnv()
     no_latency.reset(_chain_task(1, [("+", 1)], 2))
-    assert no_latency.step(_call("1 + 1")).tool_seconds < 0.01
+    no_latency.step(_call("1 + 1"))
+    assert len(slept) == 4                            # nothing slept without a latency
 
 
 def test_tool_arith_tasks_long_tail_and_determinism():
@@ -305,9 +315,8 @@ def test_math_python_episode_with_local_sandbox(grader):
     assert (r.done, r.observation) == (False, "42\n") and r.tool_seconds > 0
     r = env.step(_python_call("print(6 *"))
     assert not r.done and "SyntaxError" in r.observation and r.observation.endswith("[exit code 1]")
-    t0 = time.monotonic()
     r = env.step(_python_call("print('start', flush=True)\nwhile True:\n    pass"))
-    assert not r.done and r.observation.endswith("[timed out after 1 s]") and time.monotonic() - t0 < 4
+    assert not r.done and r.observation.endswith("[timed out after 1 s]")   # ended by its timeout, not hung
     r = env.step('<tool_call>{"name": "python", "arguments": {"code": </tool_call>')
     assert not r.done and r.observation.startswith("error:") and "JSON" in r.observation
     r = env.step('<tool_call>{"name": "shell", "arguments": {"cmd": "ls"}}</tool_call>')

@@ -451,7 +451,10 @@ def test_fresh_run_with_resume_waits_for_a_service_that_starts_late(rl_data, tmp
     caplog.set_level(logging.INFO, logger="sao_core.learner.loop")
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(3.0)
+    deadline = time.monotonic() + 120
+    while "waiting for it" not in " ".join(r.getMessage() for r in list(caplog.records)):   # the learner waits
+        assert time.monotonic() < deadline and thread.is_alive(), result.get("error", "the learner never waited")
+        time.sleep(0.05)
     server = RolloutServer(ServeConfig(model=tiny_model_dir, port=port, cache_dir=str(sao_cache),
                                        allowed_weight_roots=[str(tmp_path)])).start()
     try:

@@ -276,7 +276,10 @@ def test_shutdown_does_not_wait_for_a_long_poll(service):
 
     thread = threading.Thread(target=long_poll)
     thread.start()
-    time.sleep(1.0)  # the poll is waiting inside the service
+    deadline = time.monotonic() + 60
+    while server.manager.long_polls < 1:   # the poll is waiting inside the service
+        assert time.monotonic() < deadline, "the long poll never reached the service"
+        time.sleep(0.01)
     began = time.monotonic()
     client.shutdown(grace_s=0)
     server._thread.join(HTTP_DRAIN_S + 20)

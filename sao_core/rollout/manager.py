@@ -170,6 +170,7 @@ class RolloutManager:
         self.allowed_weight_roots = list(allowed_weight_roots or [])
         self.weights_sha256: str | None = None   # manifest digest of the weights loaded last (None: the initial)
         self._weights_lock = asyncio.Lock()
+        self.long_polls = 0                      # takes in progress (waiting for a trajectory, or about to)
         self.tokenizer = tokenizer
         self.cache_dir = cache_dir
         self.lease_seconds = lease_seconds
@@ -369,12 +370,16 @@ class RolloutManager:
             raise RolloutError("max must be >= 1")
         self._expire_leases()
         deadline = time.monotonic() + max(0.0, wait_s)
-        while not self._ready and time.monotonic() < deadline and not (self.plan_done and not self._episodes):
-            self._new_ready.clear()
-            try:
-                await asyncio.wait_for(self._new_ready.wait(), deadline - time.monotonic())
-            except TimeoutError:
-                break
+        self.long_polls += 1
+        try:
+            while not self._ready and time.monotonic() < deadline and not (self.plan_done and not self._episodes):
+                self._new_ready.clear()
+                try:
+                    await asyncio.wait_for(self._new_ready.wait(), deadline - time.monotonic())
+                except TimeoutError:
+                    break
+        finally:
+            self.long_polls -= 1
         out = []
         while self._ready and len(out) < max_items:
             tid, trajectory = self._ready.popitem(last=False)
@@ -536,6 +541,7 @@ class RolloutManager:
             "in_flight": running + sum(not t.is_fragment for t in self._ready.values())
             + sum(not lease.trajectory.is_fragment for lease in self._leased.values()),
             "fragments": self.counts["fragments"],
+            "long_polls": self.long_polls,
             "finished": self.counts["finished"],
             "acknowledged": self.counts["acknowledged"],
             "dropped": self.counts["dropped"] + self.counts["dropped_by_learner"],
