@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 from kfp import dsl
 
-from sao_core.kfp.images import image
+from sao_core.images import image
 
 
 @dsl.component(base_image=image("cpu"), install_kfp_package=False)

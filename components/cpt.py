@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
-from sao_core.kfp.images import image
+from sao_core.images import image
 
 
 @dsl.component(base_image=image("train"), install_kfp_package=False)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from kfp import dsl
 from kfp.dsl import Dataset, Metrics, Output
 
-from sao_core.kfp.images import image
+from sao_core.images import image
 
 
 @dsl.component(base_image=image("cpu"), install_kfp_package=False)

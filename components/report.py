@@ -12,7 +12,7 @@ from typing import NamedTuple
 from kfp import dsl
 from kfp.dsl import HTML, Artifact, Input, Metrics, Output
 
-from sao_core.kfp.images import image
+from sao_core.images import image
 
 
 @dsl.component(base_image=image("cpu"), install_kfp_package=False)
@@ -40,7 +40,7 @@ def report(
 
     from sao_core import storage
     from sao_core.eval.report import write_report
-    from sao_core.eval.run import load_summary
+    from sao_core.eval.summary import load_summary
     from sao_core.kfp import artifacts, evaluation
 
     loaded = []

@@ -14,7 +14,7 @@ from typing import Optional
 
 from kfp import dsl
 
-from sao_core.kfp.images import image
+from sao_core.images import image
 
 
 @dsl.component(base_image=image("rollout"), install_kfp_package=False)

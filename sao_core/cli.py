@@ -215,9 +215,9 @@ def _cluster_help(parser: argparse.ArgumentParser, cls: type) -> None:
 def cmd_cluster(args: argparse.Namespace) -> int:
     import yaml
 
+    from sao_core import images
     from sao_core.cluster import entry, golden, launcher, manifests
     from sao_core.cluster.api import ClusterError, KubeAPI
-    from sao_core.kfp import images
 
     action = args.cluster_command
     try:
@@ -389,7 +389,7 @@ def _add_kfp_parsers(sub) -> None:
     def cluster(p) -> None:
         g = p.add_argument_group("compile-time cluster settings")
         g.add_argument("--queue-name", default="", help="Kueue LocalQueue: label kueue.x-k8s.io/queue-name on every pod")
-        g.add_argument("--image-cpu", help="image of CPU steps [default: from SAO_IMAGE_* / sao_core.kfp.images]")
+        g.add_argument("--image-cpu", help="image of CPU steps [default: from SAO_IMAGE_* / sao_core.images]")
         g.add_argument("--image-train", help="image of SFT/CPT/DPO/GKD steps")
         g.add_argument("--image-rollout", help="image of RL, rollout and evaluation steps (vLLM)")
         g.add_argument("--shm-size", help="size of /dev/shm in GPU pods [default: 16Gi]")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from sao_core.eval.exact import build, clean
+from sao_core.envs.exact import build, clean
 from sao_core.eval.graders import is_prose
 
 _INT = re.compile(r"(?<![\d.])\d+(?![\d.])")

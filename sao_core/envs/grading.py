@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 GRADE_REASONS = ("match", "mismatch", "no_answer", "unparseable", "unsettled", "timeout", "error")
 #: Comparison modes: ``math_verify`` (training rewards: math-verify's equivalence) and ``exact``
-#: (evaluation of IMO-AnswerBench: the exact-value rules of `sao_core.eval.exact`).
+#: (evaluation of IMO-AnswerBench: the exact-value rules of `sao_core.envs.exact`).
 MODES = ("math_verify", "exact")
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -97,7 +97,7 @@ class GradeResult:
     reason: str
     detail: str = ""
     seconds: float = 0.0
-    rule: str = ""          # mode "exact": the rule that decided (see sao_core.eval.exact)
+    rule: str = ""          # mode "exact": the rule that decided (see sao_core.envs.exact)
 
 
 _WS = re.compile(r"\s+")
@@ -126,7 +126,7 @@ def _grade_here(answer: str, gold: str, timeout_s: float, mode: str = "math_veri
     signal.setitimer(signal.ITIMER_REAL, max(timeout_s, 1e-6))
     try:
         if mode == "exact":
-            from sao_core.eval.exact import compare
+            from sao_core.envs.exact import compare
 
             outcome = compare(answer, gold, text_shortcut=text_shortcut)
             return outcome.grade, outcome.detail, outcome.rule
@@ -160,7 +160,7 @@ def _worker_main(conn: Any) -> None:
     try:
         import math_verify  # noqa: F401  (warm the import before reporting ready)
 
-        import sao_core.eval.exact  # noqa: F401
+        import sao_core.envs.exact  # noqa: F401
     except Exception as exc:
         conn.send(("failed", f"cannot import math_verify: {exc}"))
         return
@@ -308,7 +308,7 @@ class MathGrader:
 
         `text_shortcut=False` skips the identical-text fast path, so math-verify (or the exact rules)
         decides every answer. `mode` is one of :data:`MODES`: ``math_verify`` (the default, training
-        rewards) or ``exact`` (`sao_core.eval.exact`: reason ``unsettled`` when it cannot tell exactly)."""
+        rewards) or ``exact`` (`sao_core.envs.exact`: reason ``unsettled`` when it cannot tell exactly)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         started = time.monotonic()

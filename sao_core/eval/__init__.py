@@ -14,7 +14,8 @@ from sao_core.eval.benchmarks import BENCHMARKS, BenchmarkSpec, get_benchmark, l
 from sao_core.eval.config import BENCHMARK_NAMES, EvalConfig, EvalError
 from sao_core.eval.metrics import pass_at_k
 from sao_core.eval.report import write_report
-from sao_core.eval.run import evaluate, load_summary
+from sao_core.eval.run import evaluate
+from sao_core.eval.summary import load_summary
 
 __all__ = [
     "BENCHMARKS",

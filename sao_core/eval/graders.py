@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sao_core.envs.exact import squeeze
 from sao_core.envs.grading import MathGrader, answer_region, extract_boxed
-from sao_core.eval.exact import squeeze
 
 GRADERS = ("exact_int", "rule", "llm_judge", "swe_tests")
 
@@ -150,7 +150,7 @@ _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}(?![A-Za-z])")
 def prose_key(text: str) -> str:
     """The comparison key of a prose answer: words of two or more letters outside ``$…$`` lower-cased
     (``All`` = ``all``), single letters and formulas kept as written (``N`` is not ``n``), then
-    `squeeze` (`sao_core.eval.exact`)."""
+    `squeeze` (`sao_core.envs.exact`)."""
     pieces = text.split("$")
     for i in range(0, len(pieces), 2):
         pieces[i] = _PROSE_WORD.sub(lambda m: m.group(0).casefold(), pieces[i])
@@ -180,7 +180,7 @@ class ImoGrader:
         self.judge_policy = judge_policy
 
     def rule(self, answer: str | None, gold: str, *, text_shortcut: bool = True) -> Verdict:
-        """The rules alone (`sao_core.eval.exact`). `text_shortcut=False` makes the exact rules decide even
+        """The rules alone (`sao_core.envs.exact`). `text_shortcut=False` makes the exact rules decide even
         identical texts (used to measure what they settle by themselves). The rule that decided is in
         ``extra["rule"]``."""
         started = time.monotonic()

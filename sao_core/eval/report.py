@@ -270,7 +270,7 @@ def write_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any]
     without metrics is named in a note instead (ReportError is not raised: the evaluation stands alone).
     """
     if isinstance(previous, str):
-        from sao_core.eval.run import load_summary
+        from sao_core.eval.summary import load_summary
 
         previous = load_summary(previous)
     training = None

@@ -56,12 +56,12 @@ from sao_core.eval.benchmarks import LoadedBenchmark, get_benchmark, group_value
 from sao_core.eval.config import EvalConfig, EvalError
 from sao_core.eval.graders import ImoGrader, IntegerGrader, LLMJudge, Verdict, verdict_from_swe_report
 from sao_core.eval.metrics import benchmark_metrics, compare, flat_metrics
+from sao_core.eval.summary import SUMMARY_FILE, load_summary
 from sao_core.eval.versions import grader_versions, versions_for_grader
 
 log = logging.getLogger(__name__)
 
 SAMPLES_FILE = "samples.jsonl"
-SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.json"
 REPORT_FILE = "report.html"
 RUN_FILE = "run.json"
@@ -487,20 +487,6 @@ def _check_swe_settings(config: EvalConfig) -> None:
         raise EvalError("swe_verified with the local sandbox needs the repositories on this machine: set "
                         "swe_repo_source to a directory of git mirrors (<owner>__<name>), or use sandbox=kubernetes "
                         "(each instance runs in its SWE-bench image)")
-
-
-def load_summary(uri: str) -> dict[str, Any]:
-    """A ``summary.json`` (path, run folder or s3:// URI) written by :func:`evaluate`."""
-    target = uri if uri.endswith(".json") else storage.join(uri, SUMMARY_FILE)
-    try:
-        data = json.loads(storage.read_text(target))
-    except (storage.StorageError, OSError) as err:
-        raise EvalError(f"cannot read the previous summary {target}: {err}") from err
-    except ValueError as err:
-        raise EvalError(f"the previous summary {target} is not JSON: {err}") from err
-    if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
-        raise EvalError(f"{target} is not an evaluation summary (no 'metrics' mapping)")
-    return data
 
 
 def _now() -> str:

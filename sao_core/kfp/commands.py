@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from sao_core import images
 from sao_core.kfp import client as kfp_client
-from sao_core.kfp import images
 from sao_core.kfp.k8s import ClusterSettings
 
 #: Compiled packages of this process, by (pipeline, settings, images): compiling is deterministic.

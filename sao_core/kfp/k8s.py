@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from sao_core.kfp import images
+from sao_core import images
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 #: secret key -> environment variable of the S3 credentials secret (keys missing in the secret are skipped).
@@ -78,7 +78,7 @@ class ClusterSettings:
             raise ValueError(f"images: unknown image kind(s) {', '.join(unknown)}; known: {', '.join(images.KINDS)}")
 
     def image(self, kind: str) -> str:
-        """The image of `kind`: this settings' override, else :func:`sao_core.kfp.images.image`."""
+        """The image of `kind`: this settings' override, else :func:`sao_core.images.image`."""
         return self.images.get(kind) or images.image(kind)
 
 
