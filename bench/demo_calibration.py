@@ -1,4 +1,4 @@
-"""Calibration of `make demo` (sao_core/kfp/local.py DEMO_*): the demo's warm start and SAO run with its
+"""Calibration of `make demo` (sao_core/demo.py DEMO_*): the demo's warm start and SAO run with its
 evaluation during training, in this process instead of the KFP local runner (the same settings and code:
 the pipeline's components call the same `train` and `train_rl`), for several SAO seeds from one warm start.
 
@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sao_core import demo as local  # noqa: E402  (the demo's settings)
 from sao_core.data.prepare import PrepareConfig, prepare  # noqa: E402
 from sao_core.data.synthetic import tool_arith_sft_rows  # noqa: E402
 from sao_core.envs.tool_arith import tool_arith_tasks  # noqa: E402
-from sao_core.kfp import local  # noqa: E402
 from sao_core.learner.config import RLConfig  # noqa: E402
 from sao_core.learner.loop import train_rl  # noqa: E402
 from sao_core.training.config import SFTConfig  # noqa: E402

@@ -463,7 +463,7 @@ def _add_kfp_parsers(sub) -> None:
 
 
 def _demo_pipeline(args: argparse.Namespace) -> int:
-    from sao_core.kfp.local import run_sao_rl_demo
+    from sao_core.demo import run_sao_rl_demo
 
     chosen = {"warm_start_steps": args.steps} if args.steps is not None else {}
     summary = run_sao_rl_demo(args.output, args.cache_dir, threads=args.threads, **chosen,

@@ -115,7 +115,7 @@ def test_unreachable_host_is_one_line(capsys):
 
 
 def test_demo_pipeline_flag_is_wired(monkeypatch, capsys, tmp_path):
-    import sao_core.kfp.local as local
+    import sao_core.demo as local
 
     seen = {}
 

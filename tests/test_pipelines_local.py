@@ -176,7 +176,7 @@ DEMO_MARGIN = 0.10
 
 @pytest.mark.slow   # not serial: its margin holds on a loaded machine (docstring)
 def test_sao_rl_end_to_end_like_make_demo(tmp_path, sao_cache):
-    """`make demo` with its own settings (sao_core/kfp/local.py DEMO_*): the SAO step (100 steps of 32)
+    """`make demo` with its own settings (sao_core/demo.py DEMO_*): the SAO step (100 steps of 32)
     evaluates 128 held-out prompts during training (one greedy and two sampled answers each) at steps 0, 25,
     50, 75 and 100, the held-out sampled (T = 1) reward rises by at least DEMO_MARGIN, and the final report
     holds the training run's curves next to the evaluation.
@@ -187,7 +187,7 @@ def test_sao_rl_end_to_end_like_make_demo(tmp_path, sao_cache):
     0.352 (+0.161); pipeline 136-180 s. The margin, 0.10, is about 3 standard deviations of what a run that
     learnt nothing would show (256 answers at p = 0.17 have a standard deviation of 0.023 per evaluation, so
     the difference of two has about 0.033) and under two thirds of the smallest measured rise. The greedy reward is not asserted (0.664 -> 0.703 / 0.656 / 0.695)."""
-    from sao_core.kfp.local import DEMO_EVAL_EVERY, DEMO_HELD_OUT, DEMO_SAO_STEPS, run_sao_rl_demo
+    from sao_core.demo import DEMO_EVAL_EVERY, DEMO_HELD_OUT, DEMO_SAO_STEPS, run_sao_rl_demo
 
     said: list[str] = []
     result = run_sao_rl_demo(tmp_path / "demo", sao_cache, threads=2, say=said.append)
