@@ -28,7 +28,7 @@ GOLDEN_SETTINGS = ClusterSettings(
 def main(argv: list[str] | None = None) -> int:
     """Compile every pipeline (or the golden files); print the written paths."""
     import pipelines
-    from sao_core.kfp.commands import compile_pipelines
+    from pipelines.commands import compile_pipelines
 
     parser = argparse.ArgumentParser(prog="python -m pipelines.compile", description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="build/pipelines")

@@ -324,7 +324,7 @@ def _cluster_settings(args: argparse.Namespace):
 
 
 def cmd_kfp_compile(args: argparse.Namespace) -> int:
-    from sao_core.kfp.commands import compile_pipelines
+    from pipelines.commands import compile_pipelines
 
     names = ["post_training", "sao_rl", "evaluation"] if args.pipeline == "all" else [args.pipeline]
     for path in compile_pipelines(names, args.output_dir, _cluster_settings(args)):
@@ -333,7 +333,7 @@ def cmd_kfp_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_kfp_upload(args: argparse.Namespace) -> int:
-    from sao_core.kfp import commands
+    from pipelines import commands
 
     result = commands.upload(args.host, args.name, pipeline=args.pipeline, package=args.package,
                              version_name=args.version, description=args.description, namespace=args.namespace,
@@ -343,7 +343,7 @@ def cmd_kfp_upload(args: argparse.Namespace) -> int:
 
 
 def cmd_kfp_run(args: argparse.Namespace) -> int:
-    from sao_core.kfp import commands
+    from pipelines import commands
 
     result = commands.run(args.host, args.experiment, args.run_name, args.param, pipeline=args.pipeline,
                           package=args.package, pipeline_id=args.pipeline_id, version_id=args.version_id,
@@ -354,7 +354,7 @@ def cmd_kfp_run(args: argparse.Namespace) -> int:
 
 
 def cmd_kfp_schedule(args: argparse.Namespace) -> int:
-    from sao_core.kfp import commands
+    from pipelines import commands
 
     result = commands.schedule(args.host, args.experiment, args.name, args.cron, args.param, pipeline=args.pipeline,
                                package=args.package, pipeline_id=args.pipeline_id, version_id=args.version_id,
@@ -367,7 +367,7 @@ def cmd_kfp_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_kfp_schedules(args: argparse.Namespace) -> int:
-    from sao_core.kfp import commands
+    from pipelines import commands
 
     if args.action == "list":
         rows = commands.list_schedules(args.host, args.experiment, namespace=args.namespace,

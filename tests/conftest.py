@@ -117,8 +117,8 @@ def golden_compiled(tmp_path_factory) -> dict[str, Path]:
     """Every pipeline compiled once with `GOLDEN_SETTINGS` (the golden files' settings): name -> package path.
     Shared by test_kfp_spec and test_cluster_pipeline, which only read the packages (copy them to change them)."""
     import pipelines
+    from pipelines.commands import compile_pipelines
     from pipelines.compile import GOLDEN_SETTINGS
-    from sao_core.kfp.commands import compile_pipelines
 
     out = tmp_path_factory.mktemp("golden-compiled")
     return {p.stem: p for p in compile_pipelines(list(pipelines.PIPELINES), out, GOLDEN_SETTINGS)}

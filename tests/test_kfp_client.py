@@ -23,8 +23,8 @@ import jsonschema
 import pytest
 import yaml
 
+from pipelines import commands
 from sao_core.kfp import client as kfp_client
-from sao_core.kfp import commands
 from sao_core.kfp.client import KFPError
 
 SWAGGER_PATH = Path(__file__).resolve().parents[2] / "shared" / "data" / "kubeflow" / "kfp_api_v2beta1.swagger.json"

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from test_kfp_client import FakeKFP
 
+from pipelines.commands import compile_pipelines
 from pipelines.compile import README, readme_with_tables
 from sao_core.cli import main
-from sao_core.kfp.commands import compile_pipelines
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "http://localhost:8080"

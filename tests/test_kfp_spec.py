@@ -13,10 +13,10 @@ import yaml
 
 import pipelines
 from pipelines._kfp_merge import platform_problems
+from pipelines.commands import compile_pipelines
 from pipelines.compile import GOLDEN_DIR, GOLDEN_SETTINGS
 from sao_core import images
 from sao_core.kfp import k8s
-from sao_core.kfp.commands import compile_pipelines
 from sao_core.kfp.params import POST_TRAINING_METHODS
 from sao_core.kfp.spec import SpecError, normalise_for_golden, patch_literals, root_parameters, verify_package
 from sao_core.learner.config import ADMISSION_RULES

@@ -35,9 +35,7 @@ FLOORS = [
 ]
 
 #: (importing module, imported module) still running up a floor
-KNOWN_UPWARD = {
-    ("sao_core.kfp.commands", "pipelines"),          # compiling the pipelines: belongs above them
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 #: circles of modules still to break, each as its sorted members
 KNOWN_CIRCLES: set[tuple[str, ...]] = set()
 
