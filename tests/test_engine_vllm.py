@@ -14,6 +14,7 @@ import shutil
 import time
 
 import pytest
+from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
 
 from sao_core import storage
 from sao_core.rollout.engines import EngineError, SamplingParams
@@ -391,18 +392,12 @@ def test_rollout_service_with_the_vllm_engine(tmp_path, sao_cache):
     """The whole service on vLLM: a tool_arith plan streams trajectories whose log-probs match."""
     import torch
 
-    from sao_core.data.prepare import PrepareConfig, prepare
-    from sao_core.envs.tool_arith import tool_arith_tasks
     from sao_core.models import load_model, resolve_model
     from sao_core.objectives.common import token_logprobs
     from sao_core.rollout.client import RolloutClient
     from sao_core.rollout.server import RolloutServer, ServeConfig
 
-    tasks = tool_arith_tasks(4, seed=1, p_more=1.0)
-    raw = tmp_path / "rl.jsonl"
-    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer}) + "\n"
-                           for t in tasks))
-    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(tmp_path / "rl")))
+    tool_arith_rl(tmp_path / "rl", 4, seed=1, p_more=1.0)
     from sao_core.rollout.client import RolloutRequestError
     from sao_core.rollout.manager import RolloutPlan
 

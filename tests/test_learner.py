@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from model_fixtures import sft_model
+from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
 from run_helpers import StopRun, stop_at
 
 from sao_core import storage
-from sao_core.data.prepare import PrepareConfig, prepare
 from sao_core.data.synthetic import tool_arith_sft_rows
-from sao_core.envs.tool_arith import tool_arith_tasks
 from sao_core.learner.config import RLConfig
 from sao_core.learner.loop import LearnerError, ServiceSet, prune_weight_versions, train_rl
 from sao_core.rollout.client import RolloutClient, RolloutUnavailable
@@ -32,13 +31,7 @@ from learning_runs import LEARNING_TEST, first_and_last, learning_config  # noqa
 
 @pytest.fixture(scope="module")
 def rl_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl")
-    tasks = tool_arith_tasks(2000, seed=3, p_more=1.0)
-    raw = root / "raw.jsonl"
-    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
-                                       "metadata": t.metadata}) + "\n" for t in tasks))
-    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(root / "rl")))
-    return str(root / "rl")
+    return tool_arith_rl(tmp_path_factory.mktemp("rl") / "rl", 2000, seed=3, p_more=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
 
 from sao_core import storage
-from sao_core.data.prepare import PrepareConfig, prepare
-from sao_core.envs.tool_arith import tool_arith_tasks
 
 WORKER = Path(__file__).parent / "scripts" / "learner_step_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -57,11 +56,7 @@ def test_torchrun_learner_runs_checkpoints_and_resumes(tmp_path, tiny_model_dir,
     do not depend on the world size). No trajectory is trained twice; the exported model loads."""
     from transformers import AutoModelForCausalLM
 
-    tasks = tool_arith_tasks(300, seed=3, p_more=1.0)
-    raw = tmp_path / "raw.jsonl"
-    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
-                                       "metadata": t.metadata}) + "\n" for t in tasks))
-    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(tmp_path / "rl")))
+    tool_arith_rl(tmp_path / "rl", 300, seed=3, p_more=1.0)
     out = tmp_path / "run"
     args = ["-m", "sao_core.cli", "--quiet", "--log-level", "WARNING", "train-rl", "--method", "sao",
             "--data", str(tmp_path / "rl"), "--output", str(out), "--model", tiny_model_dir, "--batch-size", "8",

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+from rl_data import prepared_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
 
-from sao_core.data.prepare import PrepareConfig, prepare
 from sao_core.envs.tool_arith import tool_arith_tasks
 from sao_core.learner.config import RLConfig
 from sao_core.learner.loop import LearnerError, train_rl
@@ -21,11 +21,7 @@ TOKEN = "eval-test-token-0123456789"
 
 
 def _prepared(root: Path, name: str, tasks) -> str:
-    raw = root / f"{name}.jsonl"
-    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
-                                       "metadata": t.metadata}) + "\n" for t in tasks))
-    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(root / name)))
-    return str(root / name)
+    return prepared_rl(root / name, tasks)
 
 
 @pytest.fixture(scope="module")

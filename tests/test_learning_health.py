@@ -5,14 +5,13 @@ runner to metrics.jsonl."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
+from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
 
-from sao_core.data.prepare import PrepareConfig, prepare
 from sao_core.envs.base import Task
-from sao_core.envs.tool_arith import ToolArithEnv, tool_arith_tasks
+from sao_core.envs.tool_arith import ToolArithEnv
 from sao_core.learner.config import RLConfig
 from sao_core.learner.health import turn_health, was_cut
 from sao_core.learner.ledger import StreamLedger
@@ -121,12 +120,7 @@ def test_the_episode_runner_records_whether_a_cut_turn_held_the_answer(tiny_mode
 
 
 def _dataset(root: Path, count: int) -> str:
-    tasks = tool_arith_tasks(count, seed=4, p_more=1.0)
-    raw = root / "raw.jsonl"
-    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
-                                       "metadata": t.metadata}) + "\n" for t in tasks))
-    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(root / "rl")))
-    return str(root / "rl")
+    return tool_arith_rl(root / "rl", count, seed=4, p_more=1.0)
 
 
 def _roll_out(server: RolloutServer, dataset: str, in_flight: int, consumer: str) -> dict[int, Trajectory]:

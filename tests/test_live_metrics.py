@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from sao_core import storage
@@ -79,14 +80,7 @@ def sft_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rl_data(tmp_path_factory):
-    from sao_core.envs.tool_arith import tool_arith_tasks
-
-    root = tmp_path_factory.mktemp("live-rl")
-    raw = root / "raw.jsonl"
-    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
-                                       "metadata": t.metadata}) + "\n" for t in tool_arith_tasks(200, seed=3)))
-    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(root / "rl")))
-    return str(root / "rl")
+    return tool_arith_rl(tmp_path_factory.mktemp("live-rl") / "rl", 200, seed=3)
 
 
 def _sft(data, output, sao_cache, **kw):

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from rl_data import prepared_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
 
 from sao_core import storage
-from sao_core.data.prepare import PrepareConfig, prepare
 from sao_core.learner.loop import LearnerError, ServiceSet
 from sao_core.rollout import auth
 from sao_core.rollout.client import RolloutAuthError, RolloutClient, RolloutRequestError
@@ -204,10 +204,8 @@ def test_bodies_prompts_and_seeds_are_bounded(secured, tmp_path):
 
 
 def test_a_plan_prompt_above_the_budget_ends_its_episode_with_the_reason(secured, tmp_path):
-    raw = tmp_path / "long.jsonl"
-    raw.write_text(json.dumps({"id": "long", "prompt": "Compute 12 + 30. " * 20, "env": "tool_arith",
-                               "answer": "42"}) + "\n")
-    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(tmp_path / "rl")))
+    prepared_rl(tmp_path / "rl", [{"id": "long", "prompt": "Compute 12 + 30. " * 20, "env": "tool_arith",
+                                   "answer": "42"}])
     client = RolloutClient(secured["server"].url, consumer="plan-t", token=TOKEN)
     try:
         client.start({"dataset": str(tmp_path / "rl"), "max_total_tokens": 32, "max_new_tokens_per_turn": 8})

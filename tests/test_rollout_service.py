@@ -4,7 +4,6 @@ delivery with acknowledgements, admission control, training-mode sampling, malfo
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -14,9 +13,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
 
 from sao_core import storage
-from sao_core.data.prepare import PrepareConfig, prepare
 from sao_core.envs.base import Task
 from sao_core.envs.tool_arith import tool_arith_tasks
 from sao_core.objectives.common import token_logprobs
@@ -32,13 +31,7 @@ def warm_model(warm_tool_model):
 
 
 def _rl_dataset(root: Path, count: int, seed: int = 3) -> str:
-    tasks = tool_arith_tasks(count, seed=seed, p_more=0.5, max_ops=4)
-    raw = root / f"rl-{count}-{seed}.jsonl"
-    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
-                                       "metadata": t.metadata}) + "\n" for t in tasks))
-    out = root / f"rl-{count}-{seed}"
-    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(out)))
-    return str(out)
+    return tool_arith_rl(root / f"rl-{count}-{seed}", count, seed=seed, p_more=0.5, max_ops=4)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
 
 from sao_core import storage
 from sao_core.data.prepare import PrepareConfig, prepare
@@ -28,12 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 def varied_rl_data(tmp_path_factory):
     """tool_arith prompts of 1 + Geometric(0.3) <= 12 operations: with `fixed_turns` episodes of different
     lengths finish out of order."""
-    root = tmp_path_factory.mktemp("rl-varied")
-    raw = root / "raw.jsonl"
-    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
-                                       "metadata": t.metadata}) + "\n" for t in tool_arith_tasks(2000, seed=3, p_more=0.3, max_ops=12)))
-    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(root / "rl")))
-    return str(root / "rl")
+    return tool_arith_rl(tmp_path_factory.mktemp("rl-varied") / "rl", 2000, seed=3, p_more=0.3, max_ops=12)
 
 
 def _t(tid: str, position: int, *, sample_index: int = 0, admitted: int = 0, version: int = 0, attempt: int = 0,

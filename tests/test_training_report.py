@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
 
 from sao_core import storage
 from sao_core.cli import main
@@ -227,15 +228,10 @@ def test_a_real_sft_run_writes_and_refreshes_its_report(tmp_path, sao_cache):
 
 
 def test_a_real_sao_run_reports_its_health_curves(tmp_path, sao_cache, tiny_model_dir):
-    from sao_core.data.prepare import PrepareConfig, prepare
-    from sao_core.envs.tool_arith import tool_arith_tasks
     from sao_core.learner.config import RLConfig
     from sao_core.learner.loop import train_rl
 
-    raw = tmp_path / "raw.jsonl"
-    raw.write_text("".join(json.dumps({"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer,
-                                       "metadata": t.metadata}) + "\n" for t in tool_arith_tasks(64, seed=3)))
-    prepare(PrepareConfig(source=str(raw), kind="rl", output=str(tmp_path / "rl")))
+    tool_arith_rl(tmp_path / "rl", 64, seed=3)
     out = tmp_path / "run"
     train_rl(RLConfig(data=str(tmp_path / "rl"), output=str(out), model=tiny_model_dir, method="sao", steps=3,
                       batch_size=8, critic_warmup_steps=1, max_new_tokens_per_turn=16, max_total_tokens=128,
