@@ -118,9 +118,10 @@ def launch_trainjob(
     import json
     from pathlib import Path
 
+    from sao_core import images
     from sao_core.cluster.launcher import LaunchConfig, launch
     from sao_core.config import ConfigError, build_config
-    from sao_core.kfp import artifacts, images
+    from sao_core.kfp import artifacts
 
     run = artifacts.run_dir(output_root, run_id, stage)
     rl_options = dict(options or {})
