@@ -198,7 +198,7 @@ def test_learner_waits_for_a_restarted_service(rl_data, tmp_path, sao_cache, tin
         except BaseException as err:  # reported by the assertion below
             result["error"] = err
 
-    caplog.set_level(logging.INFO, logger="sao_core.learner.loop")
+    caplog.set_level(logging.INFO, logger="sao_core.learner")
     thread = threading.Thread(target=run)
     thread.start()
     try:
@@ -267,7 +267,7 @@ def test_a_failed_delete_of_old_weights_only_warns(tmp_path, monkeypatch, caplog
     def fails(uri, settings=None):
         raise storage.StorageError(f"injected failure deleting {uri}")
 
-    caplog.set_level(logging.WARNING, logger="sao_core.learner.loop")
+    caplog.set_level(logging.WARNING, logger="sao_core.learner")
     monkeypatch.setattr(storage, "delete_checkpoint", fails)
     assert prune_weight_versions(root, newest=3, keep=1) == []
     assert caplog.text.count("could not delete old weight version") == 2
@@ -336,7 +336,7 @@ def test_replicas_share_the_stream_and_a_dead_one_rejoins(rl_data, tmp_path, sao
         except BaseException as err:  # reported by the assertion below
             result["error"] = err
 
-    caplog.set_level(logging.INFO, logger="sao_core.learner.loop")
+    caplog.set_level(logging.INFO, logger="sao_core.learner")
     caplog.set_level(logging.INFO, logger="sao_core.rollout")  # shown if a replica fails to exit
     thread = threading.Thread(target=run)
     thread.start()
@@ -413,7 +413,7 @@ def test_a_replica_is_shut_down_even_when_stopping_its_plan_fails(tiny_model_dir
             raise RolloutUnavailable(f"rollout service {self.url} unreachable (ReadTimeout: injected)")
 
         monkeypatch.setattr(RolloutClient, "stop", stop_times_out)
-        caplog.set_level(logging.WARNING, logger="sao_core.learner.loop")
+        caplog.set_level(logging.WARNING, logger="sao_core.learner")
         ServiceSet([server.url], consumer="learner", plan={}, retry_s=1).stop(shutdown=True)
         assert "could not stop the plan of rollout service" in caplog.text
         _wait_unreachable(server)
@@ -441,7 +441,7 @@ def test_fresh_run_with_resume_waits_for_a_service_that_starts_late(rl_data, tmp
         except BaseException as err:  # reported by the assertion below
             result["error"] = err
 
-    caplog.set_level(logging.INFO, logger="sao_core.learner.loop")
+    caplog.set_level(logging.INFO, logger="sao_core.learner")
     thread = threading.Thread(target=run)
     thread.start()
     deadline = time.monotonic() + 120

@@ -1,0 +1,254 @@
+"""The learner's view of its rollout services (one or several replicas): connect with a plan, take finished
+trajectories from every live one in turn, acknowledge, push weights to all and check each serves the learner's
+own version and digest; a service that stops answering is dropped with a warning, probed, and rejoins with the
+current weights and its owed positions. Only when every service is down does the learner wait (up to
+`retry_s`, then LearnerError)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sao_core.learner.errors import LearnerError
+from sao_core.rollout.client import RolloutAuthError, RolloutClient, RolloutRequestError, RolloutUnavailable
+from sao_core.rollout.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class ServiceSet:
+    """The rollout services (replicas) of a run.
+
+    Trajectories are taken from every live service in turn (round robin). Service i rolls out shard i of
+    the prompt stream, so no two services roll out the same prompt. A service that stops answering is
+    dropped from the set with a warning and the run goes on with the others; it is probed again every
+    `probe_s` seconds and, once back, re-synced (current weights pushed, the plan restarted after the
+    last trained stream position if it lost it, acknowledgements that failed while it was away re-sent)
+    and rejoins. Only when every service is down does the learner wait, up to `retry_s`, then fail.
+
+    `plan_for(index, num_shards)` gives the stream fields of a plan (re)started on service `index` (the owed
+    positions of its shard, from the ledger); `on_restart(index)` is told first when a service had lost its plan,
+    so what it delivered earlier and was not trained is rolled out again rather than held twice (and episodes
+    lost after some of their fragments were trained are settled, not rolled out again).
+
+    Weights: after every push each service must answer with the learner's own version and digest, or the
+    run stops (LearnerError naming the service): a service whose weights are not the learner's would hand
+    out trajectories of another policy. A push is a plain "next version" update for a service known to
+    hold the previous one, and a resync otherwise (a rejoining service, the first push after a resume).
+    `token`: the run's bearer token, sent with every request.
+    """
+
+    def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float, probe_s: float = 2.0,
+                 plan_for: Callable[[int, int], dict] | None = None,
+                 on_restart: Callable[[int], None] | None = None, token: str | None = None):
+        self.clients = [RolloutClient(url, consumer=consumer, token=token) for url in urls]
+        self.holds: dict[int, int] = {}                     # index -> weights version verified on that service
+        self.plan = plan
+        self.plan_for = plan_for
+        self.on_restart = on_restart
+        self.retry_s = retry_s
+        self.probe_s = probe_s
+        self.down: dict[int, float] = {}                   # index -> monotonic time of the next probe
+        self.weights: tuple[int, str, str] | None = None   # version, uri, digest currently wanted
+        self.reconnecting: set[int] = set()
+        self.unacked: dict[int, tuple[list[str], list[str], list[str]]] = {}  # acks that failed (service down)
+        self._next = 0
+
+    @property
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.clients)) if i not in self.down]
+
+    def _push_one(self, index: int, version: int, uri: str, digest: str, resync: bool) -> None:
+        """Push `version` to service `index` and check its answer (LearnerError unless it now serves it)."""
+        client = self.clients[index]
+        try:
+            answer = client.push_weights(version, uri, digest, resync=resync)
+        except RolloutAuthError as err:
+            raise LearnerError(f"rollout service {client.url} refused the learner's token ({err}); give the run's "
+                               "token (service_token_file, $SAO_ROLLOUT_TOKEN or $SAO_ROLLOUT_TOKEN_FILE)") from err
+        except RolloutRequestError as err:
+            raise LearnerError(f"rollout service {client.url} refused weights version {version} of this learner: "
+                               f"{err}. Its weights are not the learner's (was it given weights by someone else?); "
+                               "stopping rather than training on another policy's trajectories") from err
+        if answer.get("version") != version or answer.get("sha256", digest) != digest:
+            raise LearnerError(f"rollout service {client.url} answered weights version {answer.get('version')} "
+                               f"(digest {answer.get('sha256')}) to the learner's push of version {version} "
+                               f"(digest {digest}); its weights are not the learner's, stopping")
+        self.holds[index] = version
+
+    def _sync(self, index: int) -> None:
+        client = self.clients[index]
+        self.holds.pop(index, None)
+        try:
+            status = client.status()
+        except RolloutAuthError as err:
+            raise LearnerError(f"rollout service {client.url} refused the learner's token ({err}); give the run's "
+                               "token (service_token_file, $SAO_ROLLOUT_TOKEN or $SAO_ROLLOUT_TOKEN_FILE)") from err
+        if self.weights is not None:
+            version, uri, digest = self.weights
+            if status["version"] != version or status.get("weights_sha256", digest) != digest:
+                self._push_one(index, version, uri, digest, resync=True)
+            else:
+                self.holds[index] = version
+        elif status["version"] != 0:
+            raise LearnerError(f"rollout service {client.url} serves weights version {status['version']}, but this "
+                               "learner has pushed none yet (its policy is version 0): the service holds another "
+                               "run's or someone else's weights; restart it")
+        else:
+            self.holds[index] = 0
+        if status.get("plan") is None:
+            n = len(self.clients)
+            if self.on_restart:   # first: it may settle positions the new plan must then skip
+                self.on_restart(index)
+            stream = self.plan_for(index, n) if self.plan_for else {}
+            client.start({**self.plan, "shard": index, "num_shards": n, **stream})
+            self.unacked.pop(index, None)   # ids of its previous plan mean nothing to the new one
+        else:  # its plan survived (learner restart, network blip): take back what we took but did not ack
+            self.reconnecting.add(index)
+        ids, gone, again = self.unacked.pop(index, ([], [], []))
+        if ids or gone or again:
+            client.ack(ids, gone, again)
+
+    def _mark_down(self, index: int, err: Exception) -> None:
+        if index not in self.down:
+            others = len(self.live) - 1
+            log.warning("rollout service %s unreachable (%s); %s", self.clients[index].url, err,
+                        f"continuing with the other {others}" if others else "waiting for it")
+        self.down[index] = time.monotonic() + self.probe_s
+
+    def _try(self, index: int, fn: Callable[[RolloutClient], Any]) -> tuple[bool, Any]:
+        """(True, fn(client)) if the service answers; (False, None) if it is down (marked, probed later)."""
+        if index in self.down:
+            if time.monotonic() < self.down[index]:
+                return False, None
+            try:
+                self._sync(index)
+            except RolloutUnavailable as err:
+                self._mark_down(index, err)
+                return False, None
+            del self.down[index]
+            log.info("rollout service %s is back; re-synced weights and plan", self.clients[index].url)
+        try:
+            return True, fn(self.clients[index])
+        except RolloutUnavailable as err:
+            self._mark_down(index, err)
+            return False, None
+
+    def _wait_for_any(self) -> None:
+        """Block while every service is down, probing them; LearnerError after `retry_s`."""
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.5
+        while not self.live:
+            for index in list(self.down):
+                self.down[index] = 0.0  # probe now
+                self._try(index, lambda c: None)
+            if self.live:
+                return
+            if time.monotonic() > deadline:
+                raise LearnerError(f"no rollout service reachable for {self.retry_s:.0f} s: "
+                                   + ", ".join(c.url for c in self.clients))
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def _each(self, fn: Callable[[RolloutClient], Any]) -> None:
+        """`fn` on every service; the down ones are caught up by `_sync` when they rejoin."""
+        for index in range(len(self.clients)):
+            self._try(index, fn)
+        if not self.live:
+            self._wait_for_any()
+
+    def connect(self) -> None:
+        for index in range(len(self.clients)):
+            self._try(index, lambda c, index=index: self._sync(index))
+        if not self.live:
+            self._wait_for_any()
+
+    def take(self, wanted: int, wait_s: float) -> list[tuple[Trajectory, int]]:
+        """Up to `wanted` trajectories, asking the live services in turn (round robin)."""
+        out: list[tuple[Trajectory, int]] = []
+        for _ in range(len(self.clients)):
+            index = self._next
+            self._next = (self._next + 1) % len(self.clients)
+            need = max(1, wanted - len(out))
+            again = index in self.reconnecting
+            ok, answer = self._try(index, lambda c, need=need, again=again: c.take(
+                max_items=need, wait_s=wait_s / max(1, len(self.live)), reconnect=again))
+            if not ok:
+                continue
+            self.reconnecting.discard(index)
+            out += [(t, index) for t in answer[0]]
+            if len(out) >= wanted:
+                break
+        if not self.live:
+            self._wait_for_any()
+        return out
+
+    def ack(self, by_service: dict[int, list[str]], dropped: dict[int, list[str]] | None = None,
+            requeue: dict[int, list[str]] | None = None) -> None:
+        dropped, requeue = dropped or {}, requeue or {}
+        for index in set(by_service) | set(dropped) | set(requeue):
+            ids, gone, again = by_service.get(index, []), dropped.get(index, []), requeue.get(index, [])
+            ok, _ = self._try(index, lambda c, ids=ids, gone=gone, again=again: c.ack(ids, gone, again))
+            if not ok:
+                old_ids, old_gone, old_again = self.unacked.setdefault(index, ([], [], []))
+                old_ids += ids
+                old_gone += gone
+                old_again += again
+
+    def oldest_unfinished_version(self) -> tuple[bool, int | None]:
+        """(True, the oldest admission version of an episode still running or not yet taken on any live
+        service, None if there is none), or (False, None) when a service did not answer (ask again)."""
+        oldest: list[int] = []
+        for index in self.live:
+            ok, status = self._try(index, lambda c: c.status())
+            if not ok:
+                return False, None
+            if status.get("oldest_unfinished_version") is not None:
+                oldest.append(status["oldest_unfinished_version"])
+        return True, min(oldest, default=None)
+
+    def push(self, version: int, uri: str, digest: str) -> None:
+        """Every live service loads `version` and confirms it (LearnerError naming a service that does not)."""
+        self.weights = (version, uri, digest)
+        def push_one(index: int) -> None:
+            held = self.holds.get(index)
+            if held != version:   # (a service that just rejoined was given `version` by its re-sync)
+                self._push_one(index, version, uri, digest, resync=held != version - 1)
+
+        for index in range(len(self.clients)):
+            self._try(index, lambda c, index=index: push_one(index))
+        if not self.live:
+            self._wait_for_any()
+
+    def pause(self) -> None:
+        self._each(lambda c: c.pause())
+
+    def resume(self) -> None:
+        self._each(lambda c: c.resume())
+
+    def idle_share(self) -> float:
+        shares = []
+        for i in self.live:
+            try:
+                shares.append(1.0 - self.clients[i].status()["engine"].get("busy_share", 0.0))
+            except (RolloutUnavailable, RolloutRequestError, KeyError):
+                continue
+        return sum(shares) / len(shares) if shares else 0.0
+
+    def stop(self, shutdown: bool = False) -> None:
+        """Stop the plans (and, with `shutdown`, the service processes); unreachable services are skipped."""
+        for client in self.clients:
+            try:
+                client.stop()
+            except (RolloutUnavailable, RolloutRequestError) as err:
+                log.warning("could not stop the plan of rollout service %s: %s", client.url, err)
+            if shutdown:
+                # Tried even when stop failed: a replica left running keeps its TrainJob from ending.
+                log.info("shutting rollout service %s down", client.url)
+                try:
+                    client.shutdown()
+                except (RolloutUnavailable, RolloutRequestError) as err:
+                    log.warning("could not shut rollout service %s down: %s", client.url, err)
+            client.close()
