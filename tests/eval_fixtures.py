@@ -367,33 +367,19 @@ class JudgeServer:
     that is not JSON), ``REFUSE`` (HTTP 400). Every request is kept in `requests` (body and headers)."""
 
     def __init__(self, equivalents: dict[str, list[str]]):
-        import http.server
-        import threading
+        from fake_http import FakeServer
 
         self.equivalents = {ref: {_squash(a) for a in answers} for ref, answers in equivalents.items()}
         self.requests: list[dict] = []
         self._flaked: set[str] = set()
-        owner = self
+        self.server = FakeServer(self._answer)
+        self.url = f"{self.server.url}/v1"
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                owner.requests.append({"path": self.path, "body": body, "headers": dict(self.headers)})
-                status, payload = owner.respond(self.path, body)
-                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+    def _answer(self, request):
+        body = request.json()
+        self.requests.append({"path": request.path, "body": body, "headers": request.headers})
+        status, payload = self.respond(request.path, body)
+        return status, payload, "application/json"
 
     def respond(self, path: str, body: dict) -> tuple[int, object]:
         if path != "/v1/chat/completions":
@@ -418,8 +404,7 @@ class JudgeServer:
                      "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop()
 
 
 def _squash(text: str) -> str:

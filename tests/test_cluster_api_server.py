@@ -27,11 +27,11 @@ import json
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from fake_http import FakeServer, Request  # noqa: E402  (tests/fake_http.py: the stand-in servers' home)
 
 from sao_core.cluster import manifests, schema
 
@@ -75,12 +75,8 @@ class FakeKubeAPI:
         self.kueue = kueue
         self.rejected: list[dict] = []                        # 422 bodies sent back
         self.stopped = False
-        handler = self._handler()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
+        self._server = FakeServer(self._answer, keep_alive=True)
+        self.httpd, self.url, self.thread = self._server.httpd, self._server.url, self._server.thread
 
     def stop(self) -> None:
         """Stop answering: new connections are refused and open keep-alive connections are dropped."""
@@ -328,35 +324,13 @@ class FakeKubeAPI:
                        for s, line in lines)
         return 200, text, "text/plain"
 
-    def _handler(self):
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):  # quiet
-                pass
-
-            def _serve(self):
-                if server.stopped:  # a stopped server drops the kept-alive connection without an answer
-                    self.close_connection = True
-                    return
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
-                try:
-                    code, payload, ctype = server.handle(self.command, self.path, body)
-                except Exception as err:  # a bug in the fake must be visible, not a hang
-                    code, payload, ctype = 500, _status(500, "InternalError", repr(err)), "application/json"
-                data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_DELETE = do_PATCH = do_PUT = _serve
-
-        return Handler
+    def _answer(self, request: Request):
+        if self.stopped:  # a stopped server drops the kept-alive connection without an answer
+            return None
+        try:
+            return self.handle(request.method, request.path, request.body)
+        except Exception as err:  # a bug in the fake must be visible, not a hang
+            return 500, _status(500, "InternalError", repr(err)), "application/json"
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fake_http import FakeServer, Request  # noqa: E402  (tests/fake_http.py: the stand-in servers' home)
 
 from sao_core.cluster import entry, golden, launcher, manifests
 from sao_core.cluster.names import ClusterConfigError
@@ -24,36 +24,18 @@ class Replica:
     def __init__(self, healthy: bool = True):
         self.healthy = healthy
         self.shutdowns: list[dict] = []
-        replica = self
+        self._server = FakeServer(self._answer)
+        self.url = self._server.url
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                ok = self.path == "/healthz" and replica.healthy
-                self._reply(200 if ok else 503, {"ok": ok})
-
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                replica.shutdowns.append(json.loads(self.rfile.read(length) or b"{}"))
-                self._reply(200, {"shutting_down": True})
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    def _answer(self, request: Request):
+        if request.method == "GET":
+            ok = request.path == "/healthz" and self.healthy
+            return (200 if ok else 503), {"ok": ok}
+        self.shutdowns.append(request.json())
+        return 200, {"shutting_down": True}
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._server.stop()
 
 
 @pytest.fixture

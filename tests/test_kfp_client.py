@@ -13,15 +13,13 @@ import email.policy
 import json
 import re
 import socket
-import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
 import jsonschema
 import pytest
 import yaml
+from fake_http import FakeServer, Request  # noqa: E402  (tests/fake_http.py: the stand-in servers' home)
 
 from pipelines import commands
 from sao_core.kfp import client as kfp_client
@@ -145,35 +143,12 @@ class FakeKFP:
         self.experiments: dict[str, dict] = {}
         self.runs: dict[str, dict] = {}
         self.recurring: dict[str, dict] = {}
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _handle(self):
-                url = urlsplit(self.path)
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                status, answer = fake.dispatch(self.command, url.path, parse_qs(url.query, keep_blank_values=True),
-                                               raw, self.headers.get("Content-Type", ""))
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_DELETE = do_PATCH = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.server = FakeServer(lambda r: (*self.dispatch(r.method, r.route, r.query, r.body,
+                                                           r.headers.get("Content-Type", "")), "application/json"))
+        self.url = self.server.url
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.stop()
 
     # -- request parsing and checking
     def dispatch(self, method, path, query, raw, content_type):
@@ -517,27 +492,18 @@ def test_host_must_be_an_http_url(host):
 
 
 def test_a_server_that_is_not_kfp_is_named():
-    class NotKFP(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
+    def not_kfp(request: Request):
+        return (401 if "auth" in request.headers.get("Authorization", "") else 200), b"<html>hello</html>", "text/html"
 
-        def do_GET(self):
-            status = 401 if "auth" in self.headers.get("Authorization", "") else 200
-            self.send_response(status)
-            self.end_headers()
-            self.wfile.write(b"<html>hello</html>")
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NotKFP)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    server = FakeServer(not_kfp)
     try:
-        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        url = server.url
         with pytest.raises(KFPError, match="did not answer JSON"):
             kfp_client.connect(url)
         with pytest.raises(KFPError, match="HTTP 401 .*token"):
             kfp_client.probe(url, token="auth-token")
     finally:
-        httpd.shutdown()
-        httpd.server_close()
+        server.stop()
 
 
 def test_server_errors_become_one_line(server, packages):
