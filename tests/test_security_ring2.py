@@ -202,6 +202,9 @@ def test_unencodable_input_and_deep_options_get_a_4xx_and_the_service_still_repo
         big = http.post("/v1/rollouts/start", headers=headers, content=json.dumps(
             {"dataset": "x", "env_options": {"e": {"k": "x" * 300_000}}}))
         assert big.status_code == 422 and "at most 262144" in big.text
+        nan_option = http.post("/v1/rollouts/start", headers=headers,
+                               content='{"dataset": "x", "env_options": {"e": {"k": NaN}}}')
+        assert nan_option.status_code == 422 and "not plain JSON" in nan_option.text
 
 
 def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(open_service):
