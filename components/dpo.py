@@ -41,11 +41,11 @@ def dpo_train(
         summary: Markdown page with the summary and the loss curve.
         report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
         base_model: Model to start from: embedded:tiny, a directory, an s3:// checkpoint or a hub id.
-        steps: Optimiser steps.
-        batch_size: Examples per optimiser step over all ranks.
-        lr: Peak learning rate.
-        max_tokens: Examples are cut to this many tokens.
-        reference_model: Reference policy ('' = the initial policy, base_model).
+        steps: Optimiser steps (RL: learner steps) in total.
+        batch_size: Examples per optimiser step, over all ranks.
+        lr: Learning rate (peak, after the warm-up).
+        max_tokens: Examples are cut (or packed) to this many tokens.
+        reference_model: Reference model; empty: the initial policy (`model`).
         options: Any other DPOConfig field, e.g. {"beta": 0.1, "schedule": "cosine", "checkpoint_every": 100}.
         run_id: Run folder name under output_root (pipelines pass the run id; empty: a timestamp).
     """

@@ -40,12 +40,12 @@ def gkd_train(
         metrics: Summary numbers (losses before and after, steps, tokens, seconds).
         summary: Markdown page with the summary and the loss curve.
         report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
-        teacher_model: Teacher model reference (same tokenizer as base_model).
+        teacher_model: Model reference of the teacher (required).
         base_model: Model to start from: embedded:tiny, a directory, an s3:// checkpoint or a hub id.
-        steps: Optimiser steps.
-        batch_size: Examples per optimiser step over all ranks.
-        lr: Peak learning rate.
-        max_tokens: Examples are cut to this many tokens.
+        steps: Optimiser steps (RL: learner steps) in total.
+        batch_size: Examples per optimiser step, over all ranks.
+        lr: Learning rate (peak, after the warm-up).
+        max_tokens: Examples are cut (or packed) to this many tokens.
         options: Any other GKDConfig field, e.g. {"beta": 0.5, "temperature": 1.0, "on_policy_fraction": 0.5} (beta 0 = forward KL, 1 = reverse KL).
         run_id: Run folder name under output_root (pipelines pass the run id; empty: a timestamp).
     """

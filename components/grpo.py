@@ -44,14 +44,14 @@ def grpo_train(
         metrics: Summary numbers (reward first/last, dropped trajectories, versions, seconds).
         summary: Markdown page with the summary and the reward curve.
         report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
-        method: grpo (synchronous), grpo_async, grpo_dis or running_mean.
+        method: RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean.
         base_model: Initial policy checkpoint: embedded:tiny, a directory, s3:// or a hub id.
-        steps: Learner steps.
-        batch_size: Trajectories per step, B (a multiple of group_size for the group methods).
-        group_size: Rollouts per prompt (G) for grpo, grpo_async and grpo_dis.
-        policy_lr: Policy learning rate (constant).
+        steps: Optimiser steps (RL: learner steps) in total.
+        batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
+        group_size: G, rollouts per prompt of the GRPO methods (batch_size must be a multiple).
+        policy_lr: Policy learning rate (peak, after the warm-up).
         max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
-        admission: How the run admits episodes and batches them (asynchronous methods; synchronous grpo ignores it): window, version_order, requeue, no_drop or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
+        admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
         engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
         options: Any other RLConfig field, e.g. {"clip_low": 0.2, "clip_high": 0.28, "max_total_tokens": 32768}.
         run_id: Run folder name under output_root (pipelines pass the run id; empty: a timestamp).

@@ -77,42 +77,42 @@ def launch_trainjob(
         metrics: Summary numbers of the run (reward first/last, drops, seconds, queueing seconds).
         summary: Markdown page with the summary and the reward curve.
         report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
-        method: sao, grpo, grpo_async, grpo_dis or running_mean.
+        method: RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean.
         base_model: Initial policy (and critic): an s3:// checkpoint or a hub id the pods can reach.
-        steps: Learner steps.
-        batch_size: Trajectories per step (B).
-        policy_lr: Policy learning rate (constant).
-        critic_lr: SAO critic learning rate (None = the RLConfig default, 5e-6).
-        critic_updates: SAO critic updates per policy update, K (None = default 2).
-        critic_warmup_steps: SAO critic-only steps before the first policy update (None = default 10).
+        steps: Optimiser steps (RL: learner steps) in total.
+        batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
+        policy_lr: Policy learning rate (peak, after the warm-up).
+        critic_lr: Critic learning rate (None = default 5e-06).
+        critic_updates: Critic updates per policy update (K) (None = default 2).
+        critic_warmup_steps: Critic-only steps before the first policy update (None = default 10).
         max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound) (None = default 4).
-        admission: How the run admits episodes and batches them (None = default no_drop): window, version_order, requeue, no_drop or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
-        eps_low: DIS band lower width (None = default 0.3).
-        eps_high: DIS band upper width (None = default 5.0).
+        admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput) (None = default no_drop).
+        eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding) (None = default 0.3).
+        eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding) (None = default 5.0).
         options: Any other RLConfig field, e.g. {"critic_lr": 5e-6, "max_total_tokens": 32768, "checkpoint_every": 50}.
-        run_id: Pipeline run id (dsl.PIPELINE_JOB_ID_PLACEHOLDER): names the TrainJob sao-STAGE-RUN_ID; a retried launcher re-attaches to it.
-        stage: Pipeline stage name (part of the TrainJob name and of the output path).
-        namespace: Namespace of the TrainJob ('' = the launcher pod's namespace).
-        queue_name: Kueue LocalQueue (label kueue.x-k8s.io/queue-name; '' = no Kueue).
-        cluster_runtime: '' = a per-run TrainingRuntime with the shape below; else an installed ClusterTrainingRuntime such as sao-rl (its shape wins).
+        run_id: Pipeline run id: names the TrainJob; a relaunch with the same id re-attaches.
+        stage: Pipeline stage (part of the TrainJob name and labels).
+        namespace: '' = the launcher pod's namespace, else the kubeconfig context's, else default.
+        queue_name: Kueue LocalQueue in the namespace (label kueue.x-k8s.io/queue-name; '' = no Kueue).
+        cluster_runtime: '' = a per-run TrainingRuntime with this shape; else an installed ClusterTrainingRuntime (e.g. sao-rl).
         learner_image: Image of the learner nodes ('' = the project's train image of this version).
-        rollout_image: Image of the rollout replicas ('' = the project's rollout image of this version).
-        num_nodes: Learner nodes (torchrun --nnodes).
-        gpus_per_node: GPUs per learner node (torchrun processes per node).
-        rollout_replicas: Rollout service replicas (one pod each).
-        rollout_gpus: GPUs per rollout replica (= tensor_parallel_size x data_parallel_size with vllm).
-        tensor_parallel_size: vLLM tensor-parallel size inside a replica.
-        data_parallel_size: vLLM data-parallel engines inside a replica.
-        engine: Rollout engine: vllm or hf.
-        gpu_memory_utilization: vLLM: share of each GPU's memory the engine may use.
-        max_num_seqs: vLLM: sequences scheduled concurrently.
-        enable_prefix_caching: vLLM: reuse the KV cache of shared prefixes.
-        max_model_len: vLLM: context in tokens; 0: the run's max_total_tokens.
+        rollout_image: Rollout image (vLLM + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-vllm:0.1.0.
+        num_nodes: Learner nodes (pods of the node job); torchrun --nnodes.
+        gpus_per_node: GPUs per learner node = torchrun processes per node (0: one CPU process).
+        rollout_replicas: Rollout service replicas (one pod and one Job each).
+        rollout_gpus: GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size).
+        tensor_parallel_size: VLLM tensor-parallel size inside one replica.
+        data_parallel_size: VLLM data-parallel engines inside one replica.
+        engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
+        gpu_memory_utilization: Vllm: share of each GPU's memory the engine may use (0, 1].
+        max_num_seqs: Vllm: sequences scheduled concurrently per engine.
+        enable_prefix_caching: Vllm: reuse the KV cache of shared prefixes (multi-turn episodes).
+        max_model_len: Vllm: context in tokens (prompt + every turn); 0: a TrainJob's max_total_tokens (a runtime alone: the model's).
         accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
-        node_selector: Node labels every pod of the TrainJob requires.
-        tolerations: Tolerations of every pod of the TrainJob.
-        s3_secret_name: Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL) for the TrainJob's pods.
-        timeout_s: Longest run, queueing included; then the TrainJob is deleted and the step fails.
+        node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"} (None = default {}).
+        tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}] (None = default []).
+        s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
+        timeout_s: Whole run, queueing included; then the TrainJob is deleted.
         launch_options: Other LaunchConfig fields, e.g. {"priority_class": "high", "node_memory": "900Gi", "env": {"NCCL_DEBUG": "INFO"}}.
     """
     import json
@@ -120,19 +120,15 @@ def launch_trainjob(
 
     from sao_core import images
     from sao_core.cluster.launcher import LaunchConfig, launch
-    from sao_core.config import ConfigError, build_config
+    from sao_core.config import build_config, config_defaults, merge_options
     from sao_core.kfp import artifacts
+    from sao_core.learner.config import RLConfig
 
     run = artifacts.run_dir(output_root, run_id, stage)
-    rl_options = dict(options or {})
     given = {"steps": steps, "batch_size": batch_size, "policy_lr": policy_lr, "critic_lr": critic_lr,
              "critic_updates": critic_updates, "critic_warmup_steps": critic_warmup_steps,
              "max_staleness": max_staleness, "admission": admission, "eps_low": eps_low, "eps_high": eps_high}
-    given = {k: v for k, v in given.items() if v is not None}
-    repeated = sorted(set(rl_options) & set(given))
-    if repeated:
-        raise ConfigError(f"launch_trainjob: options may not repeat {', '.join(repeated)} (they are parameters)")
-    rl_options.update(given)
+    rl_options = merge_options(given, options, config_defaults(RLConfig), "launch_trainjob")
     explicit = {
         "method": method, "data": data.uri if data.uri.startswith("s3://") else data.path, "output": run,
         "model": base_model, "rl_options": rl_options, "run_id": run_id, "stage": stage, "namespace": namespace,
@@ -146,11 +142,9 @@ def launch_trainjob(
         "accelerator": accelerator_type, "node_selector": node_selector or {}, "tolerations": tolerations or [],
         "s3_secret_name": s3_secret_name, "timeout_s": timeout_s,
     }
-    extra = dict(launch_options or {})
-    clash = sorted(set(extra) & set(explicit))
-    if clash:
-        raise ConfigError(f"launch_trainjob: launch_options may not repeat {', '.join(clash)} (they are parameters)")
-    config = build_config(LaunchConfig, {**explicit, **extra}, source="launch_trainjob")
+    values = merge_options(explicit, launch_options, config_defaults(LaunchConfig), "launch_trainjob launch_options",
+                           reserved=("method", "data", "output", "model", "rl_options", "run_id", "stage"))
+    config = build_config(LaunchConfig, values, source="launch_trainjob")
     result = launch(config)
     if not result.critic_uri:  # methods without a critic: an empty pointer keeps the output well-formed
         Path(critic.path).parent.mkdir(parents=True, exist_ok=True)

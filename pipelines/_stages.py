@@ -104,21 +104,21 @@ def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_
                 data: Prepared rl dataset.
                 output_root: s3://bucket/prefix; the TrainJob writes OUTPUT_ROOT/RUN_ID/STAGE.
                 base_model: Model to start from (an s3:// checkpoint or a hub id the pods can reach).
-                method: RL method: sao, grpo, grpo_async, grpo_dis or running_mean.
-                steps: RL learner steps.
-                batch_size: Trajectories per step.
+                method: RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean.
+                steps: Optimiser steps (RL: learner steps) in total.
+                batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
                 learning_rate: Policy learning rate.
-                engine: Rollout engine: vllm or hf.
+                engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
                 method_options: Other RLConfig fields.
-                num_nodes: Learner nodes.
-                gpus_per_node: GPUs per learner node.
-                rollout_replicas: Rollout service replicas.
-                rollout_gpus: GPUs per rollout replica.
-                tensor_parallel_size: vLLM tensor-parallel size inside a replica.
-                accelerator_type: Kubernetes resource name of the GPUs.
-                node_selector: Node labels every pod of the TrainJob requires.
-                tolerations: Tolerations of every pod of the TrainJob.
-                s3_secret_name: Secret with the S3 credentials.
+                num_nodes: Learner nodes (pods of the node job); torchrun --nnodes.
+                gpus_per_node: GPUs per learner node = torchrun processes per node (0: one CPU process).
+                rollout_replicas: Rollout service replicas (one pod and one Job each).
+                rollout_gpus: GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size).
+                tensor_parallel_size: VLLM tensor-parallel size inside one replica.
+                accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
+                node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
+                tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}].
+                s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
             """
             return guarded_launch(data, output_root, base_model, method, steps, batch_size, learning_rate, engine,
                                   method_options, num_nodes, gpus_per_node, rollout_replicas, rollout_gpus,
@@ -139,28 +139,28 @@ def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_
             data: Prepared rl dataset.
             output_root: s3://bucket/prefix; the TrainJob writes OUTPUT_ROOT/RUN_ID/sao.
             base_model: Model to start from (an s3:// checkpoint or a hub id the pods can reach).
-            method: RL method (sao).
-            steps: SAO learner steps.
-            batch_size: Trajectories per step.
+            method: RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean.
+            steps: Optimiser steps (RL: learner steps) in total.
+            batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
             learning_rate: Policy learning rate.
             critic_lr: Critic learning rate.
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
             max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
-            admission: Admission rule (README "Admission"): no_drop (the default: arrival order, nothing dropped, early tokens of long episodes may lag more than S), window (arrival order, stale ones dropped), version_order (oldest admission cohort first, none goes stale), requeue (a prompt dropped as stale is rolled out once more) or fragments (sao only: long episodes trained in pieces, bootstrapped from the critic).
-            eps_low: DIS band lower width.
-            eps_high: DIS band upper width.
-            engine: Rollout engine: vllm or hf.
+            admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
+            eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).
+            eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding).
+            engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
             method_options: Other RLConfig fields.
-            num_nodes: Learner nodes.
-            gpus_per_node: GPUs per learner node.
-            rollout_replicas: Rollout service replicas.
-            rollout_gpus: GPUs per rollout replica.
-            tensor_parallel_size: vLLM tensor-parallel size inside a replica.
-            accelerator_type: Kubernetes resource name of the GPUs.
-            node_selector: Node labels every pod of the TrainJob requires.
-            tolerations: Tolerations of every pod of the TrainJob.
-            s3_secret_name: Secret with the S3 credentials.
+            num_nodes: Learner nodes (pods of the node job); torchrun --nnodes.
+            gpus_per_node: GPUs per learner node = torchrun processes per node (0: one CPU process).
+            rollout_replicas: Rollout service replicas (one pod and one Job each).
+            rollout_gpus: GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size).
+            tensor_parallel_size: VLLM tensor-parallel size inside one replica.
+            accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
+            node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
+            tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}].
+            s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
         """
         return guarded_launch(data, output_root, base_model, method, steps, batch_size, learning_rate, engine,
                               method_options, num_nodes, gpus_per_node, rollout_replicas, rollout_gpus,

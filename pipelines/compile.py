@@ -4,7 +4,8 @@ Without flags it writes ``build/pipelines/NAME.yaml`` for every pipeline with th
 settings (the same as ``sao kfp compile``). ``--golden`` regenerates the golden files the tests compare
 against (``pipelines/golden/NAME.yaml``, compiled with :data:`GOLDEN_SETTINGS` so they do not depend
 on the environment); run it after an intended change to a pipeline or component and review the diff.
-``--docs`` rewrites the parameter tables of ``pipelines/README.md`` from the compiled pipelines.
+``--docs`` rewrites the parameter tables of ``pipelines/README.md`` from the compiled pipelines and the
+settings tables of ``components/README.md`` from the settings registry (``sao_core.config.settings_of``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from sao_core.kfp.k8s import ClusterSettings
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 README = Path(__file__).parent / "README.md"
+COMPONENTS_README = Path(__file__).parents[1] / "components" / "README.md"
 #: Settings of the golden files: a Kueue queue and pinned image names, independent of SAO_IMAGE_*.
 GOLDEN_SETTINGS = ClusterSettings(
     queue_name="team-a-gpu",
@@ -43,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
     if args.docs:
         README.write_text(readme_with_tables(README.read_text(), {p.stem: p for p in paths}))
+        COMPONENTS_README.write_text(readme_with_settings(COMPONENTS_README.read_text()))
         print(README)
+        print(COMPONENTS_README)
     return 0
 
 
@@ -60,6 +64,51 @@ def readme_with_tables(text: str, packages: dict[str, Path]) -> str:
         if not sep2:
             raise SystemExit(f"{README}: {start} is not closed by {end}")
         text = f"{head}{start}\n### {name}\n\n{parameters_markdown(path)}{end}{tail}"
+    return text
+
+
+def settings_configs() -> dict[str, type]:
+    """The configs whose settings the components' README tabulates, by the name of their table."""
+    from sao_core.cluster.launcher import LaunchConfig
+    from sao_core.learner.config import RLConfig
+    from sao_core.training.config import DPOConfig, GKDConfig, SFTConfig
+
+    return {"rl": RLConfig, "sft": SFTConfig, "dpo": DPOConfig, "gkd": GKDConfig, "trainjob": LaunchConfig}
+
+
+def settings_markdown(cls: type, skip: tuple[type, ...] = ()) -> str:
+    """A Markdown table of the settings of `cls` (those not defined by a class in `skip`): name, type, default,
+    unit, methods, help."""
+    from sao_core.config import settings_of
+
+    skipped = {name for base in skip for name in settings_of(base)}
+    rows = ["| setting | type | default | unit | methods | description |", "|---|---|---|---|---|---|"]
+    for s in settings_of(cls).values():
+        if s.name in skipped:
+            continue
+        kind = " \\| ".join(map(str, s.choices)) if s.choices else s.type_name()
+        default = "(required)" if s.required else repr(s.default) if isinstance(s.default, str) else str(s.default)
+        help_text = s.help.replace("|", "\\|")
+        rows.append(f"| `{s.name}` | {kind} | `{default}` | {s.unit} | {', '.join(s.methods) or 'all'} | {help_text} |")
+    return "\n".join(rows) + "\n"
+
+
+def readme_with_settings(text: str) -> str:
+    """`text` with each ``<!-- settings:NAME -->`` block replaced by the settings table of that config (the
+    supervised methods' tables list only what they add to SFTConfig, the TrainJob's only what RLConfig lacks)."""
+    from sao_core.training.config import CoreConfig, SFTConfig
+
+    configs = settings_configs()
+    skips = {"rl": (), "sft": (), "dpo": (SFTConfig,), "gkd": (SFTConfig,), "trainjob": (configs["rl"], CoreConfig)}
+    for name, cls in configs.items():
+        start, end = f"<!-- settings:{name} -->", "<!-- /settings -->"
+        head, sep, rest = text.partition(start)
+        if not sep:
+            raise SystemExit(f"{COMPONENTS_README} has no {start} block")
+        _, sep2, tail = rest.partition(end)
+        if not sep2:
+            raise SystemExit(f"{COMPONENTS_README}: {start} is not closed by {end}")
+        text = f"{head}{start}\n### {cls.__name__}\n\n{settings_markdown(cls, skips[name])}{end}{tail}"
     return text
 
 

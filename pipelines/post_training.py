@@ -98,11 +98,11 @@ def build_post_training(settings: k8s.ClusterSettings | None = None):
             warm_start_steps: grpo and sao: SFT steps of the warm start (0 = no warm start).
             warm_start_lr: Learning rate of the warm-start SFT.
             placement: grpo and sao: where the RL step runs: single_pod (rollout service and learner in one pod with gpu_count GPUs) or trainjob (one Kubeflow Trainer TrainJob: rollout replicas + a multi-node torchrun learner, admitted by Kueue as one workload; output_root must be s3://; see deploy/README.md). The warm start runs in one pod either way.
-            num_nodes: placement=trainjob: learner nodes (torchrun --nnodes).
-            gpus_per_node: placement=trainjob: GPUs per learner node (torchrun processes per node).
-            rollout_replicas: placement=trainjob: rollout service (vLLM) replicas, one pod each.
-            rollout_gpus: placement=trainjob: GPUs per rollout replica (= tensor_parallel_size with vllm).
-            tensor_parallel_size: placement=trainjob: vLLM tensor-parallel size inside a rollout replica.
+            num_nodes: placement=trainjob: Learner nodes (pods of the node job); torchrun --nnodes.
+            gpus_per_node: placement=trainjob: GPUs per learner node = torchrun processes per node (0: one CPU process).
+            rollout_replicas: placement=trainjob: Rollout service replicas (one pod and one Job each).
+            rollout_gpus: placement=trainjob: GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size).
+            tensor_parallel_size: placement=trainjob: VLLM tensor-parallel size inside one replica.
             run_evaluation: Evaluate the trained model at the end (one step per benchmark, then a report).
             eval_benchmarks: Benchmarks of the final evaluation: swe_verified, beyond_aime, imo_answerbench.
             eval_k: Samples per problem in the evaluation.
@@ -115,9 +115,9 @@ def build_post_training(settings: k8s.ClusterSettings | None = None):
             gpu_count: GPUs of each training pod (0 = none).
             eval_gpu_count: GPUs of each evaluation pod (0 = none).
             accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
-            node_selector: Node labels training pods require, e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
-            tolerations: Tolerations of training pods, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}].
-            s3_secret_name: Kubernetes secret with the S3 credentials (keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL); optional.
+            node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
+            tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}].
+            s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
         """
         params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
                                    node_selector=node_selector, tolerations=tolerations,

@@ -69,23 +69,23 @@ def build_sao_stages(settings: k8s.ClusterSettings):
             warm_start_lr: Learning rate of the warm start.
             warm_start_batch_size: Examples per warm-start step.
             max_tokens: Token limit of warm-start examples.
-            steps: SAO learner steps.
-            batch_size: Trajectories per step.
-            policy_lr: Policy learning rate.
+            steps: Optimiser steps (RL: learner steps) in total.
+            batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
+            policy_lr: Policy learning rate (peak, after the warm-up).
             critic_lr: Critic learning rate.
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
             max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
-            admission: Admission rule (README "Admission"): no_drop (the default: arrival order, nothing dropped, early tokens of long episodes may lag more than S), window (arrival order, stale ones dropped), version_order (oldest admission cohort first, none goes stale), requeue (a prompt dropped as stale is rolled out once more) or fragments (sao only: long episodes trained in pieces, bootstrapped from the critic).
-            eps_low: DIS band lower width.
-            eps_high: DIS band upper width.
-            engine: Rollout engine: vllm or hf.
+            admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
+            eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).
+            eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding).
+            engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
             sao_options: Other RLConfig fields.
             gpu_count: GPUs of the training pods.
-            accelerator_type: Kubernetes resource name of the GPUs.
-            node_selector: Node labels the training pods require.
-            tolerations: Tolerations of the training pods.
-            s3_secret_name: Secret with the S3 credentials.
+            accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
+            node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
+            tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}].
+            s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
         """
         params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
                                    node_selector=node_selector, tolerations=tolerations,
@@ -149,28 +149,28 @@ def build_sao_stages(settings: k8s.ClusterSettings):
             warm_start_lr: Learning rate of the warm start.
             warm_start_batch_size: Examples per warm-start step.
             max_tokens: Token limit of warm-start examples.
-            steps: SAO learner steps.
-            batch_size: Trajectories per step.
-            policy_lr: Policy learning rate.
+            steps: Optimiser steps (RL: learner steps) in total.
+            batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
+            policy_lr: Policy learning rate (peak, after the warm-up).
             critic_lr: Critic learning rate.
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
             max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
-            admission: Admission rule (README "Admission"): no_drop (the default: arrival order, nothing dropped, early tokens of long episodes may lag more than S), window (arrival order, stale ones dropped), version_order (oldest admission cohort first, none goes stale), requeue (a prompt dropped as stale is rolled out once more) or fragments (sao only: long episodes trained in pieces, bootstrapped from the critic).
-            eps_low: DIS band lower width.
-            eps_high: DIS band upper width.
-            engine: Rollout engine: vllm or hf.
+            admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
+            eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).
+            eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding).
+            engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
             sao_options: Other RLConfig fields.
-            num_nodes: Learner nodes of the TrainJob.
-            gpus_per_node: GPUs per learner node.
-            rollout_replicas: Rollout service replicas of the TrainJob.
-            rollout_gpus: GPUs per rollout replica.
-            tensor_parallel_size: vLLM tensor-parallel size inside a replica.
+            num_nodes: Learner nodes (pods of the node job); torchrun --nnodes.
+            gpus_per_node: GPUs per learner node = torchrun processes per node (0: one CPU process).
+            rollout_replicas: Rollout service replicas (one pod and one Job each).
+            rollout_gpus: GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size).
+            tensor_parallel_size: VLLM tensor-parallel size inside one replica.
             gpu_count: GPUs of the warm-start SFT pod.
-            accelerator_type: Kubernetes resource name of the GPUs.
-            node_selector: Node labels the GPU pods require.
-            tolerations: Tolerations of the GPU pods.
-            s3_secret_name: Secret with the S3 credentials.
+            accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
+            node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
+            tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}].
+            s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
         """
         params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
                                    node_selector=node_selector, tolerations=tolerations,
@@ -258,23 +258,23 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
             warm_start_lr: Learning rate of the warm-start SFT.
             warm_start_batch_size: Examples per warm-start SFT step.
             max_tokens: Token limit of warm-start examples.
-            steps: SAO learner steps (critic warm-up steps included).
-            batch_size: Trajectories per SAO step (B), one rollout per prompt.
-            policy_lr: Policy learning rate (constant).
-            critic_lr: Critic learning rate (constant).
+            steps: Optimiser steps (RL: learner steps) in total.
+            batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
+            policy_lr: Policy learning rate (peak, after the warm-up).
+            critic_lr: Critic learning rate.
             critic_updates: Critic updates per policy update (K).
             critic_warmup_steps: Critic-only steps before the first policy update.
             max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
-            admission: How the run admits episodes and batches them: no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
+            admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
             eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).
             eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding).
-            engine: Rollout and evaluation engine: vllm (GPU) or hf (transformers).
+            engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
             placement: Where SAO runs: single_pod (rollout service and learner in one pod with gpu_count GPUs) or trainjob (one Kubeflow Trainer TrainJob: rollout replicas + a multi-node torchrun learner, admitted by Kueue as one workload; output_root must be s3://; see deploy/README.md). The warm start runs in one pod either way.
-            num_nodes: placement=trainjob: learner nodes (torchrun --nnodes).
-            gpus_per_node: placement=trainjob: GPUs per learner node (torchrun processes per node).
-            rollout_replicas: placement=trainjob: rollout service (vLLM) replicas, one pod each.
-            rollout_gpus: placement=trainjob: GPUs per rollout replica (= tensor_parallel_size with vllm).
-            tensor_parallel_size: placement=trainjob: vLLM tensor-parallel size inside a rollout replica.
+            num_nodes: placement=trainjob: Learner nodes (pods of the node job); torchrun --nnodes.
+            gpus_per_node: placement=trainjob: GPUs per learner node = torchrun processes per node (0: one CPU process).
+            rollout_replicas: placement=trainjob: Rollout service replicas (one pod and one Job each).
+            rollout_gpus: placement=trainjob: GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size).
+            tensor_parallel_size: placement=trainjob: VLLM tensor-parallel size inside one replica.
             sao_options: Other SAO settings as JSON (RLConfig fields), e.g. {"max_total_tokens": 32768, "checkpoint_every": 50, "env_options": {"math_python": {}}}.
             eval_benchmarks: Benchmarks of the final evaluation: swe_verified, beyond_aime, imo_answerbench.
             eval_k: Samples per problem in the evaluation.
@@ -287,9 +287,9 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
             gpu_count: GPUs of the SFT and (single_pod) SAO pods (0 = none).
             eval_gpu_count: GPUs of each evaluation pod (0 = none).
             accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
-            node_selector: Node labels GPU pods require, e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
-            tolerations: Tolerations of GPU pods, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}].
-            s3_secret_name: Kubernetes secret with the S3 credentials (keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL); optional.
+            node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
+            tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}].
+            s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
         """
         params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
                                    node_selector=node_selector, tolerations=tolerations,

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sao_core.config import ConfigError, _base_type, field_types, load_config
+from sao_core.config import ConfigError, _base_type, field_types, literal_choices, load_config
 
 log = logging.getLogger("sao")
 
@@ -34,20 +34,24 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple
             continue
         annotation = field_types(cls)[field.name]
         inner, _ = _base_type(annotation)
+        choices = literal_choices(annotation)
         default = field.default if field.default is not dataclasses.MISSING else (
             "(required)" if field.default_factory is dataclasses.MISSING else "(computed)")
-        help_text = f"{docs.get(field.name, '')} [default: {default}]".strip()
+        unit = field.metadata.get("unit")
+        help_text = field.metadata.get("help") or docs.get(field.name, "")
+        help_text = f"{help_text}{f' ({unit})' if unit else ''} [default: {default}]".strip()
         flag = "--" + field.name.replace("_", "-")
         if inner is bool:
             parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
+                                default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
         else:
-            parser.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, metavar=field.name.upper(),
-                                help=help_text)
+            parser.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"),
+                                metavar="{" + ",".join(map(str, choices)) + "}" if choices else field.name.upper())
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """Trailing `# comment` of each field in the dataclass source (used as --help text)."""
+    """Trailing `# comment` of each field in the dataclass source: the --help text of a config whose fields are
+    not made with `sao_core.config.setting` (whose help is in the field's metadata)."""
     import inspect
 
     docs: dict[str, str] = {}

@@ -4,6 +4,11 @@ Every value is converted to its field's type and checked where it comes from: ea
 (even one a flag overrides) with an error naming the file, each override naming the command line. Float
 fields take finite numbers only (``inf`` / ``nan`` are refused) unless the field's metadata says
 ``allow_nonfinite``.
+
+Settings are defined once, as dataclass fields made with :func:`setting` (default, one-line help, unit,
+the methods and placements that use it; a ``Literal`` annotation where the values are fixed). The CLI's
+``--help``, the KFP components' and pipelines' parameter descriptions and dropdowns, and the settings
+tables of the READMEs are generated from these fields or checked against them (tests/test_settings_parity.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,74 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+
+_NO_DEFAULT: Any = dataclasses.MISSING
+
+
+def setting(default: Any = _NO_DEFAULT, help: str = "", *, factory: Any = None, unit: str = "",
+            methods: tuple[str, ...] = (), placements: tuple[str, ...] = (), allow_nonfinite: bool = False) -> Any:
+    """A dataclass field that is a user-facing setting: its default (or `factory` for a mutable one; neither
+    for a required field), its one-line `help`, its `unit` (tokens, seconds, versions, ...), and the `methods`
+    and `placements` (single_pod, trainjob) that use it (empty: all of them)."""
+    if not help:
+        raise ValueError("a setting needs its help text")
+    metadata = {"help": help, "unit": unit, "methods": tuple(methods), "placements": tuple(placements)}
+    if allow_nonfinite:
+        metadata["allow_nonfinite"] = True
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One setting as the registry knows it (read from a config dataclass's field)."""
+
+    name: str
+    type: Any                          # the resolved annotation
+    default: Any                       # dataclasses.MISSING for a required setting
+    help: str
+    unit: str
+    choices: tuple[Any, ...] | None    # the Literal's values, None where any value of `type` is allowed
+    methods: tuple[str, ...]
+    placements: tuple[str, ...]
+    owner: str                         # the dataclass that defines it
+
+    @property
+    def required(self) -> bool:
+        return self.default is dataclasses.MISSING
+
+    def type_name(self) -> str:
+        """`int`, `float`, `str`, `bool`, `dict`, `list`, ... (the Literal's base type for a Literal)."""
+        inner, _ = _base_type(self.type)
+        if self.choices:
+            return type(self.choices[0]).__name__
+        origin = typing.get_origin(inner) or inner
+        return getattr(origin, "__name__", str(origin))
+
+
+def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values of a ``Literal[...]`` annotation (also inside ``X | None``), else None."""
+    inner, _ = _base_type(annotation)
+    if typing.get_origin(inner) is typing.Literal:
+        return typing.get_args(inner)
+    return None
+
+
+def settings_of(cls: type) -> dict[str, Setting]:
+    """The settings of config dataclass `cls`, by name, in field order; a field made without :func:`setting`
+    raises TypeError (every field of a config is a documented setting)."""
+    types_by_name = field_types(cls)
+    out: dict[str, Setting] = {}
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name} is not defined with sao_core.config.setting (no help text)")
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        owner = next(k.__name__ for k in cls.__mro__ if f.name in getattr(k, "__annotations__", {}))
+        out[f.name] = Setting(f.name, types_by_name[f.name], default, f.metadata["help"], f.metadata["unit"],
+                              literal_choices(types_by_name[f.name]), f.metadata["methods"],
+                              f.metadata["placements"], owner)
+    return out
 
 
 class ConfigError(ValueError):
@@ -49,6 +122,11 @@ def coerce(value: Any, annotation: Any, where: str, allow_nonfinite: bool = Fals
             return None
         raise ConfigError(f"{where}: a value is required")
     origin = typing.get_origin(inner)
+    if origin is typing.Literal:
+        allowed = typing.get_args(inner)
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            raise ConfigError(f"{where} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+        return value
     if origin is dict or inner is dict:
         if isinstance(value, str):
             try:
@@ -103,6 +181,36 @@ def coerce(value: Any, annotation: Any, where: str, allow_nonfinite: bool = Fals
 
 def _allows_nonfinite(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.metadata.get("allow_nonfinite")}
+
+
+def config_defaults(cls: type) -> dict[str, Any]:
+    """Each field's default value (a factory's value for mutable ones; required fields left out)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def merge_options(explicit: dict[str, Any], options: Any, defaults: dict[str, Any], source: str,
+                  reserved: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The one rule for a component's ``options`` mapping beside its explicit parameters: options may set any
+    other field, and a field that has a parameter only while that parameter is at its default (`defaults`;
+    a parameter given as None is "not set"); a field given both ways with different values, or one of
+    `reserved` (set by the component itself), is refused, naming the field. Returns explicit updated by
+    options (None-valued parameters left out)."""
+    if options is not None and not isinstance(options, dict):
+        raise ConfigError(f"{source}: options must be a mapping of field: value, got {options!r}")
+    options = dict(options or {})
+    given = {k: v for k, v in explicit.items() if v is not None}
+    for key in sorted(set(options) & (set(given) | set(reserved))):
+        if key in reserved or key not in defaults or given[key] != defaults[key]:
+            shown = given.get(key, "(set by the component)")
+            raise ConfigError(f"{source}: {key} is given both as a parameter ({shown!r}) and in options "
+                              f"({options[key]!r}); set it once")
+    return {**given, **options}
 
 
 def check_finite(instance: Any) -> None:

@@ -72,16 +72,21 @@ def test_the_launcher_component_refuses_repeated_settings(tmp_path):
                 summary=dsl.Markdown(name="s", uri=str(tmp_path / "s"), metadata={}),
                 report=dsl.HTML(name="r", uri=str(tmp_path / "r"), metadata={}))
     data = dsl.Dataset(name="d", uri="s3://d/rl", metadata={})
-    with pytest.raises(ConfigError, match="options may not repeat steps"):
-        launch_trainjob.python_func(data=data, output_root="s3://o", options={"steps": 5}, **arts)
-    with pytest.raises(ConfigError, match="launch_options may not repeat num_nodes"):
-        launch_trainjob.python_func(data=data, output_root="s3://o", launch_options={"num_nodes": 5}, **arts)
+    # The one rule of every component (sao_core.config.merge_options): options may set a field whose parameter
+    # is left at its default, never one given both ways.
+    with pytest.raises(ConfigError, match=r"steps is given both as a parameter \(50\) and in options \(5\)"):
+        launch_trainjob.python_func(data=data, output_root="s3://o", steps=50, options={"steps": 5}, **arts)
+    with pytest.raises(ConfigError, match=r"launch_options: num_nodes is given both as a parameter \(2\)"):
+        launch_trainjob.python_func(data=data, output_root="s3://o", num_nodes=2, launch_options={"num_nodes": 5},
+                                    **arts)
+    with pytest.raises(ConfigError, match="launch_options: output is given both"):
+        launch_trainjob.python_func(data=data, output_root="s3://o", launch_options={"output": "s3://x"}, **arts)
     with pytest.raises(ConfigError, match="s3_secret_name is empty"):
         launch_trainjob.python_func(data=data, output_root="s3://o", s3_secret_name="", run_id="r", **arts)
-    with pytest.raises(ConfigError, match="options may not repeat admission"):
+    with pytest.raises(ConfigError, match="admission is given both as a parameter"):
         launch_trainjob.python_func(data=data, output_root="s3://o", admission="requeue",
                                     options={"admission": "requeue"}, **arts)
-    with pytest.raises(ConfigError, match="RLConfig.admission must be one of window, version_order, requeue, "
+    with pytest.raises(ConfigError, match="field .admission. must be one of window, version_order, requeue, "
                                           "no_drop, fragments, got 'fifo'"):
         launch_trainjob.python_func(data=data, output_root="s3://o", admission="fifo", run_id="r", **arts)
 

@@ -127,7 +127,7 @@ def test_sft_component_trains_and_points_at_the_checkpoint(tmp_path, sft_source,
     ({"lr": 0.1}, "lr is given both as a parameter"),
     ({"output": "/elsewhere"}, "output is given both"),
     ({"learning_rat": 0.1}, "unknown field\\(s\\) learning_rat"),
-    ({"schedule": "triangle"}, "schedule must be one of"),
+    ({"schedule": "triangle"}, "field 'schedule' must be one of"),
     ([1, 2], "options must be a mapping"),
 ])
 def test_bad_training_options_are_refused_before_training(tmp_path, options, message):
@@ -203,7 +203,7 @@ def test_rl_components_pass_admission_to_the_config(tmp_path, monkeypatch):
         sao_train.python_func(critic=Model(uri="c"), **common)
     assert [(c.method, c.admission) for c in seen] == [("sao", "version_order"), ("grpo_async", "requeue"),
                                                        ("sao", "window"), ("sao", "no_drop")]   # the default
-    allowed = "RLConfig.admission must be one of window, version_order, requeue, no_drop, fragments, got 'fifo'"
+    allowed = "field 'admission' must be one of window, version_order, requeue, no_drop, fragments, got 'fifo'"
     with pytest.raises(ConfigError, match=f"^sao_train: {allowed}$"):
         sao_train.python_func(critic=Model(uri="c"), admission="fifo", **common)
     with pytest.raises(ConfigError, match=f"^grpo_async_train: {allowed}$"):
@@ -239,7 +239,7 @@ def test_check_returns_the_data_kind(method, kind):
     (dict(method="sao", method_options={"critic_lrr": 1}), "unknown field\\(s\\) critic_lrr"),
     (dict(method="sao", method_options={"eps_low": 2.0}), "eps_low"),
     (dict(method="sao", method_options={"admission": "fifo"}),
-     "RLConfig.admission must be one of window, version_order, requeue, no_drop, fragments, got 'fifo'"),
+     "field 'admission' must be one of window, version_order, requeue, no_drop, fragments, got 'fifo'"),
     (dict(method="sao", steps=0), "steps must be >= 1"),
     (dict(method="sao", warm_start_steps=10), "needs warm_start_source"),
     (dict(method="sft", warm_start_steps=10, warm_start_source="x"), "applies to grpo and sao only"),

@@ -1,52 +1,129 @@
-"""Every copy of an RL setting agrees with its definition (RLConfig): the defaults of the KFP components'
-and the sao_rl pipeline's parameters, and the "(None = default X)" texts of the TrainJob launcher, whose
-parameters are optional. A difference on purpose is listed in ON_PURPOSE with its reason; anything else
-fails, naming the setting and the copy (issue 28, first part of the settings registry)."""
+"""One source of truth for every setting (issue 28): each setting is defined once, as a field of a config
+dataclass made with ``sao_core.config.setting`` (name, type, default, unit, help, methods). Every copy of a
+setting is checked against that definition here, and any drift fails, naming the copy and the setting:
+
+- the KFP components' and pipelines' (and their inner stages') parameters named like a setting: the default
+  (value and type), the type, and the description the KFP UI shows (the docstring's Args line) must be the
+  setting's; an optional parameter (default None) must say ``(None = default X)`` with the setting's X;
+- the pipelines' dropdowns (``LITERALS``) must list exactly the setting's allowed values (its ``Literal``);
+- a setting defined by two configs (the TrainJob launcher's and the learner's) must agree in help and values;
+- the settings tables of components/README.md are the ones ``python -m pipelines.compile --docs`` renders;
+- the CLI's ``--help`` of each setting is built from the definition (so it cannot drift; checked once).
+
+A difference on purpose is listed in ON_PURPOSE with its reason; the tests below plant each kind of drift
+and see the check fail."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import re
+import typing
+from typing import Any, Literal, Optional
 
+import docstring_parser
 import pytest
 
+from sao_core.config import Setting, _base_type, config_defaults, settings_of
 from sao_core.learner.config import RLConfig
 
-#: (copy, setting) -> why that copy's default differs from RLConfig's
+#: (copy, parameter) -> why that copy's default differs from the setting's
 ON_PURPOSE = {
     ("sao_train", "engine"): "a KFP pod rolls out with vLLM on its GPUs; the CLI's default hf runs anywhere",
     ("grpo_train", "engine"): "as sao_train",
     ("sao_rl", "engine"): "as sao_train",
-    ("launch_trainjob", "engine"): "as sao_train",
+    ("sao-single-pod-stage", "engine"): "as sao_train",
+    ("sao-trainjob-rl-stage", "engine"): "as sao_train",
     ("grpo_train", "method"): "the GRPO component's own method",
+    ("launch_trainjob", "gpus_per_node"): "a TrainJob's learner node is a whole 8-GPU node; the runtime's 1 is for tests",
+    ("sao_rl", "gpus_per_node"): "as launch_trainjob",
+    ("sao-trainjob-rl-stage", "gpus_per_node"): "as launch_trainjob",
+    ("launch_trainjob", "timeout_s"): "the same 7 days, written as a float literal KFP can compile",
+    ("launch_trainjob", "engine"): "as sao_train",
+    ("post_training", "engine"): "as sao_train",
+    ("post_training", "gpus_per_node"): "as launch_trainjob",
+    **{(f"{m}_train", "lr"): "a pipeline step fine-tunes a real LLM (1e-5); the CLI's 1e-3 suits the embedded "
+       "tiny model of the demo and the tests" for m in ("sft", "cpt", "dpo", "gkd")},
 }
+#: (copy, parameter) -> why its description is not the setting's help (it serves several methods' settings)
+OWN_HELP = {
+    ("post_training", name): "one post_training parameter serves every method's setting of that name"
+    for name in ("steps", "batch_size", "max_tokens", "engine", "method")
+}
+#: pipeline parameters whose name is a setting's but that are something else (name -> reason)
+NOT_A_SETTING = {
+    ("post_training", "method"): "the post_training method (sft ... sao), not RLConfig.method",
+    ("post_training", "batch_size"): "examples (sft ...) or trajectories (grpo, sao): one parameter for both",
+    **{(copy, name): "the final evaluation's (EvalConfig limit / options), not the evaluation during training's"
+       for copy in ("post_training", "sao_rl") for name in ("eval_limit", "eval_options")},
+}
+#: what a description may say before the setting's help (the context the parameter applies in)
+CONTEXTS = ("placement=trainjob: ",)
 
 
-def _defaults() -> dict[str, object]:
-    out = {}
-    for f in dataclasses.fields(RLConfig):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
+def registry() -> dict[str, dict[str, Setting]]:
+    """Every config's settings (the registry), by config name."""
+    from sao_core.cluster.launcher import LaunchConfig
+    from sao_core.training.config import METHOD_CONFIGS
+
+    return {cls.__name__: settings_of(cls) for cls in (RLConfig, *METHOD_CONFIGS.values(), LaunchConfig)}
 
 
-def drifts(copy: str, func, defaults: dict[str, object]) -> list[str]:
-    """The parameters of `func` named like an RLConfig field whose default (other than None) differs from the
-    field's, in value or type."""
-    found = []
-    for p in inspect.signature(func).parameters.values():
-        if p.default is None:   # optional: "None = the default", checked in the docstring (documented_drifts)
-            continue
-        if p.name in defaults and p.default is not inspect.Parameter.empty and (copy, p.name) not in ON_PURPOSE:
-            if p.default != defaults[p.name] or type(p.default) is not type(defaults[p.name]):
-                found.append(f"{copy}.{p.name}: {p.default!r}, RLConfig says {defaults[p.name]!r}")
-    return found
+def _copies() -> list[tuple[str, Any, tuple[str, ...], dict]]:
+    """(copy name, its Python function, the configs whose settings it carries, its dropdowns)."""
+    import pipelines
+    from components.cpt import cpt_train
+    from components.dpo import dpo_train
+    from components.gkd import gkd_train
+    from components.grpo import grpo_train
+    from components.launch_trainjob import launch_trainjob
+    from components.sao import sao_train
+    from components.sft import sft_train
+    from pipelines._stages import build_trainjob_stage
+    from pipelines.sao_rl import build_sao_stages
+    from sao_core.kfp import k8s
+
+    sao_rl = pipelines.build("sao_rl", None)
+    post = pipelines.build("post_training", None)
+    settings = k8s.ClusterSettings()
+    single, multi = build_sao_stages(settings)
+    rl_and_launch = ("RLConfig", "LaunchConfig")
+    return [
+        ("sao_train", sao_train.python_func, ("RLConfig",), {}),
+        ("grpo_train", grpo_train.python_func, ("RLConfig",), {}),
+        ("sft_train", sft_train.python_func, ("SFTConfig",), {}),
+        ("cpt_train", cpt_train.python_func, ("CPTConfig",), {}),
+        ("dpo_train", dpo_train.python_func, ("DPOConfig",), {}),
+        ("gkd_train", gkd_train.python_func, ("GKDConfig",), {}),
+        ("launch_trainjob", launch_trainjob.python_func, rl_and_launch, {}),
+        ("sao_rl", sao_rl.func.pipeline_func, rl_and_launch, sao_rl.literals),
+        ("sao-single-pod-stage", single.pipeline_func, rl_and_launch, {}),
+        ("sao-trainjob-rl-stage", multi.pipeline_func, rl_and_launch, {}),
+        ("sao-trainjob-stage", build_trainjob_stage(settings, "sao", sao_parameters=True).pipeline_func,
+         rl_and_launch, {}),
+        ("grpo-trainjob-stage", build_trainjob_stage(settings, "grpo").pipeline_func, rl_and_launch, {}),
+        ("post_training", post.func.pipeline_func, ("RLConfig", "SFTConfig", "LaunchConfig"), post.literals),
+    ]
 
 
-def _same(text: str, value) -> bool:
+#: parameter names of the components and pipelines that differ from the setting's (parameter -> setting)
+ALIASES = {"accelerator_type": "accelerator"}
+
+
+def _kind(annotation: Any) -> Any:
+    """int / float / str / bool / dict / list of an annotation (Optional, Literal and generics unwrapped)."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"Optional": Optional, "dict": dict, "list": list})  # noqa: S307 (our own source)
+    inner, _ = _base_type(annotation)
+    if typing.get_origin(inner) is Literal:
+        return type(typing.get_args(inner)[0])
+    if typing.get_origin(inner) is typing.Union:       # typing.Optional[X] spelt the KFP way
+        inner = next(a for a in typing.get_args(inner) if a is not type(None))
+    origin = typing.get_origin(inner) or inner
+    return {tuple: list}.get(origin, origin)
+
+
+def _same(text: str, value: Any) -> bool:
     """Whether a default written in prose (`5e-6`, `no_drop`, `4`) is `value`."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
@@ -56,48 +133,178 @@ def _same(text: str, value) -> bool:
     return text == str(value)
 
 
-def documented_drifts(copy: str, func, defaults: dict[str, object]) -> list[str]:
-    """Docstring lines `name: ... (None = default X)` whose X is not RLConfig's default of `name`."""
+def _clean(text: str) -> str:
+    """Whitespace, a first capital and a closing full stop do not count."""
+    text = " ".join(text.split()).rstrip(".")
+    return text[:1].upper() + text[1:]
+
+
+def drifts(copy: str, func, configs: tuple[str, ...], literals: dict, reg: dict[str, dict[str, Setting]]) -> list[str]:
+    """Every way the parameters of `func` (copy `copy`) differ from the settings of `configs` they carry."""
+    docs = {p.arg_name: p.description or "" for p in docstring_parser.parse(inspect.getdoc(func) or "").params}
     found = []
-    for name, said in re.findall(r"^\s*(\w+): .*?\(None = (?:the RLConfig )?default,? ([^)]+)\)",
-                                 inspect.getdoc(func) or "", re.M):
-        if name in defaults and not _same(said.strip(), defaults[name]):
-            found.append(f"{copy}.{name}: the docstring says default {said.strip()}, RLConfig says {defaults[name]!r}")
+    for p in inspect.signature(func).parameters.values():
+        if "Annotated[kfp.dsl" in str(p.annotation) or "Input[" in str(p.annotation) or "Output[" in str(p.annotation):
+            continue   # an artifact (data, model, ...), not a setting's value
+        name = ALIASES.get(p.name, p.name)
+        setting = next((reg[c][name] for c in configs if name in reg[c]), None)
+        if setting is None or (copy, p.name) in NOT_A_SETTING:
+            continue
+        where = f"{copy}.{p.name}"
+        if p.annotation is not inspect.Parameter.empty and setting.type is not Any:
+            if _kind(p.annotation) is not _kind(setting.type):
+                found.append(f"{where}: type {_kind(p.annotation).__name__}, the setting "
+                             f"({setting.owner}.{name}) is {_kind(setting.type).__name__}")
+        doc = docs.get(p.name)
+        if doc is None:
+            found.append(f"{where}: no description in the docstring (the KFP UI shows none)")
+            doc = ""
+        optional = re.search(r"\s*\(None = default (.+)\)\.?$", doc)
+        if p.default is None:
+            if not optional:
+                found.append(f"{where}: optional, but its description does not say (None = default X)")
+            elif not _same(optional.group(1).strip(), setting.default):
+                found.append(f"{where}: the description says default {optional.group(1).strip()}, "
+                             f"{setting.owner} says {setting.default!r}")
+        elif p.default is not inspect.Parameter.empty and (copy, p.name) not in ON_PURPOSE:
+            default = p.default
+            expected = setting.default
+            if default != expected or type(default) is not type(expected):
+                found.append(f"{where}: default {default!r}, {setting.owner} says {expected!r}")
+        if (copy, p.name) not in OWN_HELP:
+            said = " ".join((doc[:optional.start()] if optional else doc).split())
+            said = next((said[len(c):] for c in CONTEXTS if said.startswith(c)), said)
+            if _clean(said) != _clean(setting.help):
+                found.append(f"{where}: description {said!r} is not the help of {setting.owner}.{name} "
+                             f"{_clean(setting.help)!r}")
+        if setting.choices and literals:
+            if p.name not in literals:
+                found.append(f"{where}: no dropdown (LITERALS) for a setting with fixed values {setting.choices}")
+            elif (copy, p.name) not in NOT_A_SETTING and list(literals[p.name]) != list(setting.choices):
+                found.append(f"{where}: dropdown {list(literals[p.name])}, {setting.owner} allows "
+                             f"{list(setting.choices)}")
     return found
 
 
-def _copies():
-    import pipelines
-    from components.grpo import grpo_train
-    from components.launch_trainjob import launch_trainjob
+def shared_drifts(reg: dict[str, dict[str, Setting]]) -> list[str]:
+    """Settings defined by more than one config whose help or allowed values differ."""
+    found = []
+    by_name: dict[str, list[Setting]] = {}
+    for settings in reg.values():
+        for s in settings.values():
+            by_name.setdefault(s.name, []).append(s)
+    for name, defs in by_name.items():
+        first = defs[0]
+        for other in defs[1:]:
+            if other.owner == first.owner:
+                continue
+            if other.choices != first.choices:
+                found.append(f"{name}: {first.owner} allows {first.choices}, {other.owner} {other.choices}")
+    return found
+
+
+def test_every_copy_of_every_setting_agrees_with_its_definition():
+    reg = registry()
+    problems = []
+    for copy, func, configs, literals in _copies():
+        problems += drifts(copy, func, configs, literals, reg)
+    problems += shared_drifts(reg)
+    assert problems == [], "settings that drifted from their definition:\n" + "\n".join(problems)
+    names = {n for settings in reg.values() for n in settings}
+    assert all(ALIASES.get(n, n) in names for _, n in ON_PURPOSE), "ON_PURPOSE names no setting"
+
+
+def test_every_config_field_is_a_documented_setting():
+    """settings_of refuses a field made without setting() (no help), so a new field cannot skip the registry."""
+    reg = registry()
+    assert len(reg["RLConfig"]) > 50 and all(s.help for settings in reg.values() for s in settings.values())
+
+    @dataclasses.dataclass
+    class Undocumented:
+        steps: int = 3
+
+    with pytest.raises(TypeError, match="Undocumented.steps is not defined with sao_core.config.setting"):
+        settings_of(Undocumented)
+
+
+def test_readme_settings_tables_are_generated_from_the_registry():
+    from pipelines.compile import COMPONENTS_README, readme_with_settings
+
+    text = COMPONENTS_README.read_text()
+    assert readme_with_settings(text) == text, ("components/README.md's settings tables are stale: run "
+                                                "`python -m pipelines.compile --docs`")
+
+
+def test_cli_help_comes_from_the_definition():
+    import argparse
+
+    from sao_core.cli import add_config_arguments
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, RLConfig)
+    actions = {a.dest: a for a in parser._actions}
+    admission = settings_of(RLConfig)["admission"]
+    assert actions["admission"].help.startswith(admission.help.replace("%", "%%"))
+    assert actions["admission"].metavar == "{" + ",".join(admission.choices) + "}"
+    assert "(versions) [default: 4]" in actions["max_staleness"].help
+    assert all(actions[name].help for name in settings_of(RLConfig))
+
+
+def _planted(**changes):
+    """A copy of sao_train's signature and docstring with `changes` planted (the KFP component untouched)."""
     from components.sao import sao_train
 
-    return [("sao_train", sao_train.python_func), ("grpo_train", grpo_train.python_func),
-            ("sao_rl", pipelines.build("sao_rl", None).func.pipeline_func),
-            ("launch_trainjob", launch_trainjob.python_func)]
+    func = sao_train.python_func
+    reg = registry()
+    params = [p.replace(default=changes.get(p.name, p.default)) for p in inspect.signature(func).parameters.values()]
+    doc = inspect.getdoc(func)
+    if "doc" in changes:
+        old, new = changes["doc"]
+        doc = doc.replace(old, new)
+
+    def planted():
+        pass
+    planted.__signature__ = inspect.Signature(params)
+    planted.__doc__ = doc
+    return planted, reg
 
 
-def test_component_and_pipeline_defaults_equal_rlconfig():
-    defaults = _defaults()
-    problems = []
-    for copy, func in _copies():
-        problems += drifts(copy, func, defaults) + documented_drifts(copy, func, defaults)
-    assert problems == [], "settings that drifted from RLConfig:\n" + "\n".join(problems)
-    assert all(name in defaults for _, name in ON_PURPOSE), "ON_PURPOSE names a setting RLConfig does not have"
+@pytest.mark.parametrize("kind", ["default", "type", "help", "dropdown", "optional"])
+def test_the_parity_check_fails_on_a_planted_drift(kind):
+    """Each kind of drift in a copy of max_staleness / admission is caught and named."""
+    defaults = config_defaults(RLConfig)
+    reg = registry()
+    if kind == "default":
+        func, _ = _planted(max_staleness=defaults["max_staleness"] + 1)
+        assert drifts("sao_train", func, ("RLConfig",), {}, reg) == [
+            f"sao_train.max_staleness: default {defaults['max_staleness'] + 1}, RLConfig says "
+            f"{defaults['max_staleness']}"]
+    elif kind == "type":
+        func, _ = _planted(max_staleness=float(defaults["max_staleness"]))
+        assert drifts("sao_train", func, ("RLConfig",), {}, reg) == [
+            f"sao_train.max_staleness: default {float(defaults['max_staleness'])!r}, RLConfig says "
+            f"{defaults['max_staleness']}"]
+    elif kind == "help":
+        func, _ = _planted(doc=("eps_high: DIS band upper width", "eps_high: DIS band higher width"))
+        (problem,) = drifts("sao_train", func, ("RLConfig",), {}, reg)
+        assert problem.startswith("sao_train.eps_high: description 'DIS band higher width")
+    elif kind == "dropdown":
+        import pipelines
 
-
-@pytest.mark.parametrize("planted", ["default", "docstring"])
-def test_the_parity_check_fails_on_a_planted_drift(planted):
-    """A copy of max_staleness with another default, and a docstring that names another admission default."""
-    defaults = _defaults()
-
-    def drifted(max_staleness: int = defaults["max_staleness"] + 1, admission: str | None = None):
-        """Args:
-            admission: How the run admits episodes (None = default window)."""
-
-    if planted == "default":
-        assert drifts("planted", drifted, defaults) == [
-            f"planted.max_staleness: {defaults['max_staleness'] + 1}, RLConfig says {defaults['max_staleness']}"]
+        built = pipelines.build("sao_rl", None)
+        literals = {**built.literals, "admission": [r for r in built.literals["admission"] if r != "fragments"]}
+        assert drifts("sao_rl", built.func.pipeline_func, ("RLConfig", "LaunchConfig"), literals, reg) == [
+            "sao_rl.admission: dropdown ['window', 'version_order', 'requeue', 'no_drop'], RLConfig allows "
+            "['window', 'version_order', 'requeue', 'no_drop', 'fragments']"]
     else:
-        assert documented_drifts("planted", drifted, defaults) == [
-            f"planted.admission: the docstring says default window, RLConfig says {defaults['admission']!r}"]
+        from components.launch_trainjob import launch_trainjob
+
+        func = launch_trainjob.python_func
+        doc = inspect.getdoc(func).replace("(None = default 4)", "(None = default 5)")
+
+        def planted():
+            pass
+        planted.__signature__ = inspect.signature(func)
+        planted.__doc__ = doc
+        assert drifts("launch_trainjob", planted, ("RLConfig", "LaunchConfig"), {}, reg) == [
+            "launch_trainjob.max_staleness: the description says default 5, RLConfig says 4"]

@@ -43,6 +43,8 @@ from sao_core.cluster import manifests, names
 from sao_core.cluster.api import ClusterError, ClusterUnreachable, KubeAPI
 from sao_core.cluster.manifests import RuntimeSpec
 from sao_core.cluster.names import ClusterConfigError
+from sao_core.config import setting
+from sao_core.learner.config import Method
 
 log = logging.getLogger(__name__)
 
@@ -85,31 +87,31 @@ class LaunchConfig(RuntimeSpec):
     shape is used instead (the engine and its per-run options still come from here).
     """
 
-    method: str = "sao"                      # RL method: sao | grpo | grpo_async | grpo_dis | running_mean
-    data: str = ""                           # prepared rl dataset: s3:// URI, or a local directory / file (copied to OUTPUT/data)
-    output: str = ""                         # run directory, s3://bucket/prefix: every pod reads and writes it
-    rl_options: dict = field(default_factory=dict)  # other RLConfig fields (sao train-rl options), e.g. {"steps": 1000}
-    name: str = ""                           # TrainJob name ('' = sao-<stage>-<run_id>)
-    run_id: str = ""                         # pipeline run id: names the TrainJob; a relaunch with the same id re-attaches
-    stage: str = "sao"                       # pipeline stage (part of the TrainJob name and labels)
-    namespace: str = ""                      # '' = the launcher pod's namespace, else the kubeconfig context's, else default
-    cluster_runtime: str = ""                # '' = a per-run TrainingRuntime with this shape; else an installed ClusterTrainingRuntime (e.g. sao-rl)
-    queue_name: str = ""                     # Kueue LocalQueue in the namespace (label kueue.x-k8s.io/queue-name; '' = no Kueue)
-    priority_class: str = ""                 # Kueue WorkloadPriorityClass ('' = the queue's default)
-    service_account: str = ""                # service account of the TrainJob's pods ('' = the namespace's default)
-    node_selector: dict = field(default_factory=dict)  # node labels every pod requires, e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
-    tolerations: list = field(default_factory=list)  # tolerations of every pod, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}]
-    s3_secret_name: str = "sao-s3"           # Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION)
-    s3_ambient_credentials: bool = False     # no secret: the pods get S3 access from their service account (IRSA, workload identity)
-    env: dict = field(default_factory=dict)  # extra environment of every container, e.g. {"NCCL_DEBUG": "INFO"}
-    timeout_s: float = 7 * 24 * 3600.0       # whole run, queueing included; then the TrainJob is deleted
-    admission_timeout_s: float = 0.0         # longest wait for Kueue admission (0 = up to timeout_s)
-    pod_error_grace_s: float = 300.0         # a pod stuck on an image pull or a missing secret this long fails the run
-    poll_s: float = 10.0                     # seconds between status polls
-    follow_logs: bool = True                 # print the first learner pod's log as it grows
-    api_retry_s: float = 300.0               # how long the API server may be unreachable during the run
-    keep_trainjob: bool = False              # keep a completed or failed TrainJob (the ExitHandler step still deletes it)
-    wait: bool = True                        # False: create the TrainJob and return at once
+    method: Method = setting("sao", "RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean")
+    data: str = setting("", "prepared rl dataset: s3:// URI, or a local directory / file (copied to OUTPUT/data)")
+    output: str = setting("", "run directory, s3://bucket/prefix: every pod reads and writes it")
+    rl_options: dict = setting(factory=dict, help="other RLConfig fields (sao train-rl options), e.g. {\"steps\": 1000}")
+    name: str = setting("", "TrainJob name ('' = sao-<stage>-<run_id>)")
+    run_id: str = setting("", "pipeline run id: names the TrainJob; a relaunch with the same id re-attaches")
+    stage: str = setting("sao", "pipeline stage (part of the TrainJob name and labels)")
+    namespace: str = setting("", "'' = the launcher pod's namespace, else the kubeconfig context's, else default")
+    cluster_runtime: str = setting("", "'' = a per-run TrainingRuntime with this shape; else an installed ClusterTrainingRuntime (e.g. sao-rl)")
+    queue_name: str = setting("", "Kueue LocalQueue in the namespace (label kueue.x-k8s.io/queue-name; '' = no Kueue)")
+    priority_class: str = setting("", "Kueue WorkloadPriorityClass ('' = the queue's default)")
+    service_account: str = setting("", "service account of the TrainJob's pods ('' = the namespace's default)")
+    node_selector: dict = setting(factory=dict, help="Node labels the GPU pods require (a TrainJob: every pod), e.g. {\"nvidia.com/gpu.product\": \"NVIDIA-H100-80GB-HBM3\"}")
+    tolerations: list = setting(factory=list, help="Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{\"key\": \"nvidia.com/gpu\", \"operator\": \"Exists\"}]")
+    s3_secret_name: str = setting("sao-s3", "Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION)")
+    s3_ambient_credentials: bool = setting(False, "no secret: the pods get S3 access from their service account (IRSA, workload identity)")
+    env: dict = setting(factory=dict, help="extra environment of every container, e.g. {\"NCCL_DEBUG\": \"INFO\"}")
+    timeout_s: float = setting(7 * 24 * 3600.0, "whole run, queueing included; then the TrainJob is deleted", unit="seconds")
+    admission_timeout_s: float = setting(0.0, "longest wait for Kueue admission (0 = up to timeout_s)", unit="seconds")
+    pod_error_grace_s: float = setting(300.0, "a pod stuck on an image pull or a missing secret this long fails the run", unit="seconds")
+    poll_s: float = setting(10.0, "seconds between status polls", unit="seconds")
+    follow_logs: bool = setting(True, "print the first learner pod's log as it grows")
+    api_retry_s: float = setting(300.0, "how long the API server may be unreachable during the run", unit="seconds")
+    keep_trainjob: bool = setting(False, "keep a completed or failed TrainJob (the ExitHandler step still deletes it)")
+    wait: bool = setting(True, "False: create the TrainJob and return at once")
 
     def __post_init__(self) -> None:
         if isinstance(self.tolerations, str):  # a JSON list given on the command line

@@ -31,10 +31,11 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from sao_core.cluster import names
 from sao_core.cluster.names import ClusterConfigError
+from sao_core.config import setting
 
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
 GROUP = "trainer.kubeflow.org"
@@ -79,33 +80,33 @@ def _quantity(name: str, value: str, allow_empty: bool = True) -> None:
 class RuntimeSpec:
     """Shape and defaults of the sao-rl runtime (one rollout fleet + one torchrun learner)."""
 
-    image: str = ""                          # learner image (CUDA torch + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-cuda:0.1.0
-    rollout_image: str = ""                  # rollout image (vLLM + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-vllm:0.1.0
-    num_nodes: int = 1                       # learner nodes (pods of the node job); torchrun --nnodes
-    gpus_per_node: int = 1                   # GPUs per learner node = torchrun processes per node (0: one CPU process)
-    node_cpu: str = ""                       # CPU request of each learner pod ('' = none)
-    node_memory: str = ""                    # memory request and limit of each learner pod ('' = none)
-    rollout_replicas: int = 2                # rollout service replicas (one pod and one Job each)
-    rollout_gpus: int = 1                    # GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size)
-    tensor_parallel_size: int = 1            # vLLM tensor-parallel size inside one replica
-    data_parallel_size: int = 1              # vLLM data-parallel engines inside one replica
-    rollout_port: int = 8000                 # HTTP port of the rollout services
-    learner_metrics_port: int = 9400         # the learner's Prometheus /metrics port (node rank 0's pod); 0: off
-    rollout_cpu: str = ""                    # CPU request of each rollout pod ('' = none)
-    rollout_memory: str = ""                 # memory request and limit of each rollout pod ('' = none)
-    rollout_backoff_limit: int = 20          # container restarts of one replica before its Job (and the JobSet) fails
-    engine: str = "vllm"                     # rollout engine: vllm (GPU) or hf (transformers, small models on CPU)
-    gpu_memory_utilization: float = 0.9      # vllm: share of each GPU's memory the engine may use (0, 1]
-    max_num_seqs: int = 256                  # vllm: sequences scheduled concurrently per engine
-    enable_prefix_caching: bool = True       # vllm: reuse the KV cache of shared prefixes (multi-turn episodes)
-    max_model_len: int = 0                   # vllm: context in tokens (prompt + every turn); 0: a TrainJob's max_total_tokens (a runtime alone: the model's)
-    rollout_dtype: str = "bfloat16"          # vllm weights and activations: auto, bfloat16, float16, float32
-    engine_options: dict = field(default_factory=dict)  # other engine settings (vLLM AsyncEngineArgs names), e.g. {"enforce_eager": true}
-    model: str = "embedded:tiny"             # default model of the rollout replicas (a TrainJob sets its own)
-    accelerator: str = "nvidia.com/gpu"      # Kubernetes resource name of the GPUs
-    shm_size: str = "16Gi"                   # /dev/shm of every pod (memory emptyDir; NCCL and vLLM workers need it)
-    max_restarts: int = 0                    # JobSet restarts after a failed job (the learner resumes from its checkpoints)
-    service_wait_s: float = 1800.0           # how long the learner waits for every replica's /healthz (vLLM load time)
+    image: str = setting("", "learner image (CUDA torch + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-cuda:0.1.0")
+    rollout_image: str = setting("", "rollout image (vLLM + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-vllm:0.1.0")
+    num_nodes: int = setting(1, "learner nodes (pods of the node job); torchrun --nnodes")
+    gpus_per_node: int = setting(1, "GPUs per learner node = torchrun processes per node (0: one CPU process)")
+    node_cpu: str = setting("", "CPU request of each learner pod ('' = none)")
+    node_memory: str = setting("", "memory request and limit of each learner pod ('' = none)")
+    rollout_replicas: int = setting(2, "rollout service replicas (one pod and one Job each)")
+    rollout_gpus: int = setting(1, "GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size)")
+    tensor_parallel_size: int = setting(1, "vLLM tensor-parallel size inside one replica")
+    data_parallel_size: int = setting(1, "vLLM data-parallel engines inside one replica")
+    rollout_port: int = setting(8000, "HTTP port of the rollout services")
+    learner_metrics_port: int = setting(9400, "the learner's Prometheus /metrics port (node rank 0's pod); 0: off")
+    rollout_cpu: str = setting("", "CPU request of each rollout pod ('' = none)")
+    rollout_memory: str = setting("", "memory request and limit of each rollout pod ('' = none)")
+    rollout_backoff_limit: int = setting(20, "container restarts of one replica before its Job (and the JobSet) fails")
+    engine: Literal["vllm", "hf"] = setting("vllm", "Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).")
+    gpu_memory_utilization: float = setting(0.9, "vllm: share of each GPU's memory the engine may use (0, 1]")
+    max_num_seqs: int = setting(256, "vllm: sequences scheduled concurrently per engine")
+    enable_prefix_caching: bool = setting(True, "vllm: reuse the KV cache of shared prefixes (multi-turn episodes)")
+    max_model_len: int = setting(0, "vllm: context in tokens (prompt + every turn); 0: a TrainJob's max_total_tokens (a runtime alone: the model's)")
+    rollout_dtype: str = setting("bfloat16", "vllm weights and activations: auto, bfloat16, float16, float32")
+    engine_options: dict = setting(factory=dict, help="other engine settings (vLLM AsyncEngineArgs names), e.g. {\"enforce_eager\": true}")
+    model: str = setting("embedded:tiny", "default model of the rollout replicas (a TrainJob sets its own)")
+    accelerator: str = setting("nvidia.com/gpu", "Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu")
+    shm_size: str = setting("16Gi", "/dev/shm of every pod (memory emptyDir; NCCL and vLLM workers need it)")
+    max_restarts: int = setting(0, "JobSet restarts after a failed job (the learner resumes from its checkpoints)")
+    service_wait_s: float = setting(1800.0, "how long the learner waits for every replica's /healthz (vLLM load time)", unit="seconds")
 
     def validate(self, require_rollout_image: bool = True) -> None:
         """Raise ClusterConfigError naming the first bad setting (`require_rollout_image`: the runtime is built here)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sao_core import storage
-from sao_core.config import ConfigError, build_config
+from sao_core.config import ConfigError, build_config, merge_options
 
 #: Config fields a component always sets itself (``options`` may not name them).
 _RESERVED = ("data", "output", "model", "cache_dir", "resume")
@@ -68,16 +68,8 @@ def build(cls: type, explicit: dict[str, Any], options: dict | None, source: str
     both ways with different values, or one of data / output / model / cache_dir / resume, is refused.
     Every error is a ConfigError naming the field, the same message the CLI gives.
     """
-    if options is not None and not isinstance(options, dict):
-        raise ConfigError(f"{source}: options must be a mapping of field: value, got {options!r}")
-    options = dict(options or {})
     defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-    for key in sorted(set(options) & (set(explicit) | set(_RESERVED))):
-        if key in _RESERVED or key not in defaults or explicit[key] != defaults[key]:
-            shown = explicit.get(key, "(set by the component)")
-            raise ConfigError(f"{source}: {key} is given both as a parameter ({shown!r}) and in options "
-                              f"({options[key]!r}); set it once")
-    return build_config(cls, {**explicit, **options}, source=source)
+    return build_config(cls, merge_options(explicit, options, defaults, source, _RESERVED), source=source)
 
 
 def model_pointer(checkpoint_uri: str, method: str, step: int, version: int | None = None,

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from sao_core.rollout.admission import DEFAULT_RULE, RULES, AdmissionError, AdmissionPolicy, check_method
+from sao_core.config import setting
+from sao_core.rollout.admission import (
+    ADMISSION_HELP,
+    DEFAULT_RULE,
+    RULES,
+    Admission,
+    AdmissionError,
+    AdmissionPolicy,
+    check_method,
+)
 from sao_core.training.config import CoreConfig
 
-RL_METHODS = ("sao", "grpo", "grpo_async", "grpo_dis", "running_mean")
+Method = Literal["sao", "grpo", "grpo_async", "grpo_dis", "running_mean"]
+Engine = Literal["vllm", "hf"]
+RL_METHODS: tuple[str, ...] = typing.get_args(Method)
+ENGINES: tuple[str, ...] = typing.get_args(Engine)
 GROUP_METHODS = ("grpo", "grpo_async", "grpo_dis")
 ADMISSION_RULES = RULES
 
@@ -25,57 +38,80 @@ class RLConfig(CoreConfig):
     (its K updates of one step share that step's rate). SAO's defaults are the paper's: constant lr, no
     warm-up, no weight decay. `data` is a prepared rl dataset; `model` the initial policy and critic."""
 
-    method: str = "sao"                        # sao | grpo | grpo_async | grpo_dis | running_mean
-    services: tuple[str, ...] = ()             # rollout service URLs; empty: start one in this process
-    service_token_file: str = ""              # file with the services' bearer token (else $SAO_ROLLOUT_TOKEN[_FILE])
-    engine: str = "hf"                         # engine of the colocated service: hf | vllm
-    batch_size: int = 32                       # trajectories per step (B)
-    group_size: int = 8                        # G for the GRPO methods (batch_size must be a multiple)
-    max_staleness: int = 4                     # S: the bound on a trained token's lag, in versions (rollout/admission.py)
-    max_in_flight: int = 0                     # 0: (max_staleness + 1) × batch_size (sync grpo: batch_size)
-    policy_lr: float = 1e-6
-    critic_lr: float = 5e-6
-    critic_updates: int = 2                    # K critic updates per policy update
-    critic_warmup_steps: int = 10              # critic-only steps before the first policy update
-    freeze_critic_attention: bool = False
-    value_clip: float = 0.0                    # 0: no clipping of the value loss
-    eps_low: float = 0.3                       # DIS band (1 - eps_low, 1 + eps_high)
-    eps_high: float = 5.0
-    clip_low: float = 0.2                      # PPO clip for grpo / grpo_async
-    clip_high: float = 0.28
-    lambda_alpha: float = 1.5                  # adaptive lambda: clamp(1 - 1/(alpha * l), 0, 1)
-    gamma: float = 1.0
-    whiten_advantages: bool = False
-    baseline_window: int = 8                   # running_mean: last rewards per prompt
-    micro_batch_tokens: int = 16384            # max rows x width (padded positions) per learner forward/backward, rows grouped by length (padding <= half); 0: one pass
-    env_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    max_new_tokens_per_turn: int = 256
-    max_total_tokens: int = 4096
-    rollout_max_batch: int = 32                # colocated hf engine: sequences per forward pass
-    rollout_options: dict[str, Any] = field(default_factory=dict)  # colocated service: other ServeConfig fields, e.g. {"gpu_memory_utilization": 0.3}
-    take_wait_s: float = 2.0                   # long-poll wait per request
-    service_retry_s: float = 300.0             # how long to wait when no rollout service answers before failing
-    shutdown_services: bool = False            # at the end, shut the services down (TrainJob: lets the job end)
-    # How the run keeps generation ahead of training without starving long episodes (rollout/admission.py, README
-    # "Admission"): window (arrival order, stale dropped), version_order (oldest admission cohort first, waits
-    # for it), requeue (window; a stale position rolled out once more), no_drop (arrival order, nothing dropped,
-    # lag unbounded below the safety bound), fragments (SAO: long episodes trained in pieces within S).
-    admission: str = DEFAULT_RULE              # window | version_order | requeue | no_drop | fragments
-    hard_staleness: int = 0                    # no_drop / fragments: end episodes older than this many versions (0: 4 S)
-    failed_episodes: str = "drop"              # drop | train: episodes ended by an engine/environment error or a timeout
-    failed_reward: float = 0.0                 # the reward they are trained with when failed_episodes is train
-    keep_weight_versions: int = 3              # published weight versions kept (older ones deleted)
-    log_every: int = 1
-    metrics_port: int = 0                      # the learner's Prometheus /metrics port (rank 0, all interfaces); 0: off
+    method: Method = setting("sao", "RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean")
+    services: tuple[str, ...] = setting((), "rollout service URLs; empty: start one in this process",
+                                        placements=("trainjob",))
+    service_token_file: str = setting("", "file with the services' bearer token (else $SAO_ROLLOUT_TOKEN[_FILE])",
+                                      placements=("trainjob",))
+    engine: Engine = setting("hf", "Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).")
+    batch_size: int = setting(32, "Trajectories per step (B), one per prompt (GRPO: groups of group_size).",
+                              unit="trajectories")
+    group_size: int = setting(8, "G, rollouts per prompt of the GRPO methods (batch_size must be a multiple)",
+                              unit="trajectories", methods=GROUP_METHODS)
+    max_staleness: int = setting(4, "S, the most weights versions a trained token may lag (window / version_order / "
+                                 "requeue drop trajectories beyond it; no_drop / fragments drop only past the "
+                                 "safety bound).", unit="versions")
+    max_in_flight: int = setting(0, "episodes in flight over all services; 0: (max_staleness + 1) x batch_size "
+                                 "(sync grpo: batch_size)", unit="episodes")
+    policy_lr: float = setting(1e-6, "Policy learning rate (peak, after the warm-up).")
+    critic_lr: float = setting(5e-6, "Critic learning rate.", methods=("sao",))
+    critic_updates: int = setting(2, "Critic updates per policy update (K).", methods=("sao",))
+    critic_warmup_steps: int = setting(10, "Critic-only steps before the first policy update.", unit="steps",
+                                       methods=("sao",))
+    freeze_critic_attention: bool = setting(False, "train only the critic's MLPs and value head (attention frozen)",
+                                            methods=("sao",))
+    value_clip: float = setting(0.0, "clip of the value loss around the old values; 0: no clipping",
+                                methods=("sao",))
+    eps_low: float = setting(0.3, "DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).",
+                             methods=("sao", "grpo_dis"))
+    eps_high: float = setting(5.0, "DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding).",
+                              methods=("sao", "grpo_dis"))
+    clip_low: float = setting(0.2, "PPO clip lower width (grpo, grpo_async)", methods=("grpo", "grpo_async"))
+    clip_high: float = setting(0.28, "PPO clip upper width (grpo, grpo_async)", methods=("grpo", "grpo_async"))
+    lambda_alpha: float = setting(1.5, "adaptive GAE lambda: clamp(1 - 1/(alpha * l), 0, 1) for a length l",
+                                  methods=("sao",))
+    gamma: float = setting(1.0, "discount of the returns", methods=("sao",))
+    whiten_advantages: bool = setting(False, "normalise advantages to zero mean and unit variance per batch")
+    baseline_window: int = setting(8, "last rewards per prompt in the running-mean baseline", unit="rewards",
+                                   methods=("running_mean",))
+    micro_batch_tokens: int = setting(16384, "max rows x width (padded positions) per learner forward/backward, "
+                                      "rows grouped by length (padding <= half); 0: one pass", unit="tokens")
+    env_options: dict[str, dict[str, Any]] = setting(
+        factory=dict, help='per-environment options, e.g. {"swe": {"sandbox": "kubernetes"}}')
+    max_new_tokens_per_turn: int = setting(256, "longest model turn", unit="tokens")
+    max_total_tokens: int = setting(4096, "longest episode: prompt, turns and tool results", unit="tokens")
+    rollout_max_batch: int = setting(32, "colocated hf engine: sequences per forward pass", unit="sequences",
+                                     placements=("single_pod",))
+    rollout_options: dict[str, Any] = setting(
+        factory=dict, help='colocated service: other ServeConfig fields, e.g. {"gpu_memory_utilization": 0.3}',
+        placements=("single_pod",))
+    take_wait_s: float = setting(2.0, "long-poll wait per request for finished trajectories", unit="seconds")
+    service_retry_s: float = setting(300.0, "how long to wait when no rollout service answers before failing",
+                                     unit="seconds")
+    shutdown_services: bool = setting(False, "at the end, shut the services down (TrainJob: lets the job end)",
+                                      placements=("trainjob",))
+    admission: Admission = setting(DEFAULT_RULE, ADMISSION_HELP)
+    hard_staleness: int = setting(0, "no_drop / fragments: end episodes older than this many versions (0: 4 S)",
+                                  unit="versions")
+    failed_episodes: Literal["drop", "train"] = setting(
+        "drop", "episodes ended by an engine/environment error or a timeout: drop them, or train them")
+    failed_reward: float = setting(0.0, "the reward failed episodes are trained with when failed_episodes is train")
+    keep_weight_versions: int = setting(3, "published weight versions kept (older ones deleted)", unit="versions")
+    log_every: int = setting(1, "steps between metrics lines (and progress updates)", unit="steps")
+    metrics_port: int = setting(0, "the learner's Prometheus /metrics port (rank 0, all interfaces); 0: off")
     # Evaluation during training (sao_core/learner/evaluation.py, README "Evaluation during training"): held-out
     # rewards at the current weights from the rollout services, logged as eval_* in metrics.jsonl.
-    eval_every: int = 0                        # evaluate every N learner steps, at step 0 and at the last step; 0: off
-    eval_data: str = ""                        # held-out set: a prepared rl dataset, or swe_verified | beyond_aime | imo_answerbench
-    eval_limit: int = 0                        # evaluate only the first N prompts of eval_data (0: all)
-    eval_samples: int = 1                      # sampled answers (temperature 1) per prompt (0: none)
-    eval_greedy: bool = True                   # also one greedy answer (temperature 0) per prompt
-    eval_concurrency: int = 32                 # evaluation episodes (and /v1/generate requests) in flight at once
-    eval_options: dict[str, Any] = field(default_factory=dict)  # benchmark eval_data: other EvalConfig fields, e.g. {"max_new_tokens": 4096}
+    eval_every: int = setting(0, "evaluate every N learner steps, at step 0 and at the last step; 0: off",
+                              unit="steps")
+    eval_data: str = setting("", "held-out set: a prepared rl dataset, or swe_verified | beyond_aime | "
+                             "imo_answerbench")
+    eval_limit: int = setting(0, "evaluate only the first N prompts of eval_data (0: all)", unit="prompts")
+    eval_samples: int = setting(1, "sampled answers (temperature 1) per prompt (0: none)", unit="answers")
+    eval_greedy: bool = setting(True, "also one greedy answer (temperature 0) per prompt")
+    eval_concurrency: int = setting(32, "evaluation episodes (and /v1/generate requests) in flight at once",
+                                    unit="episodes")
+    eval_options: dict[str, Any] = setting(
+        factory=dict, help='benchmark eval_data: other EvalConfig fields, e.g. {"max_new_tokens": 4096}')
 
     @property
     def in_flight_cap(self) -> int:

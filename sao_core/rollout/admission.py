@@ -29,9 +29,22 @@ episode cannot hold a slot for ever (the episode timeout, `episode_timeout_s`, b
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
-RULES = ("window", "version_order", "requeue", "no_drop", "fragments")
+Admission = Literal["window", "version_order", "requeue", "no_drop", "fragments"]
+RULES: tuple[str, ...] = typing.get_args(Admission)
+#: The admission setting's help (README "Admission"), the one text the CLI, the components and pipelines show.
+ADMISSION_HELP = (
+    "How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. "
+    "no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may "
+    "lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is "
+    "dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: "
+    "the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the "
+    "learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; "
+    "fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped "
+    "from the critic (fewer tokens beyond S than no_drop, at a lower throughput).")
 # Rules whose trajectories are dropped when their oldest token is more than S versions old.
 DROPPING_RULES = ("window", "version_order", "requeue")
 # The methods that can train a fragment: its advantages are bootstrapped from a learned critic.

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sao_core import storage
-from sao_core.rollout.admission import DEFAULT_RULE, AdmissionError, AdmissionPolicy
+from sao_core.rollout.admission import DEFAULT_RULE, Admission, AdmissionError, AdmissionPolicy
 from sao_core.rollout.engines.base import Engine, SamplingParams, check_context, check_training_sampling
 from sao_core.rollout.episode import EpisodeLimits, run_episode
 from sao_core.rollout.trajectory import Trajectory
@@ -78,7 +78,7 @@ class RolloutPlan:
     num_shards: int = 1
     # The learner's admission rule (AdmissionPolicy.rule). On the service, "requeue" accepts requeue requests
     # (POST /v1/trajectories/ack) and rolls such a position out once more; "fragments" cuts long episodes.
-    admission: str = DEFAULT_RULE
+    admission: Admission = DEFAULT_RULE
     hard_staleness: int = 0                      # safety bound of no_drop / fragments (0: 4 x max_staleness)
     batch_size: int = 0                          # the learner's B (fragments: generation waits on its backlog)
 

@@ -7,13 +7,18 @@ tokens. Load from YAML and override from the CLI with `sao_core.config.load_conf
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from sao_core.config import check_finite
+from sao_core.config import check_finite, setting
 from sao_core.training.schedule import SCHEDULES
 
-PRECISIONS = ("auto", "float32", "bf16")
+Precision = Literal["auto", "float32", "bf16"]
+PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
+Schedule = Literal["constant", "cosine", "linear"]
+assert typing.get_args(Schedule) == SCHEDULES
 
 
 @dataclass
@@ -21,24 +26,27 @@ class CoreConfig:
     """Settings of the shared training core, used by every method (sft, cpt, dpo, gkd and the RL learner):
     model, schedule, optimiser, precision, memory and checkpoint settings. One place defines them."""
 
-    data: str                               # prepared dataset: directory (or s3:// prefix) holding data.jsonl
-    output: str                             # run directory: local path or s3:// prefix
-    model: str = "embedded:tiny"            # model reference: embedded:*, directory, s3:// or hub id
-    steps: int = 100                        # optimiser steps (RL: learner steps) in total
-    schedule: str = "constant"              # constant | cosine | linear, after the warm-up
-    warmup_steps: int = 0                   # linear lr warm-up, in optimiser updates
-    min_lr_ratio: float = 0.0               # final lr as a share of lr (cosine, linear)
-    weight_decay: float = 0.0               # AdamW
-    grad_clip: float = 1.0                  # max global grad norm; 0 disables
-    precision: str = "auto"                 # auto (bf16 on GPU, float32 on CPU) | float32 | bf16 (autocast; master weights and optimiser float32)
-    gradient_checkpointing: bool = False    # recompute decoder-layer activations in the backward pass
-    checkpoint_every: int = 0               # steps between resumable checkpoints; 0: only at the end
-    resume: bool = False                    # continue from the newest complete checkpoint in output
-    log_every: int = 10
-    report_every: int = 25                  # steps between refreshes of <output>/training_report.html; 0: only at the end
-    seed: int = 0
-    cache_dir: str = field(default_factory=lambda: str(Path.home() / ".cache" / "sao"))
-    unverified: bool = False                # load a local model folder without a manifest.json as it is
+    data: str = setting(help="prepared dataset: directory (or s3:// prefix) holding data.jsonl")
+    output: str = setting(help="run directory: local path or s3:// prefix")
+    model: str = setting("embedded:tiny", "model reference: embedded:*, directory, s3:// or hub id")
+    steps: int = setting(100, "optimiser steps (RL: learner steps) in total", unit="steps")
+    schedule: Schedule = setting("constant", "learning-rate schedule after the warm-up: constant, cosine or linear")
+    warmup_steps: int = setting(0, "linear lr warm-up", unit="optimiser updates")
+    min_lr_ratio: float = setting(0.0, "final lr as a share of lr (cosine, linear)")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    grad_clip: float = setting(1.0, "max global grad norm; 0 disables")
+    precision: Precision = setting("auto", "auto (bf16 on GPU, float32 on CPU), float32 or bf16 (autocast; master "
+                                   "weights and optimiser float32)")
+    gradient_checkpointing: bool = setting(False, "recompute decoder-layer activations in the backward pass")
+    checkpoint_every: int = setting(0, "steps between resumable checkpoints; 0: only at the end", unit="steps")
+    resume: bool = setting(False, "continue from the newest complete checkpoint in output")
+    log_every: int = setting(10, "steps between metrics lines (and progress updates)", unit="steps")
+    report_every: int = setting(25, "steps between refreshes of <output>/training_report.html; 0: only at the end",
+                                unit="steps")
+    seed: int = setting(0, "random seed of the run (initialisation, shuffling, sampling)")
+    cache_dir: str = setting(factory=lambda: str(Path.home() / ".cache" / "sao"),
+                             help="where built and downloaded models live ($SAO_CACHE_DIR, else ~/.cache/sao)")
+    unverified: bool = setting(False, "load a local model folder without a manifest.json as it is")
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -62,12 +70,12 @@ class CoreConfig:
 class TrainConfig(CoreConfig):
     """Settings every supervised method shares (the core's, plus batch, lr and length)."""
 
-    schedule: str = "cosine"
-    warmup_steps: int = 10
-    batch_size: int = 16                    # examples per optimiser step, over all ranks
-    grad_accum: int = 1                     # micro-batches per optimiser step on each rank
-    lr: float = 1e-3
-    max_tokens: int = 512                   # examples are cut (or packed) to this many tokens
+    schedule: Schedule = setting("cosine", "learning-rate schedule after the warm-up: constant, cosine or linear")
+    warmup_steps: int = setting(10, "linear lr warm-up", unit="optimiser updates")
+    batch_size: int = setting(16, "examples per optimiser step, over all ranks", unit="examples")
+    grad_accum: int = setting(1, "micro-batches per optimiser step on each rank")
+    lr: float = setting(1e-3, "learning rate (peak, after the warm-up)")
+    max_tokens: int = setting(512, "examples are cut (or packed) to this many tokens", unit="tokens")
 
     def validate(self) -> None:
         super().validate()
@@ -96,8 +104,8 @@ class CPTConfig(TrainConfig):
 class DPOConfig(TrainConfig):
     """Direct preference optimisation (sigmoid loss)."""
 
-    beta: float = 0.1                       # strength of the implicit KL constraint
-    reference_model: str = ""               # model reference; empty: the initial policy (`model`)
+    beta: float = setting(0.1, "strength of the implicit KL constraint")
+    reference_model: str = setting("", "reference model; empty: the initial policy (`model`)")
 
     def validate(self) -> None:
         super().validate()
@@ -109,11 +117,11 @@ class DPOConfig(TrainConfig):
 class GKDConfig(TrainConfig):
     """Generalised knowledge distillation from a teacher sharing the student's tokenizer."""
 
-    teacher_model: str = ""                 # model reference of the teacher (required)
-    beta: float = 0.5                       # 0: forward KL, 1: reverse KL, between: generalised JSD
-    temperature: float = 1.0
-    on_policy_fraction: float = 0.5         # share of examples whose response the student samples
-    max_new_tokens: int = 64                # length of student samples
+    teacher_model: str = setting("", "model reference of the teacher (required)")
+    beta: float = setting(0.5, "divergence: 0 forward KL, 1 reverse KL, between: generalised JSD")
+    temperature: float = setting(1.0, "softmax temperature of the distillation")
+    on_policy_fraction: float = setting(0.5, "share of examples whose response the student samples")
+    max_new_tokens: int = setting(64, "length of student samples", unit="tokens")
 
     def validate(self) -> None:
         super().validate()
