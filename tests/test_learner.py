@@ -554,12 +554,12 @@ def test_replay_after_a_crash_reproduces_the_published_weights(rl_data, tmp_path
     replayed) and the summary counts the whole run (issue 17)."""
     from safetensors.torch import load_file
 
-    from sao_core.learner import loop
+    from sao_core.learner import learner as learner_parts
 
     out = tmp_path / "run"
     # The early-stopped SFT model earns rewards (~0.25), so every step moves the weights.
     common = dict(steps=7, batch_size=8, critic_warmup_steps=0, checkpoint_every=3, keep_weight_versions=10)
-    prune = loop.prune_weight_versions
+    prune = learner_parts.prune_weight_versions
 
     def fail_at_5(weights_uri, newest, keep):        # runs after the journal write and the publish of v5
         if newest == 5:
@@ -568,10 +568,10 @@ def test_replay_after_a_crash_reproduces_the_published_weights(rl_data, tmp_path
             raise StopRun("killed in step 5")
         return prune(weights_uri, newest, keep)
 
-    monkeypatch.setattr(loop, "prune_weight_versions", fail_at_5)
+    monkeypatch.setattr(learner_parts, "prune_weight_versions", fail_at_5)
     with pytest.raises(StopRun):
         train_rl(_config(rl_data, out, rl_warm_model, sao_cache, **common))
-    monkeypatch.setattr(loop, "prune_weight_versions", prune)
+    monkeypatch.setattr(learner_parts, "prune_weight_versions", prune)
     before = load_file(str(out / "weights" / "v000005" / "model.safetensors"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003"]
     summary = train_rl(_config(rl_data, out, rl_warm_model, sao_cache, resume=True, **common))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import shutil
 import tempfile
 import time
@@ -36,52 +35,25 @@ import torch
 
 from sao_core import storage
 from sao_core.learner import journal
-from sao_core.learner.batch import collate
 from sao_core.learner.config import RLConfig
 from sao_core.learner.errors import LearnerError
 from sao_core.learner.health import turn_health
-from sao_core.learner.lag import lag_record
-from sao_core.learner.ledger import FRAGMENT_LOST, StreamLedger
-from sao_core.learner.pending import FAILED_REASONS, Drop, Pending, position_of
+from sao_core.learner.learner import Learner, on_rank0, prune_weight_versions
+from sao_core.learner.ledger import FRAGMENT_LOST
+from sao_core.learner.pending import FAILED_REASONS, Drop, Pending
 from sao_core.learner.services import ServiceSet
-from sao_core.learner.updates import Updater
+from sao_core.learner.state import Replayed
 from sao_core.reporting.training import write_training_report
 from sao_core.rollout.auth import TokenError, new_token, resolve_token
 from sao_core.rollout.manager import RolloutPlan
 from sao_core.rollout.trajectory import Trajectory
-from sao_core.training.checkpointing import (
-    STATE_FILE,
-    load_training_checkpoint,
-    save_full_model,
-    save_training_checkpoint,
-    step_name,
-)
-
-__all__ = ["FAILED_REASONS", "LearnerError", "Pending", "ServiceSet", "train_rl"]
-from sao_core.training.core import prepare_model
-from sao_core.training.distributed import DistContext, all_reduce, broadcast_object, init_distributed
+from sao_core.training.distributed import DistContext, broadcast_object, init_distributed
 from sao_core.training.live import run_sinks
 from sao_core.training.metrics_log import MetricsLog
 
+__all__ = ["FAILED_REASONS", "Learner", "LearnerError", "Pending", "ServiceSet", "prune_weight_versions", "train_rl"]
+
 log = logging.getLogger(__name__)
-
-
-def _gather_batch(ctx: DistContext, fetch: Callable[[], list[Trajectory] | None]) -> list[Trajectory] | None:
-    """Rank 0 runs `fetch` and shares its result with every rank. An error on rank 0 reaches the other
-    ranks as a LearnerError instead of leaving them blocked in the broadcast."""
-    if not ctx.distributed:
-        return fetch()
-    message: Any = None
-    if ctx.is_main:
-        try:
-            message = ("ok", fetch())
-        except BaseException as err:
-            broadcast_object(("error", f"{type(err).__name__}: {err}"), ctx)
-            raise
-    kind, value = broadcast_object(message, ctx)
-    if kind == "error":
-        raise LearnerError(f"rank 0 stopped: {value}")
-    return value
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
@@ -95,50 +67,6 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
         if isinstance(row, dict):
             rows.append(row)
     return rows
-
-
-def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext) -> bool:
-    """Gather the critic (collective) and write it on rank 0; True on the rank that wrote."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from sao_core.models.value import ValueModel
-
-    full = get_model_state_dict(critic, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not ctx.is_main:
-        return False
-    shutil.rmtree(staging, ignore_errors=True)
-    plain = ValueModel.from_pretrained(initial_dir)
-    plain.load_state_dict(full, strict=True)
-    plain.save_pretrained(staging)
-    return True
-
-
-def prune_weight_versions(weights_uri: str, newest: int, keep: int) -> list[str]:
-    """Delete the published weight versions (``vNNNNNN`` under `weights_uri`) older than the newest `keep`,
-    i.e. every version <= newest - keep, so leftovers from before a resume go too; returns the deleted URIs.
-
-    Call only once `newest` is loaded by every live service. Versions above `newest` are left alone (after a
-    resume the replayed version is never behind a published one; one that was would be overwritten by a later
-    publish). A failure is logged as a warning and never fails the run; the next call tries again.
-    """
-    try:
-        names = storage.list_dirs(weights_uri)
-    except storage.StorageError as err:
-        log.warning("could not list the old weight versions under %s: %s", weights_uri, err)
-        return []
-    deleted = []
-    for name in names:
-        match = re.fullmatch(r"v(\d+)", name)
-        if match is None or int(match.group(1)) > newest - keep:
-            continue
-        uri = storage.join(weights_uri, name)
-        try:
-            storage.delete_checkpoint(uri)
-        except storage.StorageError as err:
-            log.warning("could not delete old weight version %s: %s", uri, err)
-            continue
-        deleted.append(uri)
-    return deleted
 
 
 def colocated_serve_config(config: RLConfig):
@@ -234,147 +162,20 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _counters_from(state: dict[str, Any]) -> dict[str, Any]:
-    """The whole-run counters a checkpoint carries (zero for a checkpoint written before they were kept)."""
-    counters = state.get("counters") or {}
-    return {"trained_trajectories": int(counters.get("trained_trajectories", 0)),
-            "trained_tokens": int(counters.get("trained_tokens", 0)),
-            "dropped_by_reason": Counter({str(k): int(v) for k, v in counters.get("dropped_by_reason", {}).items()}),
-            "requeued": int(counters.get("requeued", 0)),
-            "first_rewards": [float(x) for x in counters.get("first_rewards", [])],
-            "last_rewards": [float(x) for x in counters.get("last_rewards", [])]}
-
-
 def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: DistContext, scratch: Path,
            started: float, latest: str | None, checkpoints_uri: str, token: str | None,
            eval_set: Any = None) -> dict[str, Any]:
     """The run itself, once the checks passed and `scratch` exists (`train_rl` removes it on every exit).
     `token`: the bearer token the services (or the colocated one) expect; `eval_set`: the held-out set of
     evaluation during training (`sao_core.learner.evaluation`), None when it is off."""
-    from sao_core.models import load_model_and_tokenizer, resolve_model
-    from sao_core.models.value import ValueModel
-
-    initial = resolve_model(config.model, config.cache_dir, config.unverified)   # verified once
-    policy, tokenizer = load_model_and_tokenizer(initial, config.cache_dir)
-    initial_dir = initial.path
-    critic = None
-    if config.method == "sao":
-        critic = ValueModel.from_pretrained(initial_dir)
-        if config.freeze_critic_attention:
-            critic.freeze_attention()
-    # The training core's set-up for both models: float32 master weights, activation checkpointing, FSDP2.
-    policy = prepare_model(policy, ctx, config.gradient_checkpointing)
-    if critic is not None:
-        critic = prepare_model(critic, ctx, config.gradient_checkpointing)
-    # The tokens that end a model turn (what the engines stop on): for the turn-end health metrics.
-    end_of_turn_ids = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
-    updater = Updater(config, policy, critic, ctx, end_of_turn_ids=end_of_turn_ids)
-    step, version = 0, 0
-    ledger = StreamLedger()  # which prompt-stream positions are trained, dropped or owed (rank 0 keeps it)
-    # Whole-run counters (the summary's): kept in every checkpoint, advanced by the replayed journal on resume.
-    run = _counters_from({})
+    learner = Learner.load(config, ctx, scratch)
+    state = learner.state
+    replayed = Replayed()
     if latest:
-        # Every rank reads its own verified copy (no shared filesystem needed); all agree before loading.
-        local, error = None, ""
-        try:
-            local = storage.fetch_checkpoint(latest, Path(config.cache_dir) / "s3")
-            learner_state = json.loads((local / STATE_FILE).read_text())
-        except (storage.StorageError, OSError, ValueError) as err:
-            error = f"cannot resume from {latest}: {err}"
-        (failed,) = all_reduce([float(bool(error))], ctx)
-        if failed:
-            raise LearnerError(error or f"cannot resume from {latest}: another rank could not read it")
-        if learner_state.get("method") != config.method:
-            raise LearnerError(f"{latest} belongs to a {learner_state.get('method')!r} run, not {config.method!r}")
-        learner_state = load_training_checkpoint(local, updater.checkpoint_parts(), ctx)
-        updater.load_extra_state(learner_state["extra"])
-        step, version = learner_state["step"], learner_state["version"]
-        run = _counters_from(learner_state)
-        if "counters" not in learner_state:   # a checkpoint from before the counters: every step is one batch
-            run["trained_trajectories"] = step * config.batch_size
-        try:
-            ledger = (StreamLedger.from_state(learner_state["stream"]) if "stream" in learner_state
-                      else StreamLedger.from_position(learner_state.get("data_position", 0)))
-        except ValueError as err:
-            raise LearnerError(f"{latest}: {err}") from err
-        log.info("resumed from %s (step %d, version %d)", latest, step, version)
-
-    def count_trained(trajectories: list[Trajectory], tokens: int) -> None:
-        run["trained_trajectories"] += len(trajectories)
-        run["trained_tokens"] += tokens
-        rewards = [t.reward for t in trajectories if not t.is_fragment]   # episodes' rewards (by their last piece)
-        if len(run["first_rewards"]) < 3 * config.batch_size:
-            run["first_rewards"] += rewards
-        run["last_rewards"] = (run["last_rewards"] + rewards)[-3 * config.batch_size:]
-
-    drop_records = 0  # drop records written after the current step (their file index)
-    replayed_ids: list[str] = []      # trained or dropped in the replayed journal: acknowledged again on connect
-    replayed_dropped: list[str] = []
-
-    def read_journal(read: Callable[[], Any]) -> Any:
-        """A checked journal read on rank 0, shared with every rank; a bad entry stops the resume."""
-        def checked() -> Any:
-            try:
-                return read() if ctx.is_main else None
-            except journal.JournalError as err:
-                raise LearnerError(f"cannot resume {config.output}: {err}") from err
-        return _gather_batch(ctx, checked)
-
-    def replay_drops(after_step: int) -> None:
-        nonlocal drop_records
-        records = read_journal(lambda: journal.read_drops(config.output, after_step, config.unverified))
-        for record in (records or []) if ctx.is_main else []:
-            settle_drops(record)
-            replayed_dropped.extend(r["id"] for r in record if not r.get("requeue"))
-            for r in record:
-                if r.get("requeue"):
-                    run["requeued"] += 1
-                else:
-                    run["dropped_by_reason"][r["reason"]] += 1
-        drop_records = len(records or [])
-
-    def settle_drops(records: list[dict]) -> None:
-        """Settle the positions of journaled drops (a re-queued one stays owed), a group with its own reason."""
-        by_position: dict[int, str] = {}
-        for r in records:
-            if not r.get("requeue") and by_position.get(r["position"], "group") == "group":
-                by_position[r["position"]] = r["reason"]
-        for position, reason in by_position.items():
-            ledger.settle(position, reason)
-
-    # Replay journal steps written after the checkpoint (deterministic, so the weights come back exactly).
-    replayed = 0
-    replayed_records: list[dict[str, Any]] = []   # their metrics lines (written if the killed run had not)
+        state = learner.resume(latest)
     if config.resume:
-        replay_drops(step)
-    while config.resume:
-        entry = read_journal(lambda step=step: journal.read_step(config.output, step + 1, config.unverified))
-        if entry is None:
-            break
-        try:
-            replay = [Trajectory.from_dict(t) for t in entry["trajectories"]]
-        except (KeyError, TypeError, ValueError) as err:
-            raise LearnerError(f"cannot resume {config.output}: journal entry {journal.step_uri(config.output, step + 1)}"
-                               f" (step {step + 1}) holds a malformed trajectory ({type(err).__name__}: {err})") from err
-        replayed_ids.extend(t.id for t in replay)
-        for t in replay:
-            ledger.train_piece(position_of(t), t.fragment_index, not t.is_fragment)
-        batch = collate(replay, tokenizer.pad_token_id)
-        # Replayed as it was trained (a journal written before the learner dropped them may hold a trajectory
-        # without action tokens).
-        metrics, changed = updater.step(batch, step, allow_empty_rows=True, version=version)
-        metrics.update(lag_record(replay, version, config.max_staleness))
-        staleness = Counter(t.staleness(version) for t in replay)
-        step += 1
-        version += int(changed)
-        replayed += 1
-        count_trained(replay, int(batch.action_mask.sum()))
-        replayed_records.append({"step": step, "version": version, **metrics, "replayed": True,
-                                 "staleness": {str(k): v for k, v in sorted(staleness.items())},
-                                 "world_size": ctx.world_size})
-        replay_drops(step)
-    if replayed:
-        log.info("replayed %d journal steps; now at step %d, version %d", replayed, step, version)
+        replayed = learner.replay_journal()
+    drop_records = replayed.drop_records  # drop records written after the current step (their file index)
 
     consumer = "learner-" + hashlib.sha256(config.output.encode()).hexdigest()[:12]
     server = None
@@ -394,57 +195,30 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
             max_staleness=admission.max_staleness, admission=admission.rule, hard_staleness=admission.hard_staleness,
             batch_size=admission.batch_size))
         services = ServiceSet(urls, consumer, plan, config.service_retry_s,
-                              plan_for=lambda index, n: ledger.plan_fields(index, n),
+                              plan_for=lambda index, n: state.ledger.plan_fields(index, n),
                               on_restart=lambda index: service_restarted(index, len(urls)), token=token)
 
-    def publish_weights() -> float:
-        """Gather the policy (collective); rank 0 publishes version `version` and pushes it to every service."""
-        began = time.monotonic()
-        if not save_full_model(policy, tokenizer, scratch / "weights", ctx):
-            return 0.0
-        uri = storage.join(config.output, "weights", f"v{version:06d}")
-        storage.publish_checkpoint(scratch / "weights", uri, metadata={"version": version, "step": step})
-        services.push(version, uri, storage.checkpoint_digest(uri))
-        seconds = time.monotonic() - began
-        # push returned: every live service verified the checksum of `version` and loaded it (a synchronous
-        # POST /v1/weights), and a service that is down is given the newest weights (services.weights)
-        # when it rejoins, so no service will ever load an older version: they can go.
-        prune_weight_versions(storage.join(config.output, "weights"), version, config.keep_weight_versions)
-        return seconds
+    def push(version: int, uri: str, digest: str) -> None:
+        services.push(version, uri, digest)
 
     def checkpoint() -> str:
-        """Resumable learner state in the training core's format (collective)."""
-        return save_training_checkpoint(
-            scratch / "checkpoint", storage.join(checkpoints_uri, step_name(step)), updater.checkpoint_parts(),
-            {"method": config.method, "step": step, "version": version,
-             "data_position": ledger.low_water_mark, "stream": ledger.to_state(),
-             "extra": updater.extra_state(), "counters": run_counters(),
-             "config": json.loads(json.dumps(asdict(config), default=list))}, ctx)
+        return learner.checkpoint(pending.dropped_by_reason, pending.requeued)
 
     def dropped_by_reason() -> Counter:
         """Trajectories dropped over the whole run: before this process (checkpoint, replay) and by it."""
-        return run["dropped_by_reason"] + pending.dropped_by_reason
-
-    def run_counters() -> dict[str, Any]:
-        return {"trained_trajectories": run["trained_trajectories"], "trained_tokens": run["trained_tokens"],
-                "dropped_by_reason": dict(dropped_by_reason()), "requeued": run["requeued"] + pending.requeued,
-                "first_rewards": run["first_rewards"], "last_rewards": run["last_rewards"]}
+        return state.counters.dropped_by_reason + pending.dropped_by_reason
 
     evaluator = None
     if eval_set is not None and ctx.is_main:
         from sao_core.learner.evaluation import TrainingEvaluator
 
-        evaluator = TrainingEvaluator(config, eval_set, tokenizer, token)
+        evaluator = TrainingEvaluator(config, eval_set, learner.tokenizer, token)
 
     def evaluate_now() -> dict[str, Any]:
-        """Held-out rewards at version `version` from the live services (rank 0; their stream goes on)."""
-        urls = [services.clients[i].url for i in services.live]
-        if not urls:
-            services._wait_for_any()
-            urls = [services.clients[i].url for i in services.live]
-        return evaluator.run(urls, step, version)
+        """Held-out rewards at the current version from the live services (rank 0; their stream goes on)."""
+        return evaluator.run(services.live_urls(), state.step, state.version)
 
-    pending = Pending(config, ledger)
+    pending = Pending(config, state.ledger)
     metrics_path = scratch / "metrics.jsonl"  # s3:// outputs: MetricsLog copies it to <output>/metrics.jsonl
     if not storage.is_s3_uri(config.output):
         metrics_path = Path(config.output) / "metrics.jsonl"
@@ -456,9 +230,9 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
         """Journal the drops, settle their positions, then acknowledge them (re-queued ones as such)."""
         nonlocal drop_records
         records = [d.record() for d in drops]
-        journal.write_drops(config.output, step, drop_records, records)
+        journal.write_drops(config.output, state.step, drop_records, records)
         drop_records += 1
-        settle_drops(records)
+        state.settle_drops(records)
         gone: dict[int, list[str]] = {}
         again: dict[int, list[str]] = {}
         for d in drops:
@@ -470,14 +244,14 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
         and settle its episodes that had fragments trained as FRAGMENT_LOST (journaled like any drop)."""
         nonlocal drop_records
         pending.forget_service(index)
-        lost = ledger.partial(index, num_shards)
+        lost = state.ledger.partial(index, num_shards)
         if not lost:
             return
         records = [{"id": f"lost-{p}", "position": p, "sample_index": 0, "attempt": 0, "reason": FRAGMENT_LOST,
                     "requeue": False} for p in lost]
-        journal.write_drops(config.output, step, drop_records, records)
+        journal.write_drops(config.output, state.step, drop_records, records)
         drop_records += 1
-        settle_drops(records)
+        state.settle_drops(records)
         pending.dropped_by_reason[FRAGMENT_LOST] += len(records)
         log.warning("rollout service %s restarted: %d episodes with trained fragments were lost; their positions "
                     "are settled as %s", services.clients[index].url if services else index, len(lost), FRAGMENT_LOST)
@@ -488,7 +262,7 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
         chosen = None
         order = pending.policy.order
         while chosen is None:
-            drops = pending.drop_unusable(version)
+            drops = pending.drop_unusable(state.version)
             if drops:
                 record_drops(drops)
             if order == "arrival":
@@ -510,56 +284,51 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
         return chosen
 
     try:
-        if version > 0:
+        if state.version > 0:
             if services is not None:
                 services.weights = None
-            publish_weights()
+            learner.publish(push)
+
         def connect() -> None:
             services.connect()
             # A crash between a journal write and its acknowledgement leaves those leases open on a service
             # that survived (and nothing to redeliver them to when no step is left); ids a service does not
             # hold, e.g. a new one's, are ignored by it.
-            if replayed_ids or replayed_dropped:
+            if replayed.trained_ids or replayed.dropped_ids:
                 every = range(len(services.clients))
-                services.ack({i: replayed_ids for i in every}, {i: replayed_dropped for i in every})
+                services.ack({i: replayed.trained_ids for i in every}, {i: replayed.dropped_ids for i in every})
 
-        _gather_batch(ctx, connect)
+        on_rank0(ctx, connect)
         with MetricsLog(config.output, metrics_path, resume=config.resume, enabled=ctx.is_main,
                         sinks=run_sinks(config, config.method)) as metrics_log:
             # One line per step: the replayed steps the killed process had not logged yet, marked replayed.
             logged = metrics_log.steps() if ctx.is_main else set()
-            for record in replayed_records:
+            for record in replayed.records:
                 if record["step"] not in logged and (record["step"] % config.log_every == 0
                                                      or record["step"] == config.steps):
                     metrics_log.append(record)
             metrics_log.sync()
-            if evaluator is not None and step == 0 and 0 not in logged:
+            if evaluator is not None and state.step == 0 and 0 not in logged:
                 # The starting point of the held-out curves: a line of its own, before any training.
-                metrics_log.append({"step": 0, "version": version, **evaluate_now(),
+                metrics_log.append({"step": 0, "version": state.version, **evaluate_now(),
                                     "seconds": time.time() - started, "world_size": ctx.world_size})
                 metrics_log.sync()
-            while step < config.steps:
-                chosen = _gather_batch(ctx, next_batch)
+            while state.step < config.steps:
+                chosen = on_rank0(ctx, next_batch)
                 trajectories = [t for t, _ in chosen]
-                staleness = Counter(t.staleness(version) for t in trajectories)
                 step_began = time.monotonic()
-                batch = collate(trajectories, tokenizer.pad_token_id)
-                metrics, changed = updater.step(batch, step, version=version)
-                lags = lag_record(trajectories, version, config.max_staleness)
-                step += 1
+                result = learner.step(trajectories)
                 push_seconds = 0.0
-
-                _gather_batch(ctx, lambda trajectories=trajectories, step=step, version=version:
-                              journal.write_step(config.output, step, version, trajectories))
+                # Journaled before the push and the acknowledgement: a crash after this point replays the step.
+                on_rank0(ctx, lambda trajectories=trajectories, step=state.step, version=result.trained_at_version:
+                         journal.write_step(config.output, step, version, trajectories))
                 drop_records = 0
                 # Settled: a service that was unreachable when we acknowledged redelivers these; they are only acked.
                 for t in trajectories:
-                    ledger.train_piece(position_of(t), t.fragment_index, not t.is_fragment)
                     if not t.is_fragment:
                         pending.bias.trained(t)
-                if changed:
-                    version += 1
-                    push_seconds = publish_weights()
+                if result.changed:
+                    push_seconds = learner.publish(push)
 
                 def ack(chosen=chosen) -> None:
                     # After the push: the slots these free admit episodes under the new weights (which the
@@ -569,61 +338,56 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                         by_service.setdefault(index, []).append(t.id)
                     services.ack(by_service)
 
-                _gather_batch(ctx, ack)
+                on_rank0(ctx, ack)
                 if ctx.is_main and config.method == "grpo":
                     services.resume()
                 trained_trajectories += len(trajectories)
-                trained_tokens += int(batch.action_mask.sum())
-                count_trained(trajectories, int(batch.action_mask.sum()))
+                trained_tokens += result.tokens
                 elapsed = time.time() - started
-                record = {"step": step, "version": version, **metrics, **lags,
-                          **turn_health(trajectories, end_of_turn_ids),
-                          "staleness": {str(k): v for k, v in sorted(staleness.items())},
+                record = {"step": state.step, "version": state.version, **result.metrics,
+                          **turn_health(trajectories, learner.end_of_turn_ids),
+                          "staleness": {str(k): v for k, v in sorted(result.staleness.items())},
                           "dropped_total": sum(dropped_by_reason().values()),
                           "dropped_by_reason": dict(dropped_by_reason()),
-                          "requeued_total": run["requeued"] + pending.requeued, "positions_owed": ledger.owed_count(),
-                          "stream_low_water_mark": ledger.low_water_mark, **pending.bias.step_record(),
+                          "requeued_total": state.counters.requeued + pending.requeued,
+                          "positions_owed": state.ledger.owed_count(),
+                          "stream_low_water_mark": state.ledger.low_water_mark, **pending.bias.step_record(),
                           "learner_wait_s": waited,
                           "update_s": time.monotonic() - step_began, "weight_push_s": push_seconds,
                           "trajectories_per_s": trained_trajectories / elapsed,
                           "tokens_per_s": trained_tokens / elapsed, "seconds": elapsed,
                           "world_size": ctx.world_size}
-                evaluated = evaluator is not None and evaluator.due(step)
-                if evaluated:   # after the push of `version`, before the next step: the current weights
+                evaluated = evaluator is not None and evaluator.due(state.step)
+                if evaluated:   # after the push of the version, before the next step: the current weights
                     record.update(evaluate_now())
-                if ctx.is_main and (step % config.log_every == 0 or step == config.steps or evaluated):
+                if ctx.is_main and (state.step % config.log_every == 0 or state.step == config.steps or evaluated):
                     record["generator_idle_share"] = services.idle_share()
                     metrics_log.append(record)
                     metrics_log.sync()
                 if ctx.is_main:   # every report_every steps (a failure only warns)
-                    write_training_report(config.output, metrics=metrics_path, config=config, step=step,
+                    write_training_report(config.output, metrics=metrics_path, config=config, step=state.step,
                                           every=config.report_every)
-                if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
+                if config.checkpoint_every and state.step % config.checkpoint_every == 0 and \
+                        state.step < config.steps:
                     checkpoint()
                 if progress and ctx.is_main:
-                    progress(step, record)
+                    progress(state.step, record)
         last_checkpoint = checkpoint()
-        model_uri = storage.join(config.output, "model")
-        if save_full_model(policy, tokenizer, scratch / "model", ctx):
-            storage.publish_checkpoint(scratch / "model", model_uri,
-                                       metadata={"method": config.method, "step": step, "version": version})
-        critic_uri = None
-        if critic is not None:
-            critic_uri = storage.join(config.output, "critic")
-            if _save_critic(critic, initial_dir, scratch / "critic", ctx):
-                storage.publish_checkpoint(scratch / "critic", critic_uri, metadata={"step": step})
+        model_uri, critic_uri = learner.save_final()
         if ctx.is_main:
+            counters = state.counters
             summary = {
-                "method": config.method, "steps": step, "version": version, "replayed_steps": replayed,
-                "trained_trajectories": run["trained_trajectories"], "trained_tokens": run["trained_tokens"],
+                "method": config.method, "steps": state.step, "version": state.version,
+                "replayed_steps": replayed.steps,
+                "trained_trajectories": counters.trained_trajectories, "trained_tokens": counters.trained_tokens,
                 "dropped": sum(dropped_by_reason().values()), "dropped_by_reason": dict(dropped_by_reason()),
-                "requeued": run["requeued"] + pending.requeued,
+                "requeued": counters.requeued + pending.requeued,
                 "admission": config.admission, "max_staleness": config.max_staleness,
                 "length_bias": pending.bias.summary(),
-                "stream": {"low_water_mark": ledger.low_water_mark, "frontier": ledger.frontier,
-                           "owed": ledger.owed_count(), "outcomes": dict(ledger.outcomes)},
-                "reward_first": sum(run["first_rewards"]) / max(1, len(run["first_rewards"])),
-                "reward_last": sum(run["last_rewards"]) / max(1, len(run["last_rewards"])),
+                "stream": {"low_water_mark": state.ledger.low_water_mark, "frontier": state.ledger.frontier,
+                           "owed": state.ledger.owed_count(), "outcomes": dict(state.ledger.outcomes)},
+                "reward_first": sum(counters.first_rewards) / max(1, len(counters.first_rewards)),
+                "reward_last": sum(counters.last_rewards) / max(1, len(counters.last_rewards)),
                 "seconds": time.time() - started, "checkpoint": last_checkpoint, "model": model_uri,
                 "critic": critic_uri, "resumed_from": latest, "world_size": ctx.world_size,
             }

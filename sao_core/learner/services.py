@@ -60,6 +60,12 @@ class ServiceSet:
     def live(self) -> list[int]:
         return [i for i in range(len(self.clients)) if i not in self.down]
 
+    def live_urls(self) -> list[str]:
+        """The URLs of the services that answer now, waiting (up to `retry_s`) while none does."""
+        if not self.live:
+            self._wait_for_any()
+        return [self.clients[i].url for i in self.live]
+
     def _push_one(self, index: int, version: int, uri: str, digest: str, resync: bool) -> None:
         """Push `version` to service `index` and check its answer (LearnerError unless it now serves it)."""
         client = self.clients[index]

@@ -1,0 +1,301 @@
+"""The learner of an RL run in parts: the models and their updater, and the run state they stand at.
+
+:class:`Learner` does the four things a step of the lossless protocol (``loop.py``) is made of, each on its own
+so each can be tested without a rollout service: :meth:`Learner.step` trains on a batch and advances the run
+state; :meth:`Learner.publish` writes the current weights as version ``vNNNNNN`` and hands them to a push
+function (the services); :meth:`Learner.checkpoint` writes the resumable state (models, optimisers, schedules,
+the run state); :meth:`Learner.resume` loads the newest checkpoint and :meth:`Learner.replay_journal` replays
+the journal after it (the updates are deterministic, so the weights come back exactly), returning what was
+replayed. Under torchrun every rank holds a Learner: the collective parts (training, gathering weights,
+checkpoints) run on every rank; rank 0 reads the journal and writes storage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from sao_core import storage
+from sao_core.learner import journal
+from sao_core.learner.batch import collate
+from sao_core.learner.config import RLConfig
+from sao_core.learner.errors import LearnerError
+from sao_core.learner.lag import lag_record
+from sao_core.learner.pending import position_of
+from sao_core.learner.state import Replayed, RunState
+from sao_core.learner.updates import Updater
+from sao_core.rollout.trajectory import Trajectory
+from sao_core.training.checkpointing import (
+    STATE_FILE,
+    load_training_checkpoint,
+    save_full_model,
+    save_training_checkpoint,
+    step_name,
+)
+from sao_core.training.distributed import DistContext, all_reduce, broadcast_object
+
+log = logging.getLogger(__name__)
+
+#: push(version, weights URI, its sha256): hands a published version to the rollout services
+Push = Callable[[int, str, str], None]
+
+
+def on_rank0(ctx: DistContext, fetch: Callable[[], Any]) -> Any:
+    """Rank 0 runs `fetch` and shares its result with every rank. An error on rank 0 reaches the other
+    ranks as a LearnerError instead of leaving them blocked in the broadcast."""
+    if not ctx.distributed:
+        return fetch()
+    message: Any = None
+    if ctx.is_main:
+        try:
+            message = ("ok", fetch())
+        except BaseException as err:
+            broadcast_object(("error", f"{type(err).__name__}: {err}"), ctx)
+            raise
+    kind, value = broadcast_object(message, ctx)
+    if kind == "error":
+        raise LearnerError(f"rank 0 stopped: {value}")
+    return value
+
+
+def prune_weight_versions(weights_uri: str, newest: int, keep: int) -> list[str]:
+    """Delete the published weight versions (``vNNNNNN`` under `weights_uri`) older than the newest `keep`,
+    i.e. every version <= newest - keep, so leftovers from before a resume go too; returns the deleted URIs.
+
+    Call only once `newest` is loaded by every live service. Versions above `newest` are left alone (after a
+    resume the replayed version is never behind a published one; one that was would be overwritten by a later
+    publish). A failure is logged as a warning and never fails the run; the next call tries again.
+    """
+    try:
+        names = storage.list_dirs(weights_uri)
+    except storage.StorageError as err:
+        log.warning("could not list the old weight versions under %s: %s", weights_uri, err)
+        return []
+    deleted = []
+    for name in names:
+        match = re.fullmatch(r"v(\d+)", name)
+        if match is None or int(match.group(1)) > newest - keep:
+            continue
+        uri = storage.join(weights_uri, name)
+        try:
+            storage.delete_checkpoint(uri)
+        except storage.StorageError as err:
+            log.warning("could not delete old weight version %s: %s", uri, err)
+            continue
+        deleted.append(uri)
+    return deleted
+
+
+@dataclass
+class StepResult:
+    """One trained batch: its metrics (the updater's and the lag metrics), whether the policy changed (and so
+    the version went up), the version it was trained at, its action tokens and its staleness histogram."""
+
+    metrics: dict[str, Any]
+    changed: bool
+    trained_at_version: int
+    tokens: int
+    staleness: Counter
+
+
+class Learner:
+    """The policy (and SAO's critic), their updater, and the run state they stand at (see the module)."""
+
+    def __init__(self, config: RLConfig, ctx: DistContext, scratch: Path, policy, tokenizer, critic=None,
+                 initial_dir: str = ""):
+        """`policy` and `critic` already prepared by the training core (`prepare_model`); `scratch` a local
+        folder for staged weights and checkpoints; `initial_dir` the initial model's folder (the critic's
+        config when it is saved)."""
+        self.config, self.ctx, self.scratch = config, ctx, scratch
+        self.policy, self.tokenizer, self.critic, self.initial_dir = policy, tokenizer, critic, initial_dir
+        # The tokens that end a model turn (what the engines stop on): for the turn-end health metrics.
+        self.end_of_turn_ids = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
+        self.updater = Updater(config, policy, critic, ctx, end_of_turn_ids=self.end_of_turn_ids)
+        self.state = RunState()
+
+    @classmethod
+    def load(cls, config: RLConfig, ctx: DistContext, scratch: Path) -> Learner:
+        """The initial policy (and, for SAO, a critic from the same weights), verified once and prepared by
+        the training core (float32 master weights, activation checkpointing, FSDP2 under torchrun)."""
+        from sao_core.models import load_model_and_tokenizer, resolve_model
+        from sao_core.models.value import ValueModel
+        from sao_core.training.core import prepare_model
+
+        initial = resolve_model(config.model, config.cache_dir, config.unverified)
+        policy, tokenizer = load_model_and_tokenizer(initial, config.cache_dir)
+        critic = None
+        if config.method == "sao":
+            critic = ValueModel.from_pretrained(initial.path)
+            if config.freeze_critic_attention:
+                critic.freeze_attention()
+        policy = prepare_model(policy, ctx, config.gradient_checkpointing)
+        if critic is not None:
+            critic = prepare_model(critic, ctx, config.gradient_checkpointing)
+        return cls(config, ctx, scratch, policy, tokenizer, critic, initial.path)
+
+    # ------------------------------------------------------------------------------------------ step
+    def step(self, trajectories: list[Trajectory], allow_empty_rows: bool = False) -> StepResult:
+        """Train on one batch (every rank passes the same one) and advance the run state: the step, the
+        version when the policy changed, the ledger (each trajectory's piece trained) and the counters.
+        `allow_empty_rows`: a replayed batch may hold a trajectory without action tokens (journaled before
+        the learner dropped those)."""
+        state = self.state
+        staleness = Counter(t.staleness(state.version) for t in trajectories)
+        batch = collate(trajectories, self.tokenizer.pad_token_id)
+        metrics, changed = self.updater.step(batch, state.step, allow_empty_rows=allow_empty_rows,
+                                             version=state.version)
+        metrics.update(lag_record(trajectories, state.version, self.config.max_staleness))
+        tokens = int(batch.action_mask.sum())
+        trained_at = state.version
+        state.step += 1
+        state.version += int(changed)
+        for t in trajectories:
+            state.ledger.train_piece(position_of(t), t.fragment_index, not t.is_fragment)
+        state.counters.count_trained(trajectories, tokens, self.config.batch_size)
+        return StepResult(metrics, changed, trained_at, tokens, staleness)
+
+    # ------------------------------------------------------------------------------------------ publish
+    def publish(self, push: Push | None = None) -> float:
+        """Gather the policy (collective); rank 0 publishes it as version `state.version` under
+        ``<output>/weights/vNNNNNN``, calls `push(version, uri, sha256)` (which returns once every live service
+        verified and loaded it) and then deletes the versions older than the newest `keep_weight_versions`.
+        Returns the seconds it took (0 on the other ranks)."""
+        import time
+
+        began = time.monotonic()
+        if not save_full_model(self.policy, self.tokenizer, self.scratch / "weights", self.ctx):
+            return 0.0
+        version, weights = self.state.version, storage.join(self.config.output, "weights")
+        uri = storage.join(weights, f"v{version:06d}")
+        storage.publish_checkpoint(self.scratch / "weights", uri, metadata={"version": version,
+                                                                          "step": self.state.step})
+        if push is not None:
+            push(version, uri, storage.checkpoint_digest(uri))
+        seconds = time.monotonic() - began
+        # push returned: every live service loaded `version`, and one that is down gets the newest weights
+        # when it rejoins, so no service will ever load an older version: they can go.
+        prune_weight_versions(weights, version, self.config.keep_weight_versions)
+        return seconds
+
+    # ------------------------------------------------------------------------------------------ checkpoint
+    def checkpoint(self, more_dropped: Counter | None = None, more_requeued: int = 0) -> str:
+        """Write and publish a resumable checkpoint of the learner at ``<output>/checkpoints/step-NNNNNN``
+        (collective): models, optimisers, RNG, and the learner state (run state, schedules, baseline, config).
+        `more_dropped` / `more_requeued`: drops and re-queues this process counted outside the run state."""
+        uri = storage.join(self.config.output, "checkpoints", step_name(self.state.step))
+        config = json.loads(json.dumps(asdict(self.config), default=list))
+        learner_state = self.state.to_checkpoint(self.config.method, self.updater.extra_state(), config,
+                                                 more_dropped, more_requeued)
+        return save_training_checkpoint(self.scratch / "checkpoint", uri, self.updater.checkpoint_parts(),
+                                        learner_state, self.ctx)
+
+    # ------------------------------------------------------------------------------------------ resume
+    def resume(self, checkpoint_uri: str) -> RunState:
+        """Load a checkpoint of this run (collective): every rank reads its own verified copy (no shared
+        filesystem needed) and all agree before loading. Returns (and keeps) the run state it holds."""
+        local, error, learner_state = None, "", {}
+        try:
+            local = storage.fetch_checkpoint(checkpoint_uri, Path(self.config.cache_dir) / "s3")
+            learner_state = json.loads((local / STATE_FILE).read_text())
+        except (storage.StorageError, OSError, ValueError) as err:
+            error = f"cannot resume from {checkpoint_uri}: {err}"
+        (failed,) = all_reduce([float(bool(error))], self.ctx)
+        if failed:
+            raise LearnerError(error or f"cannot resume from {checkpoint_uri}: another rank could not read it")
+        if learner_state.get("method") != self.config.method:
+            raise LearnerError(f"{checkpoint_uri} belongs to a {learner_state.get('method')!r} run, "
+                               f"not {self.config.method!r}")
+        learner_state = load_training_checkpoint(local, self.updater.checkpoint_parts(), self.ctx)
+        self.updater.load_extra_state(learner_state["extra"])
+        try:
+            self.state = RunState.from_checkpoint(learner_state, self.config.batch_size)
+        except ValueError as err:
+            raise LearnerError(f"{checkpoint_uri}: {err}") from err
+        log.info("resumed from %s (step %d, version %d)", checkpoint_uri, self.state.step, self.state.version)
+        return self.state
+
+    def replay_journal(self) -> Replayed:
+        """Replay the journal steps (and settle the drops) written after the state's step: each entry is
+        checked against its sha256 first (a bad one stops the resume, naming the file and step)."""
+        config, ctx, state = self.config, self.ctx, self.state
+        replayed = Replayed()
+
+        def read(fetch: Callable[[], Any]) -> Any:
+            def checked() -> Any:
+                try:
+                    return fetch() if ctx.is_main else None
+                except journal.JournalError as err:
+                    raise LearnerError(f"cannot resume {config.output}: {err}") from err
+            return on_rank0(ctx, checked)
+
+        def replay_drops(after_step: int) -> None:
+            records = read(lambda: journal.read_drops(config.output, after_step, config.unverified))
+            for record in (records or []) if ctx.is_main else []:
+                state.settle_drops(record)
+                replayed.dropped_ids.extend(r["id"] for r in record if not r.get("requeue"))
+                state.counters.count_drops(record)
+            replayed.drop_records = len(records or [])
+
+        replay_drops(state.step)
+        while True:
+            entry = read(lambda step=state.step: journal.read_step(config.output, step + 1, config.unverified))
+            if entry is None:
+                break
+            try:
+                batch = [Trajectory.from_dict(t) for t in entry["trajectories"]]
+            except (KeyError, TypeError, ValueError) as err:
+                raise LearnerError(f"cannot resume {config.output}: journal entry "
+                                   f"{journal.step_uri(config.output, state.step + 1)} (step {state.step + 1}) holds "
+                                   f"a malformed trajectory ({type(err).__name__}: {err})") from err
+            replayed.trained_ids.extend(t.id for t in batch)
+            result = self.step(batch, allow_empty_rows=True)
+            replayed.steps += 1
+            replayed.records.append({"step": state.step, "version": state.version, **result.metrics,
+                                     "replayed": True,
+                                     "staleness": {str(k): v for k, v in sorted(result.staleness.items())},
+                                     "world_size": ctx.world_size})
+            replay_drops(state.step)
+        if replayed.steps:
+            log.info("replayed %d journal steps; now at step %d, version %d", replayed.steps, state.step,
+                     state.version)
+        return replayed
+
+    # ------------------------------------------------------------------------------------------ the end
+    def save_final(self) -> tuple[str, str | None]:
+        """Publish the trained policy at ``<output>/model`` and SAO's critic at ``<output>/critic``
+        (collective); returns their URIs (critic None without one)."""
+        config, state = self.config, self.state
+        model_uri = storage.join(config.output, "model")
+        if save_full_model(self.policy, self.tokenizer, self.scratch / "model", self.ctx):
+            storage.publish_checkpoint(self.scratch / "model", model_uri,
+                                       metadata={"method": config.method, "step": state.step,
+                                                 "version": state.version})
+        critic_uri = None
+        if self.critic is not None:
+            critic_uri = storage.join(config.output, "critic")
+            if _save_critic(self.critic, self.initial_dir, self.scratch / "critic", self.ctx):
+                storage.publish_checkpoint(self.scratch / "critic", critic_uri, metadata={"step": state.step})
+        return model_uri, critic_uri
+
+
+def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext) -> bool:
+    """Gather the critic (collective) and write it on rank 0; True on the rank that wrote."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from sao_core.models.value import ValueModel
+
+    full = get_model_state_dict(critic, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not ctx.is_main:
+        return False
+    shutil.rmtree(staging, ignore_errors=True)
+    plain = ValueModel.from_pretrained(initial_dir)
+    plain.load_state_dict(full, strict=True)
+    plain.save_pretrained(staging)
+    return True
