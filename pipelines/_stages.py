@@ -26,24 +26,23 @@ from sao_core.kfp import k8s
 
 RUN_ID = dsl.PIPELINE_JOB_ID_PLACEHOLDER
 #: SAO settings that sao_rl passes as parameters of their own (post_training passes them in method_options).
-SAO_PARAMETERS = ("critic_lr", "critic_updates", "critic_warmup_steps", "max_staleness", "admission", "eps_low",
-                  "eps_high")
+SAO_PARAMETERS = ("max_staleness", "admission", "eps_low", "eps_high")
 
 
-def warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, warm_start_lr, max_tokens,
-                   params: k8s.ClusterParams, settings: k8s.ClusterSettings, batch_size=None):
+def warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, params: k8s.ClusterParams,
+                   settings: k8s.ClusterSettings, lr=None, max_tokens=None, batch_size=None, options=None):
     """The warm-start tasks (prepare the SFT data, fine-tune `base_model`); returns the SFT task.
 
     Call it inside a pipeline function (usually in ``dsl.If(warm_start_steps > 0)``); the SFT step runs
-    in one training pod with ``params``' GPUs whatever the RL placement. `batch_size` None: sft_train's
-    default.
+    in one training pod with ``params``' GPUs whatever the RL placement. `lr`, `max_tokens`, `batch_size`
+    None: sft_train's defaults (which `options`, other SFTConfig settings, may replace).
     """
     warm_data = prepare_data(source=warm_start_source, kind="sft").set_display_name("prepare warm-start data")
     k8s.apply(warm_data, "data", params, settings, image_kind="cpu")
-    extra = {} if batch_size is None else {"batch_size": batch_size}
+    given = {"lr": lr, "max_tokens": max_tokens, "batch_size": batch_size, "options": options}
     warm = sft_train(data=warm_data.outputs["dataset"], output_root=output_root, base_model=base_model,
-                     steps=warm_start_steps, lr=warm_start_lr, max_tokens=max_tokens, run_id=RUN_ID,
-                     **extra).set_display_name("warm-start SFT")
+                     steps=warm_start_steps, run_id=RUN_ID,
+                     **{k: v for k, v in given.items() if v is not None}).set_display_name("warm-start SFT")
     return k8s.apply(warm, "training", params, settings, image_kind="train")
 
 
@@ -128,8 +127,7 @@ def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_
 
     @dsl.pipeline(name=f"{stage}-trainjob-stage")
     def sao_trainjob_stage(data: Input[Dataset], output_root: str, base_model: str, method: str, steps: int,
-                           batch_size: int, learning_rate: float, critic_lr: float, critic_updates: int,
-                           critic_warmup_steps: int, max_staleness: int, admission: str, eps_low: float,
+                           batch_size: int, learning_rate: float, max_staleness: int, admission: str, eps_low: float,
                            eps_high: float, engine: str, method_options: dict, num_nodes: int, gpus_per_node: int,
                            rollout_replicas: int, rollout_gpus: int, tensor_parallel_size: int, accelerator_type: str,
                            node_selector: dict, tolerations: list, s3_secret_name: str) -> str:
@@ -143,9 +141,6 @@ def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_
             steps: Optimiser steps (RL: learner steps) in total.
             batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
             learning_rate: Policy learning rate.
-            critic_lr: Critic learning rate.
-            critic_updates: Critic updates per policy update (K).
-            critic_warmup_steps: Critic-only steps before the first policy update.
             max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
             admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
             eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).
@@ -165,9 +160,7 @@ def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_
         return guarded_launch(data, output_root, base_model, method, steps, batch_size, learning_rate, engine,
                               method_options, num_nodes, gpus_per_node, rollout_replicas, rollout_gpus,
                               tensor_parallel_size, accelerator_type, node_selector, tolerations, s3_secret_name,
-                              critic_lr=critic_lr, critic_updates=critic_updates,
-                              critic_warmup_steps=critic_warmup_steps, max_staleness=max_staleness, admission=admission,
-                              eps_low=eps_low, eps_high=eps_high)
+                              max_staleness=max_staleness, admission=admission, eps_low=eps_low, eps_high=eps_high)
 
     return sao_trainjob_stage
 
@@ -232,8 +225,8 @@ def build_rl_stage(method: str, settings: k8s.ClusterSettings):
                                    node_selector=node_selector, tolerations=tolerations,
                                    s3_secret_name=s3_secret_name)
         with dsl.If(warm_start_steps > 0, name="warm-start"):
-            warm = warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, warm_start_lr,
-                                  max_tokens, params, settings)
+            warm = warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, params, settings,
+                                  lr=warm_start_lr, max_tokens=max_tokens)
             after_warm = rl_task(data, warm.outputs["model_uri"], output_root, steps, batch_size, learning_rate,
                                  engine, method_options, params)
         with dsl.Else(name="no-warm-start"):
@@ -301,8 +294,8 @@ def build_rl_stage(method: str, settings: k8s.ClusterSettings):
                   tensor_parallel_size=tensor_parallel_size, accelerator_type=accelerator_type,
                   node_selector=node_selector, tolerations=tolerations, s3_secret_name=s3_secret_name)
         with dsl.If(warm_start_steps > 0, name="warm-start"):
-            warm = warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, warm_start_lr,
-                                  max_tokens, params, settings)
+            warm = warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, params, settings,
+                                  lr=warm_start_lr, max_tokens=max_tokens)
             after_warm = trainjob_stage(base_model=warm.outputs["model_uri"], **rl).set_display_name(
                 f"{method} trainjob")
         with dsl.Else(name="no-warm-start"):

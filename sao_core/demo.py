@@ -206,14 +206,15 @@ def run_sao_rl_demo(output: str | Path, cache_dir: str | Path, *, warm_start_ste
     from sao_core.kfp.local import LocalRunError, run_pipeline
 
     arguments = dict(
-        rl_source=str(rl), output_root=str(out / "runs"), base_model=EMBEDDED_TINY,
-        warm_start_source=str(warm), warm_start_steps=warm_start_steps, warm_start_lr=3e-3,
-        warm_start_batch_size=16, max_tokens=256, steps=sao_steps, batch_size=batch_size, policy_lr=policy_lr,
-        critic_lr=3e-4, critic_warmup_steps=DEMO_CRITIC_WARMUP, engine="hf",
-        sao_options={"max_new_tokens_per_turn": 32, "max_total_tokens": 160, "seed": seed,
-                     "eval_every": eval_every, "eval_data": held_data, "eval_samples": eval_samples},
-        eval_benchmarks=["imo_answerbench"], eval_k=eval_k, eval_limit=eval_limit, eval_max_new_tokens=64,
-        eval_max_total_tokens=512, eval_sandbox="local", eval_options={"grader_workers": 1},
+        a_rl_source=str(rl), a_output_root=str(out / "runs"), a_base_model=EMBEDDED_TINY,
+        a_warm_start_source=str(warm), b_warm_start_steps=warm_start_steps,
+        b_warm_start_options={"lr": 3e-3, "batch_size": 16, "max_tokens": 256},
+        b_steps=sao_steps, b_batch_size=batch_size, b_policy_lr=policy_lr, b_engine="hf",
+        b_options={"critic_lr": 3e-4, "critic_warmup_steps": DEMO_CRITIC_WARMUP, "max_new_tokens_per_turn": 32,
+                   "max_total_tokens": 160, "seed": seed, "eval_every": eval_every, "eval_data": held_data,
+                   "eval_samples": eval_samples},
+        c_eval_benchmarks=["imo_answerbench"], c_eval_k=eval_k, c_eval_limit=eval_limit, c_eval_sandbox="local",
+        c_eval_options={"grader_workers": 1, "max_new_tokens": 64, "max_total_tokens": 512},
     )
     say(f"[2/3] running the sao_rl pipeline locally (KFP SubprocessRunner): prepare -> SFT {warm_start_steps} "
         f"steps -> SAO {sao_steps} steps of {batch_size}, held-out evaluation every {eval_every} -> evaluate "

@@ -131,9 +131,18 @@ def _reachable(spec: dict, component: str) -> set[str]:
     return seen
 
 
+def _root(name: str, key: str) -> str:
+    """The run form's name of `key` (placement or a TrainJob shape field) in pipeline `name` (sao_rl groups its
+    fields by prefix: d_placement, d_trainjob_num_nodes, ...)."""
+    if name != "sao_rl":
+        return key
+    return "d_placement" if key == "placement" else f"d_trainjob_{key}"
+
+
 def _branches(spec: dict, placement_is_trainjob: bool) -> list[str]:
-    """Components of the dsl.If (trainjob) or dsl.Else (single-pod) branches on `placement`."""
-    wanted = "inputs.parameter_values['pipelinechannel--placement'] == 'trainjob'"
+    """Components of the dsl.If (trainjob) or dsl.Else (single-pod) branches on the placement field."""
+    placement = "d_placement" if "d_placement" in spec["root"]["inputDefinitions"]["parameters"] else "placement"
+    wanted = f"inputs.parameter_values['pipelinechannel--{placement}'] == 'trainjob'"
     found = []
     for name in ["root", *spec["components"]]:
         for task in _dag(spec, name).values():
@@ -147,13 +156,14 @@ def _branches(spec: dict, placement_is_trainjob: bool) -> list[str]:
 def test_placement_is_a_dropdown_and_the_shape_parameters_are_described(compiled, name):
     spec, _ = compiled[name]
     parameters = spec["root"]["inputDefinitions"]["parameters"]
-    assert parameters["placement"]["literals"] == ["single_pod", "trainjob"] == list(params.PLACEMENTS)
-    assert parameters["placement"]["defaultValue"] == "single_pod"
-    assert pipelines.build(name).literals["placement"] == ["single_pod", "trainjob"]
+    placement = _root(name, "placement")
+    assert parameters[placement]["literals"] == ["single_pod", "trainjob"] == list(params.PLACEMENTS)
+    assert parameters[placement]["defaultValue"] == "single_pod"
+    assert pipelines.build(name).literals[placement] == ["single_pod", "trainjob"]
     for key, default in SHAPE.items():
-        assert parameters[key]["defaultValue"] == default, key
-        assert parameters[key]["description"].startswith("placement=trainjob: "), key
-    assert "trainjob" in parameters["placement"]["description"]
+        assert parameters[_root(name, key)]["defaultValue"] == default, key
+        assert parameters[_root(name, key)]["description"].startswith("placement=trainjob: "), key
+    assert "trainjob" in parameters[placement]["description"]
 
 
 @pytest.mark.parametrize("name, stages", [("post_training", {"sao", "grpo"}), ("sao_rl", {"sao"})])
@@ -328,8 +338,8 @@ def test_the_check_accepts_both_placements(overrides):
     (dict(placement="trainjob", num_nodes=0), "placement=trainjob: num_nodes must be an integer in \\[1, 10000\\]"),
     (dict(placement="trainjob", rollout_gpus=2), "rollout_gpus \\(2\\) must equal tensor_parallel_size"),
     (dict(placement="trainjob", s3_secret_name=""), "placement=trainjob: s3_secret_name is empty"),
-    (dict(placement="trainjob", batch_size=32, method_options={"batch_size": 32}),  # fine in one pod, not here
-     "method_options may not repeat batch_size"),
+    (dict(placement="trainjob", batch_size=64, method_options={"batch_size": 32}),  # one rule: set it once
+     "batch_size is given both as a parameter \\(64\\) and in options \\(32\\)"),
     (dict(placement="trainjob", method_options={"critic_lrr": 1}), "unknown field\\(s\\) critic_lrr"),
 ])
 def test_the_check_refuses_a_bad_placement_or_shape_with_a_clear_message(overrides, message):

@@ -132,7 +132,7 @@ def test_sft_component_trains_and_points_at_the_checkpoint(tmp_path, sft_source,
 ])
 def test_bad_training_options_are_refused_before_training(tmp_path, options, message):
     with pytest.raises(ConfigError, match=message):
-        params.training_config("sft", data="d", output="o", model="m", steps=1, batch_size=1, lr=1e-5, max_tokens=8,
+        params.training_config("sft", data="d", output="o", model="m", steps=1, batch_size=1, lr=1e-4, max_tokens=8,
                                options=options)
 
 

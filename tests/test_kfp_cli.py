@@ -42,7 +42,7 @@ def test_compile_all_with_cluster_settings(tmp_path, capsys):
     retries = {t.get("retryPolicy", {}).get("maxRetryCount") for t in docs[0]["root"]["dag"]["tasks"].values()}
     assert 1 in retries
     params = docs[0]["root"]["inputDefinitions"]["parameters"]
-    assert params["engine"]["literals"] == ["vllm", "hf"]
+    assert params["b_engine"]["literals"] == ["vllm", "hf"]
 
 
 def test_compile_refuses_bad_settings_in_one_line(tmp_path, capsys):

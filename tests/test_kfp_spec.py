@@ -93,22 +93,25 @@ def test_method_dropdown_lists_every_method_and_round_trips(compiled):
 
 
 def test_sao_rl_admission_is_a_dropdown_that_reaches_every_sao_step(compiled):
-    """sao_rl's `admission` lists ADMISSION_RULES (default window), survives the kfp / protobuf round trip,
+    """sao_rl's `b_admission` lists ADMISSION_RULES (default no_drop), survives the kfp / protobuf round trip,
     refuses other values at submission, and is wired into both placements' SAO step."""
     from sao_core.kfp.client import KFPError, check_arguments, parameters_of
 
     path = compiled["sao_rl"]
     spec, _ = _docs(path)
-    admission = spec["root"]["inputDefinitions"]["parameters"]["admission"]
+    admission = spec["root"]["inputDefinitions"]["parameters"]["b_admission"]
     assert admission["literals"] == list(ADMISSION_RULES) == ["window", "version_order", "requeue", "no_drop", "fragments"]
     assert admission["defaultValue"] == "no_drop" and admission["parameterType"] == "STRING"
-    assert pipelines.build("sao_rl").literals["admission"] == list(ADMISSION_RULES)
-    assert verify_package(path, {"admission": list(ADMISSION_RULES)})["literals"]["admission"] == list(ADMISSION_RULES)
+    assert pipelines.build("sao_rl").literals["b_admission"] == list(ADMISSION_RULES)
+    assert verify_package(path, {"b_admission": list(ADMISSION_RULES)})["literals"]["b_admission"] == \
+        list(ADMISSION_RULES)
     parameters = parameters_of(path)
-    required = {"rl_source": "s3://b/rl.jsonl", "output_root": "s3://b/runs"}
-    assert check_arguments(parameters, {**required, "admission": "version_order"})["admission"] == "version_order"
-    with pytest.raises(KFPError, match="pipeline parameter 'admission' must be one of window, version_order, requeue, no_drop, fragments"):
-        check_arguments(parameters, {**required, "admission": "fifo"})
+    required = {"a_rl_source": "s3://b/rl.jsonl", "a_output_root": "s3://b/runs"}
+    assert check_arguments(parameters, {**required, "b_admission": "version_order"})["b_admission"] == \
+        "version_order"
+    with pytest.raises(KFPError, match="pipeline parameter 'b_admission' must be one of window, version_order, "
+                                       "requeue, no_drop, fragments"):
+        check_arguments(parameters, {**required, "b_admission": "fifo"})
     function_of = {label: func for func, labels in _executors_by_function(spec).items() for label in labels}
     reached = set()
     for _, task_name, task in _tasks(spec):

@@ -31,19 +31,17 @@ from sao_core.learner.config import RLConfig
 ON_PURPOSE = {
     ("sao_train", "engine"): "a KFP pod rolls out with vLLM on its GPUs; the CLI's default hf runs anywhere",
     ("grpo_train", "engine"): "as sao_train",
-    ("sao_rl", "engine"): "as sao_train",
+    ("sao_rl", "b_engine"): "as sao_train",
     ("sao-single-pod-stage", "engine"): "as sao_train",
     ("sao-trainjob-rl-stage", "engine"): "as sao_train",
     ("grpo_train", "method"): "the GRPO component's own method",
     ("launch_trainjob", "gpus_per_node"): "a TrainJob's learner node is a whole 8-GPU node; the runtime's 1 is for tests",
-    ("sao_rl", "gpus_per_node"): "as launch_trainjob",
+    ("sao_rl", "d_trainjob_gpus_per_node"): "as launch_trainjob",
     ("sao-trainjob-rl-stage", "gpus_per_node"): "as launch_trainjob",
     ("launch_trainjob", "timeout_s"): "the same 7 days, written as a float literal KFP can compile",
     ("launch_trainjob", "engine"): "as sao_train",
     ("post_training", "engine"): "as sao_train",
     ("post_training", "gpus_per_node"): "as launch_trainjob",
-    **{(f"{m}_train", "lr"): "a pipeline step fine-tunes a real LLM (1e-5); the CLI's 1e-3 suits the embedded "
-       "tiny model of the demo and the tests" for m in ("sft", "cpt", "dpo", "gkd")},
 }
 #: (copy, parameter) -> why its description is not the setting's help (it serves several methods' settings)
 OWN_HELP = {
@@ -55,7 +53,8 @@ NOT_A_SETTING = {
     ("post_training", "method"): "the post_training method (sft ... sao), not RLConfig.method",
     ("post_training", "batch_size"): "examples (sft ...) or trajectories (grpo, sao): one parameter for both",
     **{(copy, name): "the final evaluation's (EvalConfig limit / options), not the evaluation during training's"
-       for copy in ("post_training", "sao_rl") for name in ("eval_limit", "eval_options")},
+       for copy, names in (("post_training", ("eval_limit", "eval_options")),
+                           ("sao_rl", ("c_eval_limit", "c_eval_options"))) for name in names},
 }
 #: what a description may say before the setting's help (the context the parameter applies in)
 CONTEXTS = ("placement=trainjob: ",)
@@ -108,6 +107,15 @@ def _copies() -> list[tuple[str, Any, tuple[str, ...], dict]]:
 
 #: parameter names of the components and pipelines that differ from the setting's (parameter -> setting)
 ALIASES = {"accelerator_type": "accelerator"}
+#: a pipeline's group prefix for the KFP UI's alphabetical order (sao_rl: a_ ... d_, TrainJob shape d_trainjob_)
+GROUP_PREFIX = re.compile(r"^[a-d]_(trainjob_)?")
+
+
+def setting_name(copy: str, parameter: str) -> str:
+    """The setting a parameter carries: its name past the group prefix (sao_rl) and the aliases."""
+    if copy == "sao_rl":
+        parameter = GROUP_PREFIX.sub("", parameter)
+    return ALIASES.get(parameter, parameter)
 
 
 def _kind(annotation: Any) -> Any:
@@ -146,7 +154,7 @@ def drifts(copy: str, func, configs: tuple[str, ...], literals: dict, reg: dict[
     for p in inspect.signature(func).parameters.values():
         if "Annotated[kfp.dsl" in str(p.annotation) or "Input[" in str(p.annotation) or "Output[" in str(p.annotation):
             continue   # an artifact (data, model, ...), not a setting's value
-        name = ALIASES.get(p.name, p.name)
+        name = setting_name(copy, p.name)
         setting = next((reg[c][name] for c in configs if name in reg[c]), None)
         if setting is None or (copy, p.name) in NOT_A_SETTING:
             continue
@@ -211,7 +219,7 @@ def test_every_copy_of_every_setting_agrees_with_its_definition():
     problems += shared_drifts(reg)
     assert problems == [], "settings that drifted from their definition:\n" + "\n".join(problems)
     names = {n for settings in reg.values() for n in settings}
-    assert all(ALIASES.get(n, n) in names for _, n in ON_PURPOSE), "ON_PURPOSE names no setting"
+    assert all(setting_name(c, n) in names for c, n in ON_PURPOSE), "ON_PURPOSE names no setting"
 
 
 def test_every_config_field_is_a_documented_setting():
@@ -292,9 +300,9 @@ def test_the_parity_check_fails_on_a_planted_drift(kind):
         import pipelines
 
         built = pipelines.build("sao_rl", None)
-        literals = {**built.literals, "admission": [r for r in built.literals["admission"] if r != "fragments"]}
+        literals = {**built.literals, "b_admission": [r for r in built.literals["b_admission"] if r != "fragments"]}
         assert drifts("sao_rl", built.func.pipeline_func, ("RLConfig", "LaunchConfig"), literals, reg) == [
-            "sao_rl.admission: dropdown ['window', 'version_order', 'requeue', 'no_drop'], RLConfig allows "
+            "sao_rl.b_admission: dropdown ['window', 'version_order', 'requeue', 'no_drop'], RLConfig allows "
             "['window', 'version_order', 'requeue', 'no_drop', 'fragments']"]
     else:
         from components.launch_trainjob import launch_trainjob

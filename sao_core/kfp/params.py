@@ -121,12 +121,11 @@ def check_trainjob(method: str, output_root: str, *, steps: int, batch_size: int
         raise ConfigError(f"placement=trainjob needs an s3://bucket/prefix output_root, got {output_root!r}: the "
                           "TrainJob's learner nodes and rollout replicas run in separate pods and share checkpoints, "
                           "weights and the final model through it")
+    from sao_core.config import config_defaults, merge_options
+    from sao_core.learner.config import RLConfig
+
     given = {"steps": steps, "batch_size": batch_size, "policy_lr": policy_lr}
-    repeated = sorted(set(options or {}) & set(given))
-    if repeated:  # launch_trainjob refuses these even at their default values
-        raise ConfigError(f"placement=trainjob: method_options may not repeat {', '.join(repeated)} (they are "
-                          "parameters: steps, batch_size, learning_rate)")
-    rl_options = {**(options or {}), **given}
+    rl_options = merge_options(given, options, config_defaults(RLConfig), "placement=trainjob")
     config = LaunchConfig(image="check", rollout_image="check", data="s3://check/data",
                           output=artifacts.run_dir(root, _CHECK_RUN_ID, method), run_id=_CHECK_RUN_ID, stage=method,
                           method=method, engine=engine, rl_options=rl_options, num_nodes=num_nodes,
@@ -136,3 +135,64 @@ def check_trainjob(method: str, output_root: str, *, steps: int, batch_size: int
         config.validate()
     except ValueError as err:
         raise ConfigError(f"placement=trainjob: {err}") from None
+
+
+#: The sao_rl pipeline's parameter groups, in the order the KFP UI lists them (alphabetically by name).
+SAO_RL_GROUPS = {"a": "what to train on and where to write", "b": "SAO settings", "c": "evaluation",
+                 "d": "cluster"}
+#: sao_rl's warm-start SFT: the SFTConfig fields it sets itself (its data, steps and model come from the run).
+WARM_START_DEFAULTS = {"lr": 1e-5, "batch_size": 16, "max_tokens": 512}
+
+
+def check_sao_rl(output_root: str, steps: int, batch_size: int, policy_lr: float, max_staleness: int,
+                 admission: str, eps_low: float, eps_high: float, engine: str, options: dict | None,
+                 warm_start_source: str, warm_start_steps: int, warm_start_options: dict | None,
+                 eval_options: dict | None, placement: str, num_nodes: int, gpus_per_node: int,
+                 rollout_replicas: int, rollout_gpus: int, tensor_parallel_size: int, s3_secret_name: str) -> None:
+    """Validate sao_rl's arguments as its steps will (RLConfig, the warm start's SFTConfig, EvalConfig and, for
+    ``placement=trainjob``, the launcher's LaunchConfig), naming the pipeline field: an unknown key of
+    ``b_options`` / ``b_warm_start_options`` / ``c_eval_options`` is refused by name before any other step runs."""
+    from sao_core.eval.config import EvalConfig
+
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"d_placement: unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
+    artifacts.run_dir(output_root, "check", "sao")  # output_root must be set
+    placeholder = {"data": "<prepared data>", "output": "<output_root>/<run>/sao", "model": "<base_model>"}
+    sao = {"max_staleness": max_staleness, "admission": admission, "eps_low": eps_low, "eps_high": eps_high}
+    rl_config("sao", **placeholder, steps=steps, batch_size=batch_size, policy_lr=policy_lr, engine=engine,
+              options=options, source="sao_rl (b_options and the b_ settings)", **sao)
+    if isinstance(warm_start_steps, bool) or not isinstance(warm_start_steps, int) or warm_start_steps < 0:
+        raise ConfigError(f"b_warm_start_steps must be an integer >= 0, got {warm_start_steps!r}")
+    if warm_start_steps and not warm_start_source:
+        raise ConfigError("b_warm_start_steps > 0 needs a_warm_start_source (the SFT data of the warm start)")
+    training_config("sft", **placeholder, steps=max(warm_start_steps, 1), **WARM_START_DEFAULTS,
+                    options=warm_start_options, source="sao_rl b_warm_start_options")
+    artifacts.build(EvalConfig, {"model": "<trained model>", "output": "<output_root>/<run>/eval",
+                                 "resume": True, "cache_dir": artifacts.cache_dir()}, eval_options,
+                    "sao_rl c_eval_options")
+    if placement == "trainjob":
+        check_trainjob("sao", output_root, steps=steps, batch_size=batch_size, policy_lr=policy_lr, engine=engine,
+                       options={**sao, **(options or {})}, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                       rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
+                       tensor_parallel_size=tensor_parallel_size, s3_secret_name=s3_secret_name)
+
+
+def sao_rl_description(top_level: set[str]) -> str:
+    """The sao_rl pipeline's description in the KFP UI: the required fields, the groups, where the parameter
+    reference is, and every key ``b_options`` accepts with its default (RLConfig's settings without a
+    top-level field), generated from the settings registry."""
+    from sao_core.config import settings_of
+    from sao_core.learner.config import RLConfig
+
+    reserved = {"data", "output", "model", "method", "resume", "cache_dir", "services", "service_token_file",
+                "shutdown_services"}
+    keys = [f"{s.name}={s.default!r}" for s in settings_of(RLConfig).values()
+            if s.name not in top_level | reserved and s.name != "engine"]
+    groups = "; ".join(f"{k}_: {v}" for k, v in SAO_RL_GROUPS.items())
+    return ("SAO end to end: data preparation, optional SFT warm start, SAO training (one pod or a TrainJob), "
+            "evaluation and a report. Required: a_rl_source and a_output_root. Fields are grouped by prefix, in "
+            f"the order listed: {groups}. Every field and setting is described in components/README.md "
+            "(Settings reference) and pipelines/README.md. b_options takes any of these RLConfig settings as "
+            f"JSON (defaults shown; an unknown key fails the first step): {', '.join(keys)}. "
+            f"b_warm_start_options takes SFTConfig settings (defaults {WARM_START_DEFAULTS}); c_eval_options "
+            "takes EvalConfig settings (e.g. max_new_tokens=4096, max_total_tokens=32768).")

@@ -74,7 +74,7 @@ class TrainConfig(CoreConfig):
     warmup_steps: int = setting(10, "linear lr warm-up", unit="optimiser updates")
     batch_size: int = setting(16, "examples per optimiser step, over all ranks", unit="examples")
     grad_accum: int = setting(1, "micro-batches per optimiser step on each rank")
-    lr: float = setting(1e-3, "learning rate (peak, after the warm-up)")
+    lr: float = setting(1e-5, "learning rate (peak, after the warm-up)")
     max_tokens: int = setting(512, "examples are cut (or packed) to this many tokens", unit="tokens")
 
     def validate(self) -> None:
