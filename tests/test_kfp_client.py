@@ -291,7 +291,7 @@ def server():
 @pytest.fixture(scope="module")
 def packages(tmp_path_factory):
     out = tmp_path_factory.mktemp("packages")
-    return {p.stem: p for p in commands.compile_pipelines(["evaluation", "post_training"], out)}
+    return {p.stem: p for p in commands.compile_pipelines(["evaluation", "post_training", "sao_rl"], out)}
 
 
 def _api(server):
@@ -332,6 +332,18 @@ def test_upload_then_upload_a_new_version(server, packages):
     (version,) = server.of("UploadPipelineVersion")
     assert version["query"]["pipelineid"] == first["pipeline_id"] and version["query"]["name"] == "v2"
     assert len(server.versions[first["pipeline_id"]]) == 2
+
+
+def test_upload_sends_the_packages_own_description_by_default(server, packages):
+    """sao_rl's description (its required fields, groups and every b_options key) reaches the KFP pipeline, whose
+    page shows it; an explicit description still wins."""
+    api = _api(server)
+    kfp_client.upload(api, packages["sao_rl"], "sao-rl")
+    (upload,) = server.of("UploadPipeline")
+    said = upload["query"]["description"]
+    assert said == kfp_client.package_description(packages["sao_rl"])
+    assert "Required: a_rl_source and a_output_root" in said and "critic_lr=5e-06" in said
+    assert kfp_client.package_description(packages["sao_rl"].parent / "missing.yaml") is None
 
 
 def test_upload_refuses_a_missing_package_before_any_request(server, tmp_path):

@@ -299,3 +299,31 @@ def test_verify_refuses_broken_packages(tmp_path, compiled):
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(SpecError, match="not a KFP pipeline package"):
         verify_package(tmp_path / "empty.yaml")
+
+
+def test_the_sao_rl_form_reads_in_groups_in_the_order_the_kfp_ui_lists_it(compiled):
+    """The KFP UI lists a run's fields alphabetically by name (the IR's parameter map). Rendered in that order,
+    sao_rl's form runs a_ (inputs and outputs, with both required fields) -> b_ (SAO) -> c_ (evaluation) -> d_
+    (cluster), the TrainJob shape sits together, every field has a description, and the pipeline's description
+    names the required fields and lists every b_options key with its default."""
+    from sao_core.config import settings_of
+    from sao_core.learner.config import RLConfig
+
+    spec, _ = _docs(compiled["sao_rl"])
+    parameters = spec["root"]["inputDefinitions"]["parameters"]
+    form = sorted(parameters)                      # the UI's order
+    groups = [name.split("_", 1)[0] for name in form]
+    assert groups == sorted(groups) and set(groups) == {"a", "b", "c", "d"}, form
+    required = [n for n in form if not parameters[n].get("isOptional")]
+    assert required == ["a_output_root", "a_rl_source"] and form.index("a_rl_source") < 4
+    shape = [n for n in form if n.startswith("d_trainjob_")]
+    assert len(shape) == 5 and form.index(shape[-1]) - form.index(shape[0]) == 4   # one block
+    assert form.index(shape[0]) - form.index("d_placement") <= 3
+    assert all(parameters[n].get("description") for n in form) and len(form) == 35
+    described = spec["pipelineInfo"]["description"]
+    assert "Required: a_rl_source and a_output_root" in described
+    fields = {n.split("_", 1)[1] for n in form}
+    for setting in settings_of(RLConfig).values():
+        if setting.name not in fields | {"data", "output", "model", "method", "resume", "cache_dir", "services",
+                                         "service_token_file", "shutdown_services"}:
+            assert f"{setting.name}={setting.default!r}" in described, setting.name

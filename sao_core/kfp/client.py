@@ -193,15 +193,30 @@ def _package(path: str | Path) -> str:
 
 
 # ----------------------------------------------------------------------------------------- uploads
+def package_description(package_path: str | Path) -> str | None:
+    """The pipeline description compiled into a package (``pipelineInfo.description``), None without one."""
+    import yaml
+
+    try:
+        first = next(iter(yaml.safe_load_all(Path(package_path).read_text())), None) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    return (first.get("pipelineInfo") or {}).get("description") or None
+
+
 def upload(client, package_path: str | Path, name: str, version_name: str | None = None,
            description: str | None = None) -> dict[str, Any]:
     """Upload a compiled package as pipeline `name`, or as a new version when `name` exists.
 
-    Returns ``{"pipeline_id", "version_id", "version_name", "new_pipeline"}``.
+    `description` None: the package's own (``pipelineInfo.description``, e.g. sao_rl's list of its fields and
+    option keys), which the KFP UI shows on the pipeline's page. Returns ``{"pipeline_id", "version_id",
+    "version_name", "new_pipeline"}``.
     """
     package = _package(package_path)
     if not name or not name.strip():
         raise KFPError("a pipeline name is required")
+    if description is None:
+        description = package_description(package)
     pipeline_id = _call(f"looking up pipeline {name!r}", client.get_pipeline_id, name)
     if pipeline_id is None:
         pipeline = _call(f"uploading pipeline {name!r}", client.upload_pipeline, package, pipeline_name=name,
