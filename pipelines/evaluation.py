@@ -1,7 +1,8 @@
 """evaluation: score one model on the benchmarks, one parallel step per benchmark, and one report.
 
 The target of recurring runs (``sao kfp schedule``, e.g. every night at 02:00 with cron
-``0 0 2 * * *``); ``previous_summary`` compares with an earlier run's summary.
+``0 0 2 * * *``); ``c_previous_summary`` compares with an earlier run's summary. The run form's fields are
+grouped by prefix for the KFP UI's alphabetical list: a_ what and where, c_ evaluation settings, d_ cluster.
 """
 
 from kfp import dsl
@@ -10,7 +11,13 @@ from pipelines._stages import build_evaluation_stage
 from sao_core.kfp import k8s
 
 NAME = "sao-evaluation"
-LITERALS = {"engine": ["vllm", "hf"], "sandbox": ["kubernetes", "local"]}
+LITERALS = {"c_engine": ["vllm", "hf"], "c_sandbox": ["kubernetes", "local"]}
+#: The pipeline's description in the KFP UI.
+DESCRIPTION = (
+    "Evaluate a model on SWE-Bench Verified, BeyondAIME and IMO-AnswerBench (one parallel step each) and write one "
+    "HTML report; the target of recurring runs. Required: a_model and a_output_root. Fields are grouped by "
+    "prefix: a_: what to evaluate and where to write; c_: evaluation settings (c_eval_options: other EvalConfig "
+    "fields); d_: cluster. Every field is described in pipelines/README.md.")
 DEFAULT_BENCHMARKS = ["swe_verified", "beyond_aime", "imo_answerbench"]
 
 
@@ -20,47 +27,65 @@ def build_evaluation(settings: k8s.ClusterSettings | None = None):
     settings.validate()
     stage = build_evaluation_stage(settings)
 
-    @dsl.pipeline(name=NAME)
+    @dsl.pipeline(name=NAME, description=DESCRIPTION)
     def evaluation(
-        model: str,
-        output_root: str,
-        benchmarks: list = DEFAULT_BENCHMARKS,  # noqa: B006 (a pipeline parameter's default, never mutated)
-        k: int = 4,
-        limit: int = 0,
-        engine: str = "vllm",
-        max_new_tokens: int = 4096,
-        max_total_tokens: int = 32768,
-        temperature: float = 1.0,
-        sandbox: str = "kubernetes",
-        previous_summary: str = "",
-        eval_options: dict = {},  # noqa: B006
-        gpu_count: int = 1,
-        accelerator_type: str = "nvidia.com/gpu",
-        node_selector: dict = {},  # noqa: B006
-        tolerations: list = [],  # noqa: B006
-        s3_secret_name: str = "sao-s3",
+        a_model: str,
+        a_output_root: str,
+        c_benchmarks: list = DEFAULT_BENCHMARKS,  # noqa: B006 (a pipeline parameter's default, never mutated)
+        c_engine: str = "vllm",
+        c_eval_options: dict = {},  # noqa: B006
+        c_k: int = 4,
+        c_limit: int = 0,
+        c_max_new_tokens: int = 4096,
+        c_max_total_tokens: int = 32768,
+        c_previous_summary: str = "",
+        c_sandbox: str = "kubernetes",
+        c_temperature: float = 1.0,
+        d_accelerator_type: str = "nvidia.com/gpu",
+        d_gpu_count: int = 1,
+        d_node_selector: dict = {},  # noqa: B006
+        d_s3_secret_name: str = "sao-s3",
+        d_tolerations: list = [],  # noqa: B006
     ) -> str:
         """Evaluate a model on SWE-Bench Verified, BeyondAIME and IMO-AnswerBench; one HTML report.
 
         Args:
-            model: Model to evaluate: an s3:// checkpoint (e.g. a training run's OUTPUT_ROOT/RUN_ID/sao/model), a directory, embedded:tiny or a Hugging Face id.
-            output_root: Where evaluation runs are written: s3://bucket/prefix in a cluster (a local directory for local runs). Each run writes OUTPUT_ROOT/RUN_ID/eval-BENCHMARK and OUTPUT_ROOT/RUN_ID/report.
-            benchmarks: Benchmarks to run, each in its own parallel step: swe_verified, beyond_aime, imo_answerbench.
-            k: Samples per problem (avg@k, pass@k, maj@k).
-            limit: Evaluate only the first N problems of each benchmark (0 = all).
-            engine: Generation engine: vllm (GPU) or hf (transformers).
-            max_new_tokens: Tokens per model turn.
-            max_total_tokens: Tokens of a whole episode (prompt, turns, tool output).
-            temperature: Sampling temperature.
-            sandbox: Where SWE-Bench agent commands and tests run: kubernetes (one pod per episode with the instance's image; needs a service account allowed to create pods) or local (bubblewrap inside the evaluation pod).
-            previous_summary: summary.json of an earlier evaluation (path or s3://) to compare against in the report ('' = none).
-            eval_options: Other evaluation settings as JSON (EvalConfig fields), e.g. {"concurrency": 32, "judge_url": "http://judge/v1", "judge_model": "..."}.
-            gpu_count: GPUs of each evaluation pod (0 = none).
-            accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
-            node_selector: Node labels evaluation pods require, e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
-            tolerations: Tolerations of evaluation pods, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}].
-            s3_secret_name: Kubernetes secret with the S3 credentials (keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL); optional.
+            a_model: Required. Model to evaluate: an s3:// checkpoint (e.g. a training run's OUTPUT_ROOT/RUN_ID/sao/model), a directory, embedded:tiny or a Hugging Face id.
+            a_output_root: Required. Where evaluation runs are written: s3://bucket/prefix in a cluster (a local directory for local runs). Each run writes OUTPUT_ROOT/RUN_ID/eval-BENCHMARK and OUTPUT_ROOT/RUN_ID/report.
+            c_benchmarks: Benchmarks to run, each in its own parallel step: swe_verified, beyond_aime, imo_answerbench.
+            c_engine: Generation engine: vllm (GPU) or hf (transformers).
+            c_eval_options: Other evaluation settings as JSON (EvalConfig fields), e.g. {"concurrency": 32, "judge_url": "http://judge/v1", "judge_model": "..."}.
+            c_k: Samples per problem (avg@k, pass@k, maj@k).
+            c_limit: Evaluate only the first N problems of each benchmark (0 = all).
+            c_max_new_tokens: Tokens per model turn.
+            c_max_total_tokens: Tokens of a whole episode (prompt, turns, tool output).
+            c_previous_summary: summary.json of an earlier evaluation (path or s3://) to compare against in the report ('' = none).
+            c_sandbox: Where SWE-Bench agent commands and tests run: kubernetes (one pod per episode with the instance's image; needs a service account allowed to create pods) or local (bubblewrap inside the evaluation pod).
+            c_temperature: Sampling temperature.
+            d_accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
+            d_gpu_count: GPUs of each evaluation pod (0 = none).
+            d_node_selector: Node labels evaluation pods require, e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
+            d_s3_secret_name: Kubernetes secret with the S3 credentials (keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL); optional.
+            d_tolerations: Tolerations of evaluation pods, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}].
         """
+        # The run form's grouped names (a_ inputs, b_ method, c_ evaluation, d_ cluster), as the steps name them.
+        model = a_model
+        output_root = a_output_root
+        benchmarks = c_benchmarks
+        k = c_k
+        limit = c_limit
+        engine = c_engine
+        max_new_tokens = c_max_new_tokens
+        max_total_tokens = c_max_total_tokens
+        temperature = c_temperature
+        sandbox = c_sandbox
+        previous_summary = c_previous_summary
+        eval_options = c_eval_options
+        gpu_count = d_gpu_count
+        accelerator_type = d_accelerator_type
+        node_selector = d_node_selector
+        tolerations = d_tolerations
+        s3_secret_name = d_s3_secret_name
         result = stage(model=model, output_root=output_root, benchmarks=benchmarks, k=k, limit=limit, engine=engine,
                        max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens, temperature=temperature,
                        sandbox=sandbox, previous_summary=previous_summary, eval_options=eval_options,

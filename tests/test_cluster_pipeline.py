@@ -132,23 +132,21 @@ def _reachable(spec: dict, component: str) -> set[str]:
 
 
 def _root(name: str, key: str) -> str:
-    """The run form's name of `key` (placement or a TrainJob shape field) in pipeline `name` (sao_rl groups its
-    fields by prefix: d_placement, d_trainjob_num_nodes, ...)."""
-    if name != "sao_rl":
-        return key
+    """The run form's name of `key` (placement or a TrainJob shape field): the pipelines group their fields by
+    prefix (d_placement, d_trainjob_num_nodes, ...)."""
     return "d_placement" if key == "placement" else f"d_trainjob_{key}"
 
 
 def _branches(spec: dict, placement_is_trainjob: bool) -> list[str]:
     """Components of the dsl.If (trainjob) or dsl.Else (single-pod) branches on the placement field."""
-    placement = "d_placement" if "d_placement" in spec["root"]["inputDefinitions"]["parameters"] else "placement"
-    wanted = f"inputs.parameter_values['pipelinechannel--{placement}'] == 'trainjob'"
     found = []
-    for name in ["root", *spec["components"]]:
-        for task in _dag(spec, name).values():
-            condition = task.get("triggerPolicy", {}).get("condition", "")
-            if condition == wanted if placement_is_trainjob else condition == f"!({wanted})":
-                found.append(task["componentRef"]["name"])
+    for placement in ("placement", "d_placement"):    # a stage's own name, or the root's grouped one
+        wanted = f"inputs.parameter_values['pipelinechannel--{placement}'] == 'trainjob'"
+        for name in ["root", *spec["components"]]:
+            for task in _dag(spec, name).values():
+                condition = task.get("triggerPolicy", {}).get("condition", "")
+                if condition == wanted if placement_is_trainjob else condition == f"!({wanted})":
+                    found.append(task["componentRef"]["name"])
     return found
 
 

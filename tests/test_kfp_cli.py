@@ -63,17 +63,17 @@ def test_upload_run_schedule_list_disable(server, capsys):
 
     code, out, _ = _sao(capsys, "kfp", "run", "--host", server.url, "--experiment", "evals", "--run-name", "r1",
                         "--pipeline-id", uploaded["pipeline_id"], "--version-id", uploaded["version_id"],
-                        "--param", "model=s3://b/m", "--param", "output_root=s3://b/runs", "--param", "k=8",
-                        "--param", 'benchmarks=["beyond_aime"]')
+                        "--param", "a_model=s3://b/m", "--param", "a_output_root=s3://b/runs", "--param", "c_k=8",
+                        "--param", 'c_benchmarks=["beyond_aime"]')
     assert code == 0, out
     body = server.of("RunService_CreateRun")[0]["body"]
-    assert body["runtime_config"]["parameters"] == {"model": "s3://b/m", "output_root": "s3://b/runs", "k": 8,
-                                                    "benchmarks": ["beyond_aime"]}
+    assert body["runtime_config"]["parameters"] == {"a_model": "s3://b/m", "a_output_root": "s3://b/runs", "c_k": 8,
+                                                    "c_benchmarks": ["beyond_aime"]}
     assert json.loads(out)["run_id"] == body.get("run_id", json.loads(out)["run_id"])
 
     code, out, _ = _sao(capsys, "kfp", "schedule", "--host", server.url, "--experiment", "evals", "--name", "nightly",
-                        "--cron", "0 0 2 * * *", "--pipeline", "evaluation", "--param", "model=s3://b/m",
-                        "--param", "output_root=s3://b/runs", "--start-time", "2026-12-01T00:00:00+00:00")
+                        "--cron", "0 0 2 * * *", "--pipeline", "evaluation", "--param", "a_model=s3://b/m",
+                        "--param", "a_output_root=s3://b/runs", "--start-time", "2026-12-01T00:00:00+00:00")
     assert code == 0, out
     created = json.loads(out)
     body = server.of("RecurringRunService_CreateRecurringRun")[0]["body"]
@@ -92,14 +92,14 @@ def test_upload_run_schedule_list_disable(server, capsys):
     (["--cron", "0 2 * * *"], "has 5 fields; KFP reads six fields with seconds first"),
     (["--cron", "0 0 2 * * *", "--max-concurrency", "0"], "max_concurrency must be an integer from 1 to 10"),
     (["--cron", "0 0 2 * * *", "--param", "kk=1"], "unknown pipeline parameter 'kk'"),
-    (["--cron", "0 0 2 * * *", "--param", "k=x"], "needs a JSON value"),
-    (["--cron", "0 0 2 * * *", "--param", "engine=trt"], "'engine' must be one of vllm, hf"),
+    (["--cron", "0 0 2 * * *", "--param", "c_k=x"], "needs a JSON value"),
+    (["--cron", "0 0 2 * * *", "--param", "c_engine=trt"], "'c_engine' must be one of vllm, hf"),
     (["--cron", "0 0 2 * * *", "--start-time", "tomorrow"], "is not an ISO 8601 time"),
     (["--cron", "0 0 2 * * *", "--start-time", "2026-12-01T00:00:00"], "has no time zone"),
 ])
 def test_schedule_errors_are_one_line_before_any_request(server, capsys, argv, message):
     code, _, err = _sao(capsys, "kfp", "schedule", "--host", server.url, "--experiment", "e", "--name", "n",
-                        "--pipeline", "evaluation", "--param", "model=m", "--param", "output_root=r", *argv)
+                        "--pipeline", "evaluation", "--param", "a_model=m", "--param", "a_output_root=r", *argv)
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert err.startswith("sao kfp: error: ")
     assert server.requests == []

@@ -59,7 +59,7 @@ def test_parameter_tables_are_current(tmp_path):
     text = README.read_text()
     assert readme_with_tables(text, packages) == text, \
         "refresh with: .venv/bin/python -m pipelines.compile --golden --docs"
-    assert text.count("| `method` | string | `\"sao\"` |") == 1
+    assert text.count("| `a_method` | string | `\"sao\"` |") == 1
 
 
 @pytest.mark.parametrize("blocks", _example_sets(_kfp_blocks))
@@ -76,7 +76,7 @@ def test_python_examples_run_as_written(blocks, tmp_path, monkeypatch):
     (upload,) = server.of("UploadPipeline")
     assert upload["query"]["name"] == "sao-post-training"
     (run,) = server.of("RunService_CreateRun")
-    assert run["body"]["runtime_config"]["parameters"]["method"] == "sao"
+    assert run["body"]["runtime_config"]["parameters"]["a_method"] == "sao"
     (schedule,) = server.of("RecurringRunService_CreateRecurringRun")
     assert schedule["body"]["trigger"]["cron_schedule"]["cron"] == "0 0 2 * * *"
     assert schedule["body"]["no_catchup"] is True and schedule["body"]["max_concurrency"] == 1

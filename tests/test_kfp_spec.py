@@ -81,15 +81,15 @@ def test_every_parameter_has_a_description(compiled, name):
 def test_method_dropdown_lists_every_method_and_round_trips(compiled):
     path = compiled["post_training"]
     spec, _ = _docs(path)
-    assert spec["root"]["inputDefinitions"]["parameters"]["method"]["literals"] == list(POST_TRAINING_METHODS)
+    assert spec["root"]["inputDefinitions"]["parameters"]["a_method"]["literals"] == list(POST_TRAINING_METHODS)
     assert POST_TRAINING_METHODS == ("sft", "cpt", "dpo", "gkd", "grpo", "sao")
-    info = verify_package(path, {"method": list(POST_TRAINING_METHODS)})  # kfp loads it, protobuf parses it
+    info = verify_package(path, {"a_method": list(POST_TRAINING_METHODS)})  # kfp loads it, protobuf parses it
     assert info["name"] == "sao-post-training"
-    assert info["literals"]["method"] == list(POST_TRAINING_METHODS)
+    assert info["literals"]["a_method"] == list(POST_TRAINING_METHODS)
     from kfp import components
 
     loaded = components.load_component_from_file(str(path))
-    assert "method" in loaded.component_spec.inputs
+    assert "a_method" in loaded.component_spec.inputs
 
 
 def test_sao_rl_admission_is_a_dropdown_that_reaches_every_sao_step(compiled):
@@ -172,8 +172,11 @@ def test_training_tasks_get_gpus_no_cache_no_retry(compiled, name):
     assert training or name == "evaluation"
     for label in training:
         accelerator = executors[label]["container"]["resources"]["accelerator"]
-        assert accelerator["resourceType"] == "{{$.inputs.parameters['pipelinechannel--accelerator_type']}}"
-        assert accelerator["resourceCount"] == "{{$.inputs.parameters['pipelinechannel--gpu_count']}}"
+        # the root's d_ (cluster) fields, or a stage's own names for them
+        assert re.fullmatch(r"\{\{\$.inputs.parameters\['pipelinechannel--(d_)?accelerator_type'\]\}\}",
+                            accelerator["resourceType"]), accelerator
+        assert re.fullmatch(r"\{\{\$.inputs.parameters\['pipelinechannel--(d_)?gpu_count'\]\}\}",
+                            accelerator["resourceCount"]), accelerator
         kube = platform[label]
         assert kube["activeDeadlineSeconds"] == str(GOLDEN_SETTINGS.training_timeout_s)
         assert kube["emptyDirMounts"] == [{"medium": "Memory", "mountPath": "/dev/shm",
@@ -269,16 +272,16 @@ def test_literals_patch_checks_names_types_and_default(compiled, tmp_path):
     with pytest.raises(SpecError, match="no such parameter"):
         patch_literals(path, {"methd": ["sft"]})
     with pytest.raises(SpecError, match="is not a NUMBER_INTEGER value"):
-        patch_literals(path, {"steps": [100, "many"]})
+        patch_literals(path, {"b_steps": [100, "many"]})
     with pytest.raises(SpecError, match="default 'sao' is not one of"):
-        patch_literals(path, {"method": ["sft", "dpo"]})
+        patch_literals(path, {"a_method": ["sft", "dpo"]})
     with pytest.raises(SpecError, match="cannot be a dropdown"):
-        patch_literals(path, {"node_selector": [{}]})
+        patch_literals(path, {"d_node_selector": [{}]})
     with pytest.raises(SpecError, match="distinct"):
-        patch_literals(path, {"method": ["sao", "sao"]})
-    patch_literals(path, {"steps": [100, 200]})
-    assert root_parameters(path)["steps"]["literals"] == [100, 200]
-    assert verify_package(path)["literals"]["method"] == list(POST_TRAINING_METHODS)
+        patch_literals(path, {"a_method": ["sao", "sao"]})
+    patch_literals(path, {"b_steps": [100, 200]})
+    assert root_parameters(path)["b_steps"]["literals"] == [100, 200]
+    assert verify_package(path)["literals"]["a_method"] == list(POST_TRAINING_METHODS)
 
 
 def test_rewriting_a_package_changes_nothing_but_the_literals(compiled, tmp_path):

@@ -24,8 +24,8 @@ from sao_core.envs.tool_arith import tool_arith_tasks
 from sao_core.kfp.local import LocalRunError, run_pipeline
 
 TINY_SAO = {"critic_warmup_steps": 1, "max_new_tokens_per_turn": 24, "max_total_tokens": 128}
-TINY_EVAL = dict(eval_k=1, eval_limit=2, eval_max_new_tokens=16, eval_max_total_tokens=256, eval_sandbox="local",
-                 eval_options={"grader_workers": 1})
+TINY_EVAL = dict(c_eval_k=1, c_eval_limit=2, c_eval_max_new_tokens=16, c_eval_max_total_tokens=256,
+                 c_eval_sandbox="local", c_eval_options={"grader_workers": 1})
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,9 @@ def _only_run(root: Path) -> Path:
 def test_post_training_sft_branch(tmp_path, inputs, sao_cache):
     from pipelines.post_training import post_training
 
-    model_uri = _run(post_training, dict(train_source=inputs["sft"], output_root=str(tmp_path / "runs"), method="sft",
-                                         steps=3, batch_size=4, learning_rate=1e-3, max_tokens=128,
-                                         run_evaluation=False), tmp_path, sao_cache)
+    model_uri = _run(post_training, dict(a_train_source=inputs["sft"], a_output_root=str(tmp_path / "runs"),
+                                         a_method="sft", b_steps=3, b_batch_size=4, b_learning_rate=1e-3,
+                                         b_max_tokens=128, c_run_evaluation=False), tmp_path, sao_cache)
     run = _only_run(tmp_path / "runs")
     assert model_uri == str(run / "sft" / "model")
     assert storage.is_complete_checkpoint(model_uri)
@@ -70,11 +70,10 @@ def test_post_training_sao_branch_with_warm_start_and_evaluation(tmp_path, input
     from pipelines.post_training import post_training
 
     model_uri = _run(post_training, dict(
-        train_source=inputs["rl"], output_root=str(tmp_path / "runs"), method="sao", steps=2, batch_size=4,
-        learning_rate=1e-4, max_tokens=128, engine="hf", method_options={**TINY_SAO, "admission": "version_order"},
-        warm_start_source=inputs["sft"],
-        warm_start_steps=3, warm_start_lr=1e-3, eval_benchmarks=["imo_answerbench"],
-        **{k: v for k, v in TINY_EVAL.items() if k not in ("eval_sandbox",)}, eval_sandbox="local"),
+        a_train_source=inputs["rl"], a_output_root=str(tmp_path / "runs"), a_method="sao", b_steps=2, b_batch_size=4,
+        b_learning_rate=1e-4, b_max_tokens=128, b_engine="hf",
+        b_method_options={**TINY_SAO, "admission": "version_order"}, a_warm_start_source=inputs["sft"],
+        b_warm_start_steps=3, b_warm_start_lr=1e-3, c_eval_benchmarks=["imo_answerbench"], **TINY_EVAL),
         tmp_path, sao_cache)
     run = _only_run(tmp_path / "runs")
     assert model_uri == str(run / "sao" / "model")
@@ -95,9 +94,9 @@ def test_evaluation_pipeline_runs_benchmarks_in_parallel_steps(tmp_path, inputs,
     from pipelines.evaluation import evaluation
 
     report_uri = _run(evaluation, dict(
-        model="embedded:tiny", output_root=str(tmp_path / "runs"), benchmarks=["imo_answerbench", "beyond_aime"], k=2,
-        limit=2, engine="hf", max_new_tokens=16, max_total_tokens=256, sandbox="local",
-        eval_options={"beyond_aime_source": inputs["beyond_aime"], "grader_workers": 1}), tmp_path, sao_cache)
+        a_model="embedded:tiny", a_output_root=str(tmp_path / "runs"), c_benchmarks=["imo_answerbench", "beyond_aime"],
+        c_k=2, c_limit=2, c_engine="hf", c_max_new_tokens=16, c_max_total_tokens=256, c_sandbox="local",
+        c_eval_options={"beyond_aime_source": inputs["beyond_aime"], "grader_workers": 1}), tmp_path, sao_cache)
     run = _only_run(tmp_path / "runs")
     assert report_uri == str(run / "report" / "report.html")
     assert sorted(p.name for p in run.iterdir()) == ["eval-beyond_aime", "eval-imo_answerbench", "report"]
@@ -113,7 +112,7 @@ def test_unknown_method_stops_at_the_check_before_any_data(tmp_path, inputs, sao
     from pipelines.post_training import post_training
 
     with pytest.raises(LocalRunError, match="check-post-training-arguments"):
-        _run(post_training, dict(train_source=inputs["sft"], output_root=str(tmp_path / "runs"), method="ppo"),
+        _run(post_training, dict(a_train_source=inputs["sft"], a_output_root=str(tmp_path / "runs"), a_method="ppo"),
              tmp_path, sao_cache)
     assert not (tmp_path / "runs").exists()
     assert not list((tmp_path / "root").rglob("prepare-data*")), "no data step may start after a failed check"
@@ -123,11 +122,24 @@ def test_trainjob_placement_with_a_local_output_root_stops_at_the_check(tmp_path
     from pipelines.post_training import post_training
 
     with pytest.raises(LocalRunError, match="check-post-training-arguments"):
-        _run(post_training, dict(train_source=inputs["rl"], output_root=str(tmp_path / "runs"), method="sao",
-                                 placement="trainjob"), tmp_path, sao_cache)
+        _run(post_training, dict(a_train_source=inputs["rl"], a_output_root=str(tmp_path / "runs"), a_method="sao",
+                                 d_placement="trainjob"), tmp_path, sao_cache)
     assert not (tmp_path / "runs").exists()
     assert not list((tmp_path / "root").rglob("prepare-data*")), "no data step may start after a failed check"
     assert not list((tmp_path / "root").rglob("launch-trainjob*")), "no TrainJob may be launched"
+
+
+def test_sao_rl_refuses_an_unknown_options_key_by_name_at_its_first_step(tmp_path, inputs, sao_cache, capfd):
+    """A misspelt b_options key fails sao_rl's check step, naming the key, before the data step starts."""
+    from pipelines.sao_rl import sao_rl
+
+    with pytest.raises(LocalRunError, match="check-sao-rl-arguments"):
+        _run(sao_rl, dict(a_rl_source=inputs["rl"], a_output_root=str(tmp_path / "runs"), b_engine="hf",
+                          b_options={"critic_lrr": 1e-5}), tmp_path, sao_cache)
+    out, err = capfd.readouterr()   # the step's own output (the local runner's subprocess)
+    assert "unknown field(s) critic_lrr for RLConfig" in out + err
+    assert not (tmp_path / "runs").exists()
+    assert not list((tmp_path / "root").rglob("prepare-data*")), "no data step may start after a failed check"
 
 
 def test_standalone_rollout_service_serves_until_shutdown(tmp_path, sao_cache):

@@ -40,20 +40,20 @@ ON_PURPOSE = {
     ("sao-trainjob-rl-stage", "gpus_per_node"): "as launch_trainjob",
     ("launch_trainjob", "timeout_s"): "the same 7 days, written as a float literal KFP can compile",
     ("launch_trainjob", "engine"): "as sao_train",
-    ("post_training", "engine"): "as sao_train",
-    ("post_training", "gpus_per_node"): "as launch_trainjob",
+    ("post_training", "b_engine"): "as sao_train",
+    ("post_training", "d_trainjob_gpus_per_node"): "as launch_trainjob",
 }
 #: (copy, parameter) -> why its description is not the setting's help (it serves several methods' settings)
 OWN_HELP = {
     ("post_training", name): "one post_training parameter serves every method's setting of that name"
-    for name in ("steps", "batch_size", "max_tokens", "engine", "method")
+    for name in ("b_steps", "b_batch_size", "b_max_tokens", "b_engine", "a_method")
 }
 #: pipeline parameters whose name is a setting's but that are something else (name -> reason)
 NOT_A_SETTING = {
-    ("post_training", "method"): "the post_training method (sft ... sao), not RLConfig.method",
-    ("post_training", "batch_size"): "examples (sft ...) or trajectories (grpo, sao): one parameter for both",
+    ("post_training", "a_method"): "the post_training method (sft ... sao), not RLConfig.method",
+    ("post_training", "b_batch_size"): "examples (sft ...) or trajectories (grpo, sao): one parameter for both",
     **{(copy, name): "the final evaluation's (EvalConfig limit / options), not the evaluation during training's"
-       for copy, names in (("post_training", ("eval_limit", "eval_options")),
+       for copy, names in (("post_training", ("c_eval_limit", "c_eval_options")),
                            ("sao_rl", ("c_eval_limit", "c_eval_options"))) for name in names},
 }
 #: what a description may say before the setting's help (the context the parameter applies in)
@@ -107,13 +107,13 @@ def _copies() -> list[tuple[str, Any, tuple[str, ...], dict]]:
 
 #: parameter names of the components and pipelines that differ from the setting's (parameter -> setting)
 ALIASES = {"accelerator_type": "accelerator"}
-#: a pipeline's group prefix for the KFP UI's alphabetical order (sao_rl: a_ ... d_, TrainJob shape d_trainjob_)
+#: a pipeline's group prefix for the KFP UI's alphabetical order (a_ ... d_, TrainJob shape d_trainjob_)
 GROUP_PREFIX = re.compile(r"^[a-d]_(trainjob_)?")
 
 
 def setting_name(copy: str, parameter: str) -> str:
     """The setting a parameter carries: its name past the group prefix (sao_rl) and the aliases."""
-    if copy == "sao_rl":
+    if copy in ("sao_rl", "post_training"):
         parameter = GROUP_PREFIX.sub("", parameter)
     return ALIASES.get(parameter, parameter)
 
@@ -220,6 +220,25 @@ def test_every_copy_of_every_setting_agrees_with_its_definition():
     assert problems == [], "settings that drifted from their definition:\n" + "\n".join(problems)
     names = {n for settings in reg.values() for n in settings}
     assert all(setting_name(c, n) in names for c, n in ON_PURPOSE), "ON_PURPOSE names no setting"
+
+
+def test_the_service_plan_carries_the_settings_values_and_the_learner_fills_it_from_the_config():
+    """The rollout plan (what the learner sends each service) names the learner's settings as RLConfig does, with
+    the same allowed values (the admission rule's Literal is one type), and the learner's plan takes them from the
+    run's config (sao_core/learner/loop.py builds it from config.admission_policy)."""
+    from sao_core.config import field_types, literal_choices
+    from sao_core.rollout.manager import RolloutPlan
+
+    rl = settings_of(RLConfig)
+    plan = field_types(RolloutPlan)
+    shared = sorted(set(plan) & set(rl))
+    assert {"admission", "max_staleness", "hard_staleness", "batch_size", "env_options", "max_total_tokens",
+            "max_new_tokens_per_turn", "seed"} <= set(shared)
+    for name in shared:
+        assert literal_choices(plan[name]) == rl[name].choices, name
+    policy = RLConfig(data="d", output="o", admission="fragments", max_staleness=3, hard_staleness=9,
+                      batch_size=4).admission_policy()
+    assert (policy.rule, policy.max_staleness, policy.hard_staleness, policy.batch_size) == ("fragments", 3, 9, 4)
 
 
 def test_every_config_field_is_a_documented_setting():
