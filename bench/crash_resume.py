@@ -80,6 +80,11 @@ def split_by_kills(output: Path, kills: list[dict]) -> int:
                and any(min(got) <= k["journal_steps"] < max(got) for k in kills))
 
 
+def _scratch(tmp: Path) -> list[str]:
+    """The learners' scratch folders under `tmp` (sao-learner-<run>-rank<N>)."""
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("sao-learner-"))
+
+
 def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, model: str, data: str,
               cache_dir: str, batch_size: int = 8, method: str = "sao", admission: str = "window",
               timeout_s: float = 300.0, env_options: dict | None = None, max_total_tokens: int = 80,
@@ -94,7 +99,9 @@ def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, mod
     # The last kill lands at least 4 steps before the end, so a fast learner cannot finish before it.
     kill_steps = sorted(rng.sample(range(1, steps - 3), kills))
     output = root / f"{placement}-{method}-{admission}"
-    env = {**os.environ, "SAO_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1"}
+    scratch_root = root / f"tmp-{placement}-{method}-{admission}"   # the learners' $TMPDIR: their scratch folders
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "SAO_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch_root)}
     server = None
     services: list[str] = []
     if placement == "external":
@@ -125,6 +132,7 @@ def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, mod
             proc.wait()
             killed.append({"planned_step": at, "metrics_lines": _metrics_lines(output),
                            "journal_steps": _journal_steps(output)})
+        scratch_after_kills = _scratch(scratch_root)
         final = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=timeout_s)
         if final.returncode != 0:
             raise RuntimeError(f"{placement}: the final resume failed: {final.stderr[-3000:]}")
@@ -147,6 +155,8 @@ def crash_run(placement: str, kills: int, steps: int, seed: int, root: Path, mod
             "summary_trained": summary["trained_trajectories"], "metrics_steps": [r["step"] for r in lines],
             "replayed_lines": sum(1 for r in lines if r.get("replayed")),
             "version": summary["version"], "stream": summary.get("stream"), "service": service, "audit": audit,
+            "scratch_after_kills": scratch_after_kills, "scratch_left": _scratch(scratch_root),
+            "checkpoints_left": sorted(p.name for p in (output / "checkpoints").iterdir()),
             "split_by_kills": split_by_kills(output, killed),
             "dropped_by_reason": summary.get("dropped_by_reason", {})}
 

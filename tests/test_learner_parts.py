@@ -193,3 +193,31 @@ def test_run_state_round_trips_through_its_checkpoint_form():
         (7, 5, state.counters, state.ledger.to_state())
     old = RunState.from_checkpoint({"step": 3, "version": 2, "data_position": 12}, batch_size=4)
     assert old.counters.trained_trajectories == 12 and old.ledger.low_water_mark == 12
+
+
+def test_checkpoints_beyond_keep_checkpoints_are_deleted_after_a_newer_one_is_complete(tmp_path, sao_cache):
+    learner = _learner(tmp_path, sao_cache, keep_checkpoints=2, pin_checkpoints=(1,))
+    for _ in range(4):
+        learner.step(_recorded_batch())
+        learner.checkpoint()
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["step-000001", "step-000003", "step-000004"]   # the newest 2 and the pinned 1
+
+
+def test_the_scratch_folder_is_named_by_run_and_a_stale_one_of_the_same_run_is_swept(tmp_path, monkeypatch):
+    """Issue 31: a SIGKILLed learner leaves $TMPDIR/sao-learner-<run>-rank<N>; the next process of the same run
+    removes it before using the folder, and leaves other runs' folders alone."""
+    import tempfile
+
+    from sao_core.learner.learner import run_key, run_scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale = run_scratch("s3://b/run-a", 0)
+    (stale / "weights").mkdir()
+    (stale / "weights" / "model.safetensors").write_bytes(b"x" * 1024)   # what the killed process staged
+    other = run_scratch("s3://b/run-b", 0)
+    (other / "keep").write_text("another run's")
+    again = run_scratch("s3://b/run-a", 0)
+    assert again == stale == tmp_path / f"sao-learner-{run_key('s3://b/run-a')}-rank0"
+    assert list(again.iterdir()) == [] and (other / "keep").read_text() == "another run's"
+    assert run_scratch("s3://b/run-a", 1) != again      # ranks of one node do not share it

@@ -432,3 +432,27 @@ def test_local_storage_works_without_boto3_and_s3_says_what_is_missing(tmp_path)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "ERR s3:// URIs need boto3, which is not installed: pip install boto3" in done.stdout
+
+
+# -------------------------------------------------------------------------------------------- checkpoint retention
+def test_prune_checkpoints_keeps_the_newest_complete_ones_and_the_pinned(base, tmp_path):
+    """Issue 31: keep_checkpoints. Steps 1-5 complete, an incomplete publish at step 2 (a crash cut it short)
+    and one at step 6 (being written now): keep 2 with step 1 pinned leaves 1, 4, 5 and the newer incomplete 6;
+    the newest complete one is still found by a resume; keep 0 deletes nothing."""
+    from sao_core.training.checkpointing import prune_checkpoints
+
+    checkpoints = storage.join(base, "checkpoints")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "state.json").write_text("{}")
+    for step in (1, 2, 3, 4, 5):
+        storage.publish_checkpoint(src, storage.join(checkpoints, f"step-{step:06d}"), metadata={"step": step})
+    storage.delete_file(storage.join(checkpoints, "step-000002", "manifest.json"))   # cut short
+    storage.begin_checkpoint(storage.join(checkpoints, "step-000006"))
+    storage.write_text(storage.join(checkpoints, "step-000006", "state.json"), "{}")
+    assert prune_checkpoints(checkpoints, keep=0) == []
+    deleted = prune_checkpoints(checkpoints, keep=2, pinned=(1,))
+    assert sorted(d.rsplit("/", 1)[-1] for d in deleted) == ["step-000002", "step-000003"]
+    assert sorted(storage.list_dirs(checkpoints)) == ["step-000001", "step-000004", "step-000005", "step-000006"]
+    assert storage.latest_checkpoint(checkpoints) == storage.join(checkpoints, "step-000005")
+    assert prune_checkpoints(storage.join(base, "nothing-here"), keep=2) == []

@@ -161,7 +161,11 @@ def test_forgetting_a_restarted_service_leaves_its_positions_owed():
 
 # ---------------------------------------------------------------------------------------------- the audit
 def _write_run(out: Path, steps: dict[int, list[Trajectory]], drops: dict[tuple[int, int], list[dict]],
-               ledger: StreamLedger | None, ledger_step: int) -> None:
+               ledger: StreamLedger | None, ledger_step: int, plans: list[dict] | None = None) -> None:
+    """A run's journal and newest checkpoint as the learner writes them; `plans`: the stream fields of the plans
+    sent (default: one plan of the whole stream, as a run's first)."""
+    for index, stream in enumerate(plans if plans is not None else [{"start_position": 0, "skip_positions": []}]):
+        journal.write_plan(str(out), index, 0, stream.get("shard", 0), stream.get("num_shards", 1), stream, {})
     for step, trajectories in steps.items():
         journal.write_step(str(out), step, step - 1, trajectories)
     for (after, index), records in drops.items():
@@ -205,6 +209,44 @@ def test_the_audit_finds_skipped_twice_trained_and_unrecorded_positions(tmp_path
     assert not report["ok"] and report["skipped"] == [2]
 
 
+def test_the_audit_sees_the_plans_sent_and_fails_on_a_restart_planned_from_the_frontier(tmp_path):
+    """Issue 31: positions 0, 1, 3, 4 trained, 2 still owed (in flight when the service restarted). The restarted
+    plan must start at the ledger's low-water mark (2, skipping the settled 3 and 4); the old behaviour started
+    it at the frontier (5), and position 2 was never rolled out again: the audit, reading the plans sent, now
+    says so, where before it listed 2 as "owed"."""
+    ledger = StreamLedger()
+    for p in (0, 1, 3, 4):
+        ledger.settle(p, TRAINED)
+    steps = {1: [_t("a", 0), _t("b", 1)], 2: [_t("d", 3), _t("e", 4)]}
+    first = {"start_position": 0, "skip_positions": []}
+    right = ledger.plan_fields(0, 1)
+    assert right == {"start_position": 2, "skip_positions": [3, 4]}
+    _write_run(tmp_path / "right", steps, {}, ledger, 2, plans=[first, right])
+    report = journal.audit(str(tmp_path / "right"))
+    assert report["ok"], report["problems"]
+    assert report["owed"] == [2] and report["skipped"] == [] and report["plans"] == 2
+
+    planted = {"start_position": ledger.frontier, "skip_positions": []}   # the regression: from the frontier
+    _write_run(tmp_path / "planted", steps, {}, ledger, 2, plans=[first, planted])
+    report = journal.audit(str(tmp_path / "planted"))
+    assert not report["ok"] and report["skipped"] == [2] and report["owed"] == []
+    assert "1 owed positions no plan sent covers" in report["problems"][0]
+
+    _write_run(tmp_path / "none", steps, {}, ledger, 2, plans=[])   # a journal without its plans
+    report = journal.audit(str(tmp_path / "none"))
+    assert not report["ok"] and "no plan in the journal" in report["problems"][0]
+
+    # two shards: each owed position is judged by its own shard's newest plan
+    two = [{"shard": 0, "num_shards": 2, "start_position": 0, "skip_positions": []},
+           {"shard": 1, "num_shards": 2, "start_position": 1, "skip_positions": []},
+           {"shard": 0, "num_shards": 2, "start_position": 2, "skip_positions": [4]}]
+    _write_run(tmp_path / "two", steps, {}, ledger, 2, plans=two)
+    assert journal.audit(str(tmp_path / "two"))["ok"]
+    two[2] = {"shard": 0, "num_shards": 2, "start_position": 6, "skip_positions": []}
+    _write_run(tmp_path / "two-bad", steps, {}, ledger, 2, plans=two)
+    assert journal.audit(str(tmp_path / "two-bad"))["skipped"] == [2]
+
+
 # ---------------------------------------------------------------------------------------------- kills
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["colocated", "external"])
@@ -225,7 +267,11 @@ def test_five_kills_and_resumes_skip_nothing_and_train_nothing_twice(placement, 
     assert result["metrics_steps"] == list(range(1, 13)) and result["summary_trained"] == 48
     assert audit["ok"], audit["problems"]
     assert audit["trained_trajectories"] == 48 and audit["ledger_step"] == 12 and not audit["duplicate_ids"]
-    assert result["stream"]["owed"] == len(audit["owed"])
+    assert result["stream"]["owed"] == len(audit["owed"]) and audit["plans"] >= 1
+    # Issue 31: every kill left its scratch folder (named by run), the resumes swept it, and the checkpoints
+    # (every 3 steps and at the end) are bounded by keep_checkpoints (3).
+    assert result["scratch_after_kills"] and result["scratch_left"] == []
+    assert result["checkpoints_left"] == ["step-000006", "step-000009", "step-000012"]
     if placement == "external":  # the service that survived: every acknowledgement is a trained or dropped one
         assert result["service"]["acknowledged"] == audit["trained_trajectories"] + \
             result["service"]["dropped_by_learner"]

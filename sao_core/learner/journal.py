@@ -7,6 +7,9 @@ the rollout services are told (acknowledged), so a crash never loses the record 
                               {"after_step", "index", "records": [{"id", "position", "sample_index", "attempt",
                               "reason", "requeue"}], "sha256"}
                               (requeue: the position is rolled out once more, so it stays owed)
+    plan-NNNNNN.json          the N-th plan a rollout service accepted: {"index", "after_step", "shard",
+                              "num_shards", "start_position", "skip_positions", "ledger" (the learner's
+                              stream ledger when it was sent), "sha256"}
 
 Integrity. ``sha256`` is the digest of the entry's other fields as canonical JSON (sorted keys, no spaces);
 `read_step` and `read_drops` recompute it, and check that the entry names the step (and index) of its file,
@@ -14,8 +17,10 @@ so a changed digit, a truncated file or bad JSON stops a resume with a `JournalE
 step. Entries written before digests (a step object without ``sha256``, a drop file that is a bare list) are
 refused unless the caller passes ``unverified`` (``--unverified``), then replayed unchecked with a warning.
 
-`audit` checks a run's whole record against the stream-accounting invariant (see `ledger`); an entry that
-fails its check is one of its problems.
+`audit` checks a run's whole record against the stream-accounting invariant (see `ledger`), the plans included:
+every position still owed at the end must be covered by the newest plan sent to its shard (from its
+``start_position`` on, not in its ``skip_positions``), else it was skipped; an entry that fails its check is one
+of its problems.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from sao_core.training.checkpointing import STATE_FILE, step_name
 
 _STEP = re.compile(r"^step-(\d+)\.json$")
 _DROP = re.compile(r"^drop-(\d+)-(\d+)\.json$")
+_PLAN = re.compile(r"^plan-(\d+)\.json$")
 DIGEST_KEY = "sha256"
 
 log = logging.getLogger(__name__)
@@ -120,6 +126,42 @@ def write_drops(output: str, after_step: int, index: int, records: list[dict[str
                        _sealed({"after_step": after_step, "index": index, "records": records}))
 
 
+def plan_uri(output: str, index: int) -> str:
+    return storage.join(journal_dir(output), f"plan-{index:06d}.json")
+
+
+def count_plans(output: str) -> int:
+    """How many plans the run's journal holds (the index of the next one)."""
+    try:
+        return sum(1 for name in storage.list_files(journal_dir(output)) if _PLAN.match(name))
+    except storage.StorageError:
+        return 0
+
+
+def write_plan(output: str, index: int, after_step: int, shard: int, num_shards: int, stream: dict[str, Any],
+               ledger: dict[str, Any]) -> None:
+    """Journal the `index`-th plan a service accepted (its stream fields and the ledger they came from)."""
+    storage.write_text(plan_uri(output, index), _sealed(
+        {"index": index, "after_step": after_step, "shard": shard, "num_shards": num_shards,
+         "start_position": int(stream.get("start_position", 0)),
+         "skip_positions": sorted(int(p) for p in stream.get("skip_positions", [])), "ledger": ledger}))
+
+
+def _check_plan(uri: str, entry: Any, index: int) -> dict[str, Any]:
+    if not isinstance(entry, dict) or entry.get("index") != index or not all(
+            isinstance(entry.get(k), int) for k in ("shard", "num_shards", "start_position")) or \
+            not isinstance(entry.get("skip_positions"), list):
+        raise JournalError(f"journal entry {uri} (plan {index}) is malformed: expected plan {index}'s shard, "
+                           "num_shards, start_position and skip_positions")
+    return entry
+
+
+def _covers(plan: dict[str, Any], position: int) -> bool:
+    """Whether `plan` rolls out stream `position`: its shard's, from its start, not skipped."""
+    return (position % plan["num_shards"] == plan["shard"] and position >= plan["start_position"]
+            and position not in plan["skip_set"])
+
+
 def _drop_records(uri: str, entry: Any, after_step: int, index: int) -> list[dict[str, Any]]:
     if isinstance(entry, list):          # written before digests (accepted only unverified)
         records = entry
@@ -164,6 +206,7 @@ def audit(output: str) -> dict[str, Any]:
     ids: Counter = Counter()
     last_step = 0
     requeued = 0
+    plans: dict[int, dict[str, Any]] = {}
     problems: list[str] = []
     for name in names:
         uri = storage.join(journal_dir(output), name)
@@ -188,6 +231,13 @@ def audit(output: str) -> dict[str, Any]:
                     pieces.setdefault((position, t.get("sample_index", 0)), set()).add(index)
                     last_piece[(position, t.get("sample_index", 0))] = index
                 ids[t["id"]] += 1
+        elif m := _PLAN.match(name):
+            try:
+                plan = _check_plan(uri, _read_entry(uri, f"plan {int(m.group(1))}", True), int(m.group(1)))
+            except JournalError as err:
+                problems.append(str(err))
+                continue
+            plans[int(m.group(1))] = {**plan, "skip_set": set(plan["skip_positions"])}
         elif m := _DROP.match(name):
             after, index = int(m.group(1)), int(m.group(2))
             try:
@@ -228,10 +278,26 @@ def audit(output: str) -> dict[str, Any]:
             if unrecorded:
                 problems.append(f"{len(unrecorded)} journaled positions the final ledger still owes, "
                                 f"e.g. {sorted(unrecorded)[:5]}")
+    owed = [p for p in unsettled if p not in skipped]
+    # Each owed position must be rolled out by the newest plan its shard was sent (an older plan of that shard
+    # was replaced by it); one that plan does not cover was skipped.
+    if last_step and not plans:
+        problems.append("no plan in the journal: the plans sent to the services cannot be checked (a run from "
+                        "before plans were journaled)")
+    elif plans:
+        newest = [plans[i] for i in sorted(plans, reverse=True)]
+        uncovered = [p for p in owed
+                     if not _covers(next((q for q in newest if p % q["num_shards"] == q["shard"]), {
+                         "num_shards": 1, "shard": 0, "start_position": p + 1, "skip_set": set()}), p)]
+        if uncovered:
+            problems.append(f"{len(uncovered)} owed positions no plan sent covers (skipped: never to be rolled "
+                            f"out), e.g. {uncovered[:5]}")
+            skipped = skipped + uncovered
+            owed = [p for p in owed if p not in uncovered]
     return {"ok": not problems, "problems": problems, "steps": last_step, "trained_trajectories": sum(trained.values()),
             "trained_positions": len(trained_positions), "dropped_positions": len(dropped),
             "dropped_by_reason": dict(Counter(dropped.values())), "requeued": requeued, "frontier": frontier,
-            "owed": [p for p in unsettled if p not in skipped], "skipped": skipped,
+            "owed": owed, "skipped": skipped, "plans": len(plans),
             "ledger_step": ledger_step, "duplicate_ids": sorted(i for i, n in ids.items() if n > 1),
             "fragmented_episodes": sum(1 for k in last_piece if last_piece[k] > 0), "missing_pieces": missing}
 

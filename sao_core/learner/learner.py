@@ -35,6 +35,7 @@ from sao_core.rollout.trajectory import Trajectory
 from sao_core.training.checkpointing import (
     STATE_FILE,
     load_training_checkpoint,
+    prune_checkpoints,
     save_full_model,
     save_training_checkpoint,
     step_name,
@@ -63,6 +64,27 @@ def on_rank0(ctx: DistContext, fetch: Callable[[], Any]) -> Any:
     if kind == "error":
         raise LearnerError(f"rank 0 stopped: {value}")
     return value
+
+
+def run_key(output: str) -> str:
+    """A short name of a run, the same in every process of it: sha256 of its output, 12 hex digits."""
+    import hashlib
+
+    return hashlib.sha256(output.encode()).hexdigest()[:12]
+
+
+def run_scratch(output: str, rank: int) -> Path:
+    """The local scratch folder of this run's learner rank: ``$TMPDIR/sao-learner-<run key>-rank<N>`` (staged
+    weights and checkpoints). Named by run, so a process of the same run that was killed left its folder here:
+    it is swept (removed) now, before this process uses it; other runs' folders are left alone."""
+    import tempfile
+
+    scratch = Path(tempfile.gettempdir()) / f"sao-learner-{run_key(output)}-rank{rank}"
+    if scratch.exists():
+        log.info("removing %s, left by an earlier process of this run", scratch)
+        shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    return scratch
 
 
 def prune_weight_versions(weights_uri: str, newest: int, keep: int) -> list[str]:
@@ -187,14 +209,18 @@ class Learner:
     # ------------------------------------------------------------------------------------------ checkpoint
     def checkpoint(self, more_dropped: Counter | None = None, more_requeued: int = 0) -> str:
         """Write and publish a resumable checkpoint of the learner at ``<output>/checkpoints/step-NNNNNN``
-        (collective): models, optimisers, RNG, and the learner state (run state, schedules, baseline, config).
+        (collective): models, optimisers, RNG, and the learner state (run state, schedules, baseline, config);
+        then delete the checkpoints beyond the newest `keep_checkpoints` (pinned steps excepted).
         `more_dropped` / `more_requeued`: drops and re-queues this process counted outside the run state."""
-        uri = storage.join(self.config.output, "checkpoints", step_name(self.state.step))
+        checkpoints = storage.join(self.config.output, "checkpoints")
         config = json.loads(json.dumps(asdict(self.config), default=list))
         learner_state = self.state.to_checkpoint(self.config.method, self.updater.extra_state(), config,
                                                  more_dropped, more_requeued)
-        return save_training_checkpoint(self.scratch / "checkpoint", uri, self.updater.checkpoint_parts(),
-                                        learner_state, self.ctx)
+        uri = save_training_checkpoint(self.scratch / "checkpoint", storage.join(checkpoints, step_name(self.state.step)),
+                                       self.updater.checkpoint_parts(), learner_state, self.ctx)
+        if self.ctx.is_main:   # only now, with a newer one complete, may older ones go (keep_checkpoints)
+            prune_checkpoints(checkpoints, self.config.keep_checkpoints, self.config.pin_checkpoints)
+        return uri
 
     # ------------------------------------------------------------------------------------------ resume
     def resume(self, checkpoint_uri: str) -> RunState:

@@ -19,11 +19,9 @@ token is dropped as ``no_action_tokens`` (`pending`) and never reaches the updat
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -38,7 +36,7 @@ from sao_core.learner import journal
 from sao_core.learner.config import RLConfig
 from sao_core.learner.errors import LearnerError
 from sao_core.learner.health import turn_health
-from sao_core.learner.learner import Learner, on_rank0, prune_weight_versions
+from sao_core.learner.learner import Learner, on_rank0, prune_weight_versions, run_key, run_scratch
 from sao_core.learner.ledger import FRAGMENT_LOST
 from sao_core.learner.pending import FAILED_REASONS, Drop, Pending
 from sao_core.learner.services import ServiceSet
@@ -155,7 +153,7 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
                            "continue that run, or choose another output")
     torch.manual_seed(config.seed)
     started = time.time()
-    scratch = Path(tempfile.mkdtemp(prefix="sao-learner-"))
+    scratch = run_scratch(config.output, ctx.rank)   # a killed process's folder of this run is swept first
     try:
         return _train(config, progress, ctx, scratch, started, latest, checkpoints_uri, token, eval_set)
     finally:  # every exit: a finished run, a failure while loading or resuming, an error in a step
@@ -177,7 +175,7 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
         replayed = learner.replay_journal()
     drop_records = replayed.drop_records  # drop records written after the current step (their file index)
 
-    consumer = "learner-" + hashlib.sha256(config.output.encode()).hexdigest()[:12]
+    consumer = "learner-" + run_key(config.output)
     server = None
     services: ServiceSet | None = None
     if ctx.is_main:
@@ -194,9 +192,19 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
             max_total_tokens=config.max_total_tokens, training=True, max_in_flight=admission.max_in_flight,
             max_staleness=admission.max_staleness, admission=admission.rule, hard_staleness=admission.hard_staleness,
             batch_size=admission.batch_size))
+        plans_sent = journal.count_plans(config.output)
+
+        def plan_sent(index: int, num_shards: int, stream: dict) -> None:
+            """Journal a plan a service accepted, with the ledger it came from (journal.audit checks them)."""
+            nonlocal plans_sent
+            journal.write_plan(config.output, plans_sent, state.step, index, num_shards, stream,
+                               state.ledger.to_state())
+            plans_sent += 1
+
         services = ServiceSet(urls, consumer, plan, config.service_retry_s,
                               plan_for=lambda index, n: state.ledger.plan_fields(index, n),
-                              on_restart=lambda index: service_restarted(index, len(urls)), token=token)
+                              on_restart=lambda index: service_restarted(index, len(urls)), token=token,
+                              on_plan=plan_sent)
 
     def push(version: int, uri: str, digest: str) -> None:
         services.push(version, uri, digest)

@@ -31,7 +31,9 @@ class ServiceSet:
     `plan_for(index, num_shards)` gives the stream fields of a plan (re)started on service `index` (the owed
     positions of its shard, from the ledger); `on_restart(index)` is told first when a service had lost its plan,
     so what it delivered earlier and was not trained is rolled out again rather than held twice (and episodes
-    lost after some of their fragments were trained are settled, not rolled out again).
+    lost after some of their fragments were trained are settled, not rolled out again). `on_plan(index,
+    num_shards, stream)` is told after a service accepted a plan with those stream fields (the learner journals
+    it, so `journal.audit` can prove every owed position was covered by a plan actually sent).
 
     Weights: after every push each service must answer with the learner's own version and digest, or the
     run stops (LearnerError naming the service): a service whose weights are not the learner's would hand
@@ -42,12 +44,14 @@ class ServiceSet:
 
     def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float, probe_s: float = 2.0,
                  plan_for: Callable[[int, int], dict] | None = None,
-                 on_restart: Callable[[int], None] | None = None, token: str | None = None):
+                 on_restart: Callable[[int], None] | None = None, token: str | None = None,
+                 on_plan: Callable[[int, int, dict], None] | None = None):
         self.clients = [RolloutClient(url, consumer=consumer, token=token) for url in urls]
         self.holds: dict[int, int] = {}                     # index -> weights version verified on that service
         self.plan = plan
         self.plan_for = plan_for
         self.on_restart = on_restart
+        self.on_plan = on_plan
         self.retry_s = retry_s
         self.probe_s = probe_s
         self.down: dict[int, float] = {}                   # index -> monotonic time of the next probe
@@ -110,6 +114,8 @@ class ServiceSet:
                 self.on_restart(index)
             stream = self.plan_for(index, n) if self.plan_for else {}
             client.start({**self.plan, "shard": index, "num_shards": n, **stream})
+            if self.on_plan:
+                self.on_plan(index, n, stream)
             self.unacked.pop(index, None)   # ids of its previous plan mean nothing to the new one
         else:  # its plan survived (learner restart, network blip): take back what we took but did not ack
             self.reconnecting.add(index)

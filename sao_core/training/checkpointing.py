@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import random
+import re
 import shutil
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +46,43 @@ def _single_process_quiet(ctx: DistContext):
         yield
 
 
+log = logging.getLogger(__name__)
+
+
 def step_name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def prune_checkpoints(checkpoints_uri: str, keep: int, pinned: Iterable[int] = ()) -> list[str]:
+    """Delete the resumable checkpoints (``step-NNNNNN`` under `checkpoints_uri`, local or ``s3://``) beyond the
+    newest `keep` complete ones, except those of a `pinned` step; an incomplete one older than the newest
+    complete one (a publish a crash cut short) goes too. `keep` 0 keeps all. Call it after a checkpoint is
+    complete: only then may older ones go, so a resume always finds the newest complete one. Returns the deleted
+    URIs; a failure is logged as a warning and never fails the run (the next call tries again)."""
+    if keep <= 0:
+        return []
+    try:
+        names = storage.list_dirs(checkpoints_uri)
+    except storage.StorageError as err:
+        log.warning("could not list the checkpoints under %s: %s", checkpoints_uri, err)
+        return []
+    steps = {int(m.group(1)): name for name in names if (m := re.fullmatch(r"step-(\d+)", name))}
+    complete = sorted((s for s in steps if storage.is_complete_checkpoint(storage.join(checkpoints_uri, steps[s]))),
+                      reverse=True)
+    if not complete:
+        return []
+    kept = set(complete[:keep]) | set(pinned)
+    doomed = [s for s in steps if s not in kept and (s in complete or s < complete[0])]
+    deleted = []
+    for s in sorted(doomed):
+        uri = storage.join(checkpoints_uri, steps[s])
+        try:
+            storage.delete_checkpoint(uri)
+        except storage.StorageError as err:
+            log.warning("could not delete old checkpoint %s: %s", uri, err)
+            continue
+        deleted.append(uri)
+    return deleted
 
 
 Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]

@@ -39,6 +39,10 @@ class CoreConfig:
                                    "weights and optimiser float32)")
     gradient_checkpointing: bool = setting(False, "recompute decoder-layer activations in the backward pass")
     checkpoint_every: int = setting(0, "steps between resumable checkpoints; 0: only at the end", unit="steps")
+    keep_checkpoints: int = setting(3, "resumable checkpoints kept: the newest N complete ones (an older one is "
+                                    "deleted once a newer one is complete); 0: all", unit="checkpoints")
+    pin_checkpoints: tuple[int, ...] = setting((), "steps whose checkpoints are never deleted, e.g. 100,200",
+                                               unit="steps")
     resume: bool = setting(False, "continue from the newest complete checkpoint in output")
     log_every: int = setting(10, "steps between metrics lines (and progress updates)", unit="steps")
     report_every: int = setting(25, "steps between refreshes of <output>/training_report.html; 0: only at the end",
@@ -55,7 +59,8 @@ class CoreConfig:
         for key in ("steps", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{name}.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("warmup_steps", "checkpoint_every", "report_every", "grad_clip", "weight_decay"):
+        for key in ("warmup_steps", "checkpoint_every", "keep_checkpoints", "report_every", "grad_clip",
+                    "weight_decay"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{name}.{key} must be >= 0, got {getattr(self, key)}")
         if self.schedule not in SCHEDULES:

@@ -28,6 +28,7 @@ from sao_core.reporting.training import write_training_report
 from sao_core.training.checkpointing import (
     export_hf_model,
     load_training_checkpoint,
+    prune_checkpoints,
     save_training_checkpoint,
     step_name,
 )
@@ -179,9 +180,12 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
                 "config": dataclasses.asdict(config)}
 
     def checkpoint() -> str:
-        return save_training_checkpoint(local_run / ".staging" / step_name(step),
-                                        storage.join(checkpoints_uri, step_name(step)),
-                                        {"model": (model, optimizer)}, trainer_state(), ctx)
+        uri = save_training_checkpoint(local_run / ".staging" / step_name(step),
+                                       storage.join(checkpoints_uri, step_name(step)),
+                                       {"model": (model, optimizer)}, trainer_state(), ctx)
+        if ctx.is_main:   # only now, with a newer one complete, may older ones go
+            prune_checkpoints(checkpoints_uri, config.keep_checkpoints, config.pin_checkpoints)
+        return uri
 
     eval_before = evaluate()
     metrics_path = local_run / "metrics.jsonl"
