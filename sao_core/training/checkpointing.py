@@ -153,7 +153,11 @@ def save_full_model(model, tokenizer, staging: Path, ctx: DistContext) -> bool:
     (safetensors + tokenizer) at `staging` on rank 0. Collective; returns True on the rank that wrote."""
     from transformers import AutoModelForCausalLM
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from sao_core.training.lora import plain_state_dict
+
+    # A LoRA model is written with its adapter merged (peft's merge), under the base model's names.
+    full = plain_state_dict(model, lambda m: get_model_state_dict(
+        m, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
     if not ctx.is_main:
         return False
     shutil.rmtree(staging, ignore_errors=True)

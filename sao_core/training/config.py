@@ -81,6 +81,12 @@ class TrainConfig(CoreConfig):
     grad_accum: int = setting(1, "micro-batches per optimiser step on each rank")
     lr: float = setting(1e-5, "learning rate (peak, after the warm-up)")
     max_tokens: int = setting(512, "examples are cut (or packed) to this many tokens", unit="tokens")
+    # LoRA (sao_core/training/lora.py, peft): only an adapter trains; the exported model has it merged in.
+    lora_rank: int = setting(0, "LoRA adapter rank; 0: train every weight (full fine-tuning)")
+    lora_alpha: float = setting(16.0, "LoRA scale numerator (the adapter's update is scaled by alpha / rank)")
+    lora_dropout: float = setting(0.0, "dropout on the LoRA adapter's input")
+    lora_target_modules: str = setting("", "modules that get an adapter: '' peft's default for the architecture, "
+                                       "all-linear, or comma-separated names (q_proj,v_proj)")
 
     def validate(self) -> None:
         super().validate()
@@ -93,6 +99,12 @@ class TrainConfig(CoreConfig):
         if self.batch_size % self.grad_accum:
             raise ValueError(f"{name}.batch_size ({self.batch_size}) must be a multiple of grad_accum "
                              f"({self.grad_accum})")
+        if self.lora_rank < 0:
+            raise ValueError(f"{name}.lora_rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
+        if self.lora_rank and not self.lora_alpha > 0:
+            raise ValueError(f"{name}.lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"{name}.lora_dropout must be in [0, 1), got {self.lora_dropout}")
 
 
 @dataclass

@@ -1,0 +1,113 @@
+"""LoRA on the training core (issue 29, first part: the supervised methods in one process), with peft:
+an update changes only the adapter's weights, the loss falls on a tiny task, the export is the merged model
+(its logits equal the adapted model's), a resumed run ends with exactly the weights of an uninterrupted one,
+DPO's reference is the base model (no second copy), and bad settings are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from run_helpers import StopRun, stop_at
+from safetensors.torch import load_file
+from test_trainer import _common, _dpo_rows, _prepared
+
+from sao_core.data.synthetic import tool_arith_sft_rows
+from sao_core.models.tokenizer_corpus import corpus_lines
+from sao_core.training.config import CPTConfig, DPOConfig, SFTConfig
+from sao_core.training.lora import apply_lora, plain_state_dict, trainable_parameters
+from sao_core.training.trainer import TrainingError, train
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-data")
+    return {"sft": _prepared(root, "sft", list(tool_arith_sft_rows(160, seed=11))),
+            "cpt": _prepared(root, "cpt", [{"text": line} for line in corpus_lines(seed=5, num_lines=120)]),
+            "dpo": _prepared(root, "dpo", _dpo_rows(80))}
+
+
+def test_one_update_changes_only_the_adapter(tiny_model_dir, sao_cache):
+    from sao_core.models import load_model
+    from sao_core.training.core import build_optimizer
+
+    model = apply_lora(load_model(tiny_model_dir, sao_cache), rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
+    trained, total = trainable_parameters(model)
+    assert 0 < trained < total / 5
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.0)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    for _ in range(2):   # B starts at zero: the first step moves B only, the second A too
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert changed and all(".lora_" in n for n in changed)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} >= changed
+    assert len(optimizer.state) == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_the_export_is_the_merged_model_under_the_base_names(tiny_model_dir, sao_cache):
+    from sao_core.models import load_model
+
+    base = load_model(tiny_model_dir, sao_cache)
+    names = set(base.state_dict())
+    model = apply_lora(base, rank=4, alpha=8.0, dropout=0.0, target_modules="q_proj,v_proj")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)      # a trained adapter
+    plain = plain_state_dict(model, lambda m: m.state_dict())
+    assert set(plain) == names
+    merged = load_model(tiny_model_dir, sao_cache)
+    merged.load_state_dict(plain, strict=True)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, model(ids).logits, atol=1e-5)
+        with model.disable_adapter():   # the live model was left unmerged: without the adapter it is the base
+            assert not torch.allclose(model(ids).logits, merged(ids).logits, atol=1e-4)
+
+
+def test_sft_with_lora_learns_and_exports_a_plain_model(data, tmp_path, sao_cache, tiny_model_dir):
+    from sao_core.models import load_model
+
+    s = train("sft", SFTConfig(data=data["sft"], steps=20, lr=1e-2, lora_rank=8, lora_alpha=16.0,
+                               lora_target_modules="all-linear", model=tiny_model_dir, **_common(tmp_path, sao_cache)))
+    assert s["last_train_loss"] < s["first_train_loss"] and s["eval_loss_after"] < s["eval_loss_before"]
+    assert s["lora"]["rank"] == 8 and 0 < s["lora"]["trainable_parameters"] < s["lora"]["parameters"]
+    exported = load_file(f"{s['model']}/model.safetensors")
+    base = load_model(tiny_model_dir, sao_cache).state_dict()
+    assert set(exported) <= set(base) and not any("lora" in k for k in exported)
+    assert any(not torch.equal(exported[k].float(), base[k].float()) for k in exported)
+
+
+def test_a_resumed_lora_run_ends_with_the_weights_of_an_uninterrupted_one(data, tmp_path, sao_cache,
+                                                                           tiny_model_dir):
+    common = dict(data=data["cpt"], steps=6, lr=1e-2, lora_rank=4, checkpoint_every=2, model=tiny_model_dir)
+    straight = train("cpt", CPTConfig(**common, **{**_common(tmp_path / "a", sao_cache), "max_tokens": 64}))
+    config = CPTConfig(**common, **{**_common(tmp_path / "b", sao_cache), "max_tokens": 64})
+    with pytest.raises(StopRun):
+        train("cpt", config, progress=stop_at(3))
+    config.resume = True
+    resumed = train("cpt", config)
+    assert resumed["resumed_from"].endswith("step-000002")
+    a, b = load_file(f"{straight['model']}/model.safetensors"), load_file(f"{resumed['model']}/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dpo_with_lora_trains_against_the_base_model_as_its_reference(data, tmp_path, sao_cache, tiny_model_dir):
+    s = train("dpo", DPOConfig(data=data["dpo"], steps=8, lr=1e-2, beta=0.1, lora_rank=4, model=tiny_model_dir,
+                               **_common(tmp_path, sao_cache)))
+    # At step 1 the adapter is zero, so the policy is its reference: the DPO loss is log 2 exactly.
+    assert s["first_train_loss"] == pytest.approx(0.6931, abs=2e-3)
+    assert s["last_train_loss"] < s["first_train_loss"]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("lora_rank", -1, "lora_rank must be >= 0"),
+    ("lora_dropout", 1.0, "lora_dropout must be in"),
+    ("lora_target_modules", "no_such_proj", "lora_target_modules 'no_such_proj'"),
+])
+def test_bad_lora_settings_are_refused_by_name(data, tmp_path, sao_cache, tiny_model_dir, field, value, message):
+    kw = {"lora_rank": 4, field: value}
+    with pytest.raises((TrainingError, ValueError), match=message):
+        train("sft", SFTConfig(data=data["sft"], steps=1, model=tiny_model_dir, **kw, **_common(tmp_path, sao_cache)))
