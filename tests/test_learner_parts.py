@@ -221,3 +221,24 @@ def test_the_scratch_folder_is_named_by_run_and_a_stale_one_of_the_same_run_is_s
     assert again == stale == tmp_path / f"sao-learner-{run_key('s3://b/run-a')}-rank0"
     assert list(again.iterdir()) == [] and (other / "keep").read_text() == "another run's"
     assert run_scratch("s3://b/run-a", 1) != again      # ranks of one node do not share it
+
+
+def test_a_lora_learner_trains_only_the_adapter_and_publishes_the_merged_policy(tmp_path, sao_cache):
+    """Issue 29 (first part): with lora_rank the policy trains an adapter (SAO's critic fully); a published
+    version is the merged model under the base names (what the engines load), and a resume gives it back."""
+    from safetensors.torch import load_file
+
+    learner = _learner(tmp_path, sao_cache, lora_rank=4, lora_target_modules="all-linear")
+    frozen = {n: p.detach().clone() for n, p in learner.policy.named_parameters() if not p.requires_grad}
+    learner.step(_on_policy(learner, _recorded_batch()))
+    learner.step(_on_policy(learner, _recorded_batch(version=1)))
+    assert all(torch.equal(frozen[n], p.detach()) for n, p in learner.policy.named_parameters() if n in frozen)
+    assert any(p.requires_grad for p in learner.critic.parameters())
+    pushed = []
+    learner.publish(lambda version, uri, digest: pushed.append(uri))
+    weights = load_file(f"{pushed[0]}/model.safetensors")
+    assert weights and not any("lora" in k or k.startswith("base_model") for k in weights)
+    uri = learner.checkpoint()
+    again = _learner(tmp_path, sao_cache, lora_rank=4, lora_target_modules="all-linear")
+    again.resume(uri)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(learner).values(), _weights(again).values(), strict=True))

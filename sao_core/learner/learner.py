@@ -157,6 +157,19 @@ class Learner:
             critic = ValueModel.from_pretrained(initial.path)
             if config.freeze_critic_attention:
                 critic.freeze_attention()
+        if config.lora_rank:
+            # The policy trains a LoRA adapter; each published version is the merged model (full weights), so
+            # every engine loads it as it is. SAO's critic (another head on the same body) trains fully.
+            if ctx.distributed:
+                raise LearnerError("lora_rank > 0 under torchrun (FSDP2) is not supported yet: run LoRA in one "
+                                   "process")
+            from sao_core.training.lora import apply_lora
+
+            try:
+                policy = apply_lora(policy, config.lora_rank, config.lora_alpha, config.lora_dropout,
+                                    config.lora_target_modules)
+            except ValueError as err:
+                raise LearnerError(str(err)) from err
         policy = prepare_model(policy, ctx, config.gradient_checkpointing)
         if critic is not None:
             critic = prepare_model(critic, ctx, config.gradient_checkpointing)

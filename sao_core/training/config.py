@@ -51,6 +51,13 @@ class CoreConfig:
     cache_dir: str = setting(factory=lambda: str(Path.home() / ".cache" / "sao"),
                              help="where built and downloaded models live ($SAO_CACHE_DIR, else ~/.cache/sao)")
     unverified: bool = setting(False, "load a local model folder without a manifest.json as it is")
+    # LoRA (sao_core/training/lora.py, peft): only an adapter trains (RL: the policy's; the critic trains fully);
+    # the exported and published models have it merged in.
+    lora_rank: int = setting(0, "LoRA adapter rank; 0: train every weight (full fine-tuning)")
+    lora_alpha: float = setting(16.0, "LoRA scale numerator (the adapter's update is scaled by alpha / rank)")
+    lora_dropout: float = setting(0.0, "dropout on the LoRA adapter's input")
+    lora_target_modules: str = setting("", "modules that get an adapter: '' peft's default for the architecture, "
+                                       "all-linear, or comma-separated names (q_proj,v_proj)")
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -67,6 +74,12 @@ class CoreConfig:
             raise ValueError(f"{name}.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"{name}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.lora_rank < 0:
+            raise ValueError(f"{name}.lora_rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
+        if self.lora_rank and not self.lora_alpha > 0:
+            raise ValueError(f"{name}.lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"{name}.lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"{name}.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
@@ -81,12 +94,6 @@ class TrainConfig(CoreConfig):
     grad_accum: int = setting(1, "micro-batches per optimiser step on each rank")
     lr: float = setting(1e-5, "learning rate (peak, after the warm-up)")
     max_tokens: int = setting(512, "examples are cut (or packed) to this many tokens", unit="tokens")
-    # LoRA (sao_core/training/lora.py, peft): only an adapter trains; the exported model has it merged in.
-    lora_rank: int = setting(0, "LoRA adapter rank; 0: train every weight (full fine-tuning)")
-    lora_alpha: float = setting(16.0, "LoRA scale numerator (the adapter's update is scaled by alpha / rank)")
-    lora_dropout: float = setting(0.0, "dropout on the LoRA adapter's input")
-    lora_target_modules: str = setting("", "modules that get an adapter: '' peft's default for the architecture, "
-                                       "all-linear, or comma-separated names (q_proj,v_proj)")
 
     def validate(self) -> None:
         super().validate()
@@ -99,12 +106,7 @@ class TrainConfig(CoreConfig):
         if self.batch_size % self.grad_accum:
             raise ValueError(f"{name}.batch_size ({self.batch_size}) must be a multiple of grad_accum "
                              f"({self.grad_accum})")
-        if self.lora_rank < 0:
-            raise ValueError(f"{name}.lora_rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
-        if self.lora_rank and not self.lora_alpha > 0:
-            raise ValueError(f"{name}.lora_alpha must be > 0, got {self.lora_alpha}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"{name}.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+
 
 
 @dataclass
