@@ -245,6 +245,7 @@ def test_the_audit_checks_every_piece_of_a_fragmented_episode(tmp_path):
 
     def run(name: str, steps: dict) -> dict:
         out = tmp_path / name
+        journal.write_plan(str(out), 0, 0, 0, 1, {"start_position": 0, "skip_positions": []}, {})   # the first
         for step, pieces in steps.items():
             journal.write_step(str(out), step, step - 1, pieces)
         journal.write_drops(str(out), 2, 0, lost)
