@@ -56,15 +56,21 @@ def readme_with_tables(text: str, packages: dict[str, Path]) -> str:
     from sao_core.kfp.spec import parameters_markdown
 
     for name, path in packages.items():
-        start, end = f"<!-- parameters:{name} -->", "<!-- /parameters -->"
-        head, sep, rest = text.partition(start)
-        if not sep:
-            raise SystemExit(f"{README} has no {start} block")
-        _, sep2, tail = rest.partition(end)
-        if not sep2:
-            raise SystemExit(f"{README}: {start} is not closed by {end}")
-        text = f"{head}{start}\n### {name}\n\n{parameters_markdown(path)}{end}{tail}"
+        text = _replace_block(text, f"<!-- parameters:{name} -->", "<!-- /parameters -->",
+                              f"### {name}\n\n{parameters_markdown(path)}", README)
     return text
+
+
+def _replace_block(text: str, start: str, end: str, body: str, where: Path) -> str:
+    """`text` with what lies between the markers `start` and `end` replaced by `body` (SystemExit naming `where`
+    when a marker is missing)."""
+    head, sep, rest = text.partition(start)
+    if not sep:
+        raise SystemExit(f"{where} has no {start} block")
+    _, sep2, tail = rest.partition(end)
+    if not sep2:
+        raise SystemExit(f"{where}: {start} is not closed by {end}")
+    return f"{head}{start}\n{body}{end}{tail}"
 
 
 def settings_configs() -> dict[str, type]:
@@ -101,14 +107,8 @@ def readme_with_settings(text: str) -> str:
     configs = settings_configs()
     skips = {"rl": (), "sft": (), "dpo": (SFTConfig,), "gkd": (SFTConfig,), "trainjob": (configs["rl"], CoreConfig)}
     for name, cls in configs.items():
-        start, end = f"<!-- settings:{name} -->", "<!-- /settings -->"
-        head, sep, rest = text.partition(start)
-        if not sep:
-            raise SystemExit(f"{COMPONENTS_README} has no {start} block")
-        _, sep2, tail = rest.partition(end)
-        if not sep2:
-            raise SystemExit(f"{COMPONENTS_README}: {start} is not closed by {end}")
-        text = f"{head}{start}\n### {cls.__name__}\n\n{settings_markdown(cls, skips[name])}{end}{tail}"
+        text = _replace_block(text, f"<!-- settings:{name} -->", "<!-- /settings -->",
+                              f"### {cls.__name__}\n\n{settings_markdown(cls, skips[name])}", COMPONENTS_README)
     return text
 
 

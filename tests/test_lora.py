@@ -111,3 +111,15 @@ def test_bad_lora_settings_are_refused_by_name(data, tmp_path, sao_cache, tiny_m
     kw = {"lora_rank": 4, field: value}
     with pytest.raises((TrainingError, ValueError), match=message):
         train("sft", SFTConfig(data=data["sft"], steps=1, model=tiny_model_dir, **kw, **_common(tmp_path, sao_cache)))
+
+
+def test_lora_under_torchrun_is_refused_by_name(tiny_model_dir, sao_cache):
+    """FSDP2 with an adapter is not supported yet: the shared set-up refuses it (trainer and learner alike)."""
+    from sao_core.models import load_model
+    from sao_core.training.lora import apply_lora_settings
+
+    config = SFTConfig(data="d", output="o", lora_rank=4)
+    with pytest.raises(ValueError, match="lora_rank > 0 under torchrun"):
+        apply_lora_settings(load_model(tiny_model_dir, sao_cache), config, distributed=True)
+    model = load_model(tiny_model_dir, sao_cache)
+    assert apply_lora_settings(model, SFTConfig(data="d", output="o"), distributed=True) == (model, None)

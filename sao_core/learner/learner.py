@@ -34,6 +34,7 @@ from sao_core.learner.updates import Updater
 from sao_core.rollout.trajectory import Trajectory
 from sao_core.training.checkpointing import (
     STATE_FILE,
+    delete_checkpoints,
     load_training_checkpoint,
     prune_checkpoints,
     save_full_model,
@@ -100,19 +101,8 @@ def prune_weight_versions(weights_uri: str, newest: int, keep: int) -> list[str]
     except storage.StorageError as err:
         log.warning("could not list the old weight versions under %s: %s", weights_uri, err)
         return []
-    deleted = []
-    for name in names:
-        match = re.fullmatch(r"v(\d+)", name)
-        if match is None or int(match.group(1)) > newest - keep:
-            continue
-        uri = storage.join(weights_uri, name)
-        try:
-            storage.delete_checkpoint(uri)
-        except storage.StorageError as err:
-            log.warning("could not delete old weight version %s: %s", uri, err)
-            continue
-        deleted.append(uri)
-    return deleted
+    old = [name for name in names if (m := re.fullmatch(r"v(\d+)", name)) and int(m.group(1)) <= newest - keep]
+    return delete_checkpoints([storage.join(weights_uri, name) for name in old], "weight version")
 
 
 @dataclass
@@ -149,6 +139,7 @@ class Learner:
         from sao_core.models import load_model_and_tokenizer, resolve_model
         from sao_core.models.value import ValueModel
         from sao_core.training.core import prepare_model
+        from sao_core.training.lora import apply_lora_settings
 
         initial = resolve_model(config.model, config.cache_dir, config.unverified)
         policy, tokenizer = load_model_and_tokenizer(initial, config.cache_dir)
@@ -157,19 +148,12 @@ class Learner:
             critic = ValueModel.from_pretrained(initial.path)
             if config.freeze_critic_attention:
                 critic.freeze_attention()
-        if config.lora_rank:
-            # The policy trains a LoRA adapter; each published version is the merged model (full weights), so
-            # every engine loads it as it is. SAO's critic (another head on the same body) trains fully.
-            if ctx.distributed:
-                raise LearnerError("lora_rank > 0 under torchrun (FSDP2) is not supported yet: run LoRA in one "
-                                   "process")
-            from sao_core.training.lora import apply_lora
-
-            try:
-                policy = apply_lora(policy, config.lora_rank, config.lora_alpha, config.lora_dropout,
-                                    config.lora_target_modules)
-            except ValueError as err:
-                raise LearnerError(str(err)) from err
+        # With lora_rank the policy trains an adapter; each published version is the merged model (full weights),
+        # so every engine loads it as it is. SAO's critic (another head on the same body) trains fully.
+        try:
+            policy, _ = apply_lora_settings(policy, config, ctx.distributed)
+        except ValueError as err:
+            raise LearnerError(str(err)) from err
         policy = prepare_model(policy, ctx, config.gradient_checkpointing)
         if critic is not None:
             critic = prepare_model(critic, ctx, config.gradient_checkpointing)

@@ -73,13 +73,18 @@ def prune_checkpoints(checkpoints_uri: str, keep: int, pinned: Iterable[int] = (
         return []
     kept = set(complete[:keep]) | set(pinned)
     doomed = [s for s in steps if s not in kept and (s in complete or s < complete[0])]
+    return delete_checkpoints([storage.join(checkpoints_uri, steps[s]) for s in sorted(doomed)], "checkpoint")
+
+
+def delete_checkpoints(uris: list[str], what: str) -> list[str]:
+    """Delete each published checkpoint of `uris`; a failure is logged as a warning naming `what` and the URI
+    (never raised: a later prune tries again). Returns the deleted URIs."""
     deleted = []
-    for s in sorted(doomed):
-        uri = storage.join(checkpoints_uri, steps[s])
+    for uri in uris:
         try:
             storage.delete_checkpoint(uri)
         except storage.StorageError as err:
-            log.warning("could not delete old checkpoint %s: %s", uri, err)
+            log.warning("could not delete old %s %s: %s", what, uri, err)
             continue
         deleted.append(uri)
     return deleted

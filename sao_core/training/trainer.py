@@ -36,7 +36,7 @@ from sao_core.training.config import METHOD_CONFIGS, TrainConfig
 from sao_core.training.core import autocast, build_optimizer, build_scheduler, clip_and_step, prepare_model
 from sao_core.training.distributed import all_reduce_mean, barrier, init_distributed
 from sao_core.training.live import run_sinks
-from sao_core.training.lora import apply_lora, trainable_parameters
+from sao_core.training.lora import apply_lora_settings
 from sao_core.training.metrics_log import MetricsLog
 
 log = logging.getLogger(__name__)
@@ -146,23 +146,15 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
     precision = autocast(config.precision, ctx.device)
     with precision:  # reference log-probs (DPO) in the precision the policy trains in
         impl.setup(model, examples)
-    lora_summary = None
-    if config.lora_rank:
-        # After setup: DPO's reference log-probs come from the base weights (the adapter starts at zero, so the
-        # base model is the initial policy), and no second copy of the model is kept.
-        if ctx.distributed:
-            raise TrainingError("lora_rank > 0 under torchrun (FSDP2) is not supported yet: run LoRA in one process")
-        try:
-            model = apply_lora(model, config.lora_rank, config.lora_alpha, config.lora_dropout,
-                               config.lora_target_modules)
-        except ValueError as err:
-            raise TrainingError(str(err)) from err
-        trained, total = trainable_parameters(model)
-        lora_summary = {"rank": config.lora_rank, "alpha": config.lora_alpha,
-                        "target_modules": config.lora_target_modules or "(peft default)",
-                        "trainable_parameters": trained, "parameters": total}
-        log.info("LoRA rank %d: %d of %d parameters train (%.2f%%)", config.lora_rank, trained, total,
-                 100.0 * trained / total)
+    # After setup: DPO's reference log-probs come from the base weights (the adapter starts at zero, so the base
+    # model is the initial policy), and no second copy of the model is kept.
+    try:
+        model, lora_summary = apply_lora_settings(model, config, ctx.distributed)
+    except ValueError as err:
+        raise TrainingError(str(err)) from err
+    if lora_summary:
+        log.info("LoRA rank %d: %d of %d parameters train", config.lora_rank, lora_summary["trainable_parameters"],
+                 lora_summary["parameters"])
     model = prepare_model(model, ctx, config.gradient_checkpointing)
     model.train()
     optimizer = build_optimizer(model.parameters(), config.lr, config.weight_decay)
