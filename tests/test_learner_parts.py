@@ -95,9 +95,9 @@ def test_critic_warmup_steps_leave_the_version(tmp_path, sao_cache):
 def test_publish_writes_a_verified_version_hands_it_to_push_and_prunes_old_ones(tmp_path, sao_cache):
     learner = _learner(tmp_path, sao_cache)
     pushed = []
-    learner.publish(lambda version, uri, digest: pushed.append((version, uri, digest)))
+    learner.publish(lambda version, uri, digest, probe: pushed.append((version, uri, digest)))
     learner.step(_recorded_batch())
-    learner.publish(lambda version, uri, digest: pushed.append((version, uri, digest)))
+    learner.publish(lambda version, uri, digest, probe: pushed.append((version, uri, digest)))
     weights = tmp_path / "run" / "weights"
     assert [v for v, _, _ in pushed] == [0, 1]
     assert pushed[1][1] == str(weights / "v000001") and pushed[1][2] == storage.checkpoint_digest(pushed[1][1])
@@ -109,7 +109,7 @@ def test_a_push_that_fails_stops_the_publish_before_pruning(tmp_path, sao_cache)
     learner = _learner(tmp_path, sao_cache)
     learner.publish()
 
-    def refuse(version, uri, digest):
+    def refuse(version, uri, digest, probe):
         raise LearnerError(f"rollout service http://x refused version {version}")
 
     learner.step(_recorded_batch())
@@ -223,10 +223,13 @@ def test_the_scratch_folder_is_named_by_run_and_a_stale_one_of_the_same_run_is_s
     assert run_scratch("s3://b/run-a", 1) != again      # ranks of one node do not share it
 
 
-def test_a_lora_learner_trains_only_the_adapter_and_publishes_the_merged_policy(tmp_path, sao_cache):
-    """Issue 29 (first part): with lora_rank the policy trains an adapter (SAO's critic fully); a published
-    version is the merged model under the base names (what the engines load), and a resume gives it back."""
+def test_a_lora_learner_trains_only_the_adapter_and_publishes_the_adapter_alone(tmp_path, sao_cache):
+    """Issue 29: with lora_rank the policy trains an adapter (SAO's critic fully); a published version is the
+    adapter alone in peft's format (lora_publish adapter, the default) or the merged model under the base names
+    (lora_publish merged); the push gets a delivery probe of the version; a resume gives the weights back."""
     from safetensors.torch import load_file
+
+    from sao_core.training.lora import is_adapter_dir
 
     learner = _learner(tmp_path, sao_cache, lora_rank=4, lora_target_modules="all-linear")
     frozen = {n: p.detach().clone() for n, p in learner.policy.named_parameters() if not p.requires_grad}
@@ -235,10 +238,19 @@ def test_a_lora_learner_trains_only_the_adapter_and_publishes_the_merged_policy(
     assert all(torch.equal(frozen[n], p.detach()) for n, p in learner.policy.named_parameters() if n in frozen)
     assert any(p.requires_grad for p in learner.critic.parameters())
     pushed = []
-    learner.publish(lambda version, uri, digest: pushed.append(uri))
-    weights = load_file(f"{pushed[0]}/model.safetensors")
-    assert weights and not any("lora" in k or k.startswith("base_model") for k in weights)
+    learner.publish(lambda version, uri, digest, probe: pushed.append((uri, probe)))
+    uri, probe = pushed[0]
+    assert is_adapter_dir(uri) and storage.read_manifest(uri)["metadata"]["kind"] == "lora_adapter"
+    adapter = load_file(f"{uri}/adapter_model.safetensors")
+    assert adapter and all(".lora_" in k for k in adapter)
+    assert sum(v.numel() for v in adapter.values()) == sum(p.numel() for p in learner.policy.parameters()
+                                                            if p.requires_grad)
+    assert probe.version == learner.state.version == 2 and len(probe.logprobs) == 31
     uri = learner.checkpoint()
     again = _learner(tmp_path, sao_cache, lora_rank=4, lora_target_modules="all-linear")
     again.resume(uri)
     assert all(torch.equal(a, b) for a, b in zip(_weights(learner).values(), _weights(again).values(), strict=True))
+    merged = _learner(tmp_path, sao_cache, name="merged", lora_rank=4, lora_publish="merged")
+    merged.publish(lambda version, uri, digest, probe: pushed.append((uri, probe)))
+    weights = load_file(f"{pushed[-1][0]}/model.safetensors")
+    assert weights and not any("lora" in k or k.startswith("base_model") for k in weights)

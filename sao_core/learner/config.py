@@ -97,6 +97,14 @@ class RLConfig(CoreConfig):
         "drop", "episodes ended by an engine/environment error or a timeout: drop them, or train them")
     failed_reward: float = setting(0.0, "the reward failed episodes are trained with when failed_episodes is train")
     keep_weight_versions: int = setting(3, "published weight versions kept (older ones deleted)", unit="versions")
+    lora_publish: Literal["adapter", "merged"] = setting(
+        "adapter", "with lora_rank: publish each version as the LoRA adapter alone (megabytes), or merged into "
+        "the full model (for engines that cannot take adapters)")
+    delivery_check_tokens: int = setting(
+        32, "after every weight push, compare each service's log-probs of a probe of this many tokens with the "
+        "learner's (0: off)", unit="tokens")
+    delivery_tolerance: float = setting(
+        0.05, "largest mean |service - learner| log-prob on the probe before the run stops", unit="nats per token")
     log_every: int = setting(1, "steps between metrics lines (and progress updates)", unit="steps")
     metrics_port: int = setting(0, "the learner's Prometheus /metrics port (rank 0, all interfaces); 0: off")
     # Evaluation during training (sao_core/learner/evaluation.py, README "Evaluation during training"): held-out
@@ -139,6 +147,10 @@ class RLConfig(CoreConfig):
                     "max_total_tokens", "rollout_max_batch", "keep_weight_versions"):
             if getattr(self, key) < 1:
                 raise ValueError(f"RLConfig.{key} must be >= 1, got {getattr(self, key)}")
+        if self.delivery_check_tokens == 1 or self.delivery_check_tokens < 0:
+            raise ValueError(f"RLConfig.delivery_check_tokens must be 0 (off) or >= 2, got {self.delivery_check_tokens}")
+        if not (math.isfinite(self.delivery_tolerance) and self.delivery_tolerance > 0):
+            raise ValueError(f"RLConfig.delivery_tolerance must be > 0, got {self.delivery_tolerance}")
         for key in ("max_staleness", "max_in_flight", "critic_warmup_steps", "value_clip", "micro_batch_tokens"):
             if getattr(self, key) < 0:
                 raise ValueError(f"RLConfig.{key} must be >= 0, got {getattr(self, key)}")

@@ -26,6 +26,7 @@ from sao_core import storage
 from sao_core.learner import journal
 from sao_core.learner.batch import collate
 from sao_core.learner.config import RLConfig
+from sao_core.learner.delivery import Probe, learner_logprobs, probe_tokens
 from sao_core.learner.errors import LearnerError
 from sao_core.learner.lag import lag_record
 from sao_core.learner.pending import position_of
@@ -45,8 +46,9 @@ from sao_core.training.distributed import DistContext, all_reduce, broadcast_obj
 
 log = logging.getLogger(__name__)
 
-#: push(version, weights URI, its sha256): hands a published version to the rollout services
-Push = Callable[[int, str, str], None]
+#: push(version, weights URI, its sha256, delivery probe or None): hands a published version to the rollout
+#: services, which must pass the probe (delivery.compare)
+Push = Callable[[int, str, str, "Probe | None"], None]
 
 
 def on_rank0(ctx: DistContext, fetch: Callable[[], Any]) -> Any:
@@ -148,8 +150,8 @@ class Learner:
             critic = ValueModel.from_pretrained(initial.path)
             if config.freeze_critic_attention:
                 critic.freeze_attention()
-        # With lora_rank the policy trains an adapter; each published version is the merged model (full weights),
-        # so every engine loads it as it is. SAO's critic (another head on the same body) trains fully.
+        # With lora_rank the policy trains an adapter, published alone (or merged: lora_publish). SAO's critic
+        # (another head on the same body) trains fully.
         try:
             policy, _ = apply_lora_settings(policy, config, ctx.distributed)
         except ValueError as err:
@@ -181,22 +183,59 @@ class Learner:
         return StepResult(metrics, changed, trained_at, tokens, staleness)
 
     # ------------------------------------------------------------------------------------------ publish
+    @property
+    def publishes_adapter(self) -> bool:
+        return bool(self.config.lora_rank) and self.config.lora_publish == "adapter"
+
+    def probe(self) -> Probe | None:
+        """The delivery probe at the current weights (collective: every rank runs the forward); None when
+        `delivery_check_tokens` is 0."""
+        from sao_core.training.core import autocast
+
+        n = self.config.delivery_check_tokens
+        if not n:
+            return None
+        vocab = min(len(self.tokenizer), self.policy.config.vocab_size)
+        ids = probe_tokens(vocab, n, self.config.seed)
+        logprobs = learner_logprobs(self.policy, ids, 1, autocast(self.config.precision, self.ctx.device),
+                                    self.ctx.device)
+        return Probe(ids, 1, logprobs, self.state.version, self.config.delivery_tolerance)
+
+    def _stage_weights(self, staging: Path) -> bool:
+        """Write the version to publish at `staging` (collective; True on the rank that wrote): the LoRA
+        adapter alone (`lora_publish` adapter) or the full model (the adapter merged in)."""
+        if not self.publishes_adapter:
+            return save_full_model(self.policy, self.tokenizer, staging, self.ctx)
+        from sao_core.training.checkpointing import trainable_state_dict
+        from sao_core.training.lora import adapter_state_dict, write_adapter
+
+        adapter = adapter_state_dict(self.policy, trainable_state_dict)
+        if not self.ctx.is_main:
+            return False
+        shutil.rmtree(staging, ignore_errors=True)
+        write_adapter(self.policy, adapter, staging)
+        return True
+
     def publish(self, push: Push | None = None) -> float:
         """Gather the policy (collective); rank 0 publishes it as version `state.version` under
-        ``<output>/weights/vNNNNNN``, calls `push(version, uri, sha256)` (which returns once every live service
-        verified and loaded it) and then deletes the versions older than the newest `keep_weight_versions`.
-        Returns the seconds it took (0 on the other ranks)."""
+        ``<output>/weights/vNNNNNN`` (with `lora_rank` and `lora_publish` adapter: the adapter alone, which the
+        services apply to their base model), calls `push(version, uri, sha256, probe)` (which returns once every
+        live service verified, loaded it and passed the delivery probe) and then deletes the versions older than
+        the newest `keep_weight_versions`. Returns the seconds it took (0 on the other ranks)."""
         import time
 
         began = time.monotonic()
-        if not save_full_model(self.policy, self.tokenizer, self.scratch / "weights", self.ctx):
+        probe = self.probe()
+        if not self._stage_weights(self.scratch / "weights"):
             return 0.0
         version, weights = self.state.version, storage.join(self.config.output, "weights")
         uri = storage.join(weights, f"v{version:06d}")
-        storage.publish_checkpoint(self.scratch / "weights", uri, metadata={"version": version,
-                                                                          "step": self.state.step})
+        metadata = {"version": version, "step": self.state.step}
+        if self.publishes_adapter:
+            metadata.update(kind="lora_adapter", base_model=self.config.model)
+        storage.publish_checkpoint(self.scratch / "weights", uri, metadata=metadata)
         if push is not None:
-            push(version, uri, storage.checkpoint_digest(uri))
+            push(version, uri, storage.checkpoint_digest(uri), probe)
         seconds = time.monotonic() - began
         # push returned: every live service loaded `version`, and one that is down gets the newest weights
         # when it rejoins, so no service will ever load an older version: they can go.

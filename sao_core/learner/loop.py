@@ -206,8 +206,8 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                               on_restart=lambda index: service_restarted(index, len(urls)), token=token,
                               on_plan=plan_sent)
 
-    def push(version: int, uri: str, digest: str) -> None:
-        services.push(version, uri, digest)
+    def push(version: int, uri: str, digest: str, probe=None) -> None:
+        services.push(version, uri, digest, probe)
 
     def checkpoint() -> str:
         return learner.checkpoint(pending.dropped_by_reason, pending.requeued)
@@ -365,6 +365,9 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                           "trajectories_per_s": trained_trajectories / elapsed,
                           "tokens_per_s": trained_tokens / elapsed, "seconds": elapsed,
                           "world_size": ctx.world_size}
+                if services is not None and services.delivery:   # the last push's delivery check (rank 0)
+                    record.update(delivery_logp_diff_mean=services.delivery["mean"],
+                                  delivery_logp_diff_max=services.delivery["max"])
                 evaluated = evaluator is not None and evaluator.due(state.step)
                 if evaluated:   # after the push of the version, before the next step: the current weights
                     record.update(evaluate_now())

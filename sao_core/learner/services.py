@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sao_core.learner.delivery import Probe, compare
 from sao_core.learner.errors import LearnerError
 from sao_core.rollout.client import RolloutAuthError, RolloutClient, RolloutRequestError, RolloutUnavailable
 from sao_core.rollout.trajectory import Trajectory
@@ -39,6 +40,8 @@ class ServiceSet:
     run stops (LearnerError naming the service): a service whose weights are not the learner's would hand
     out trajectories of another policy. A push is a plain "next version" update for a service known to
     hold the previous one, and a resync otherwise (a rejoining service, the first push after a resume).
+    With a delivery probe (`push(..., probe)`), each service must then score the probe as the learner does
+    (`learner/delivery.py`), or the run stops naming it; `delivery` holds the worst difference of the last push.
     `token`: the run's bearer token, sent with every request.
     """
 
@@ -56,6 +59,8 @@ class ServiceSet:
         self.probe_s = probe_s
         self.down: dict[int, float] = {}                   # index -> monotonic time of the next probe
         self.weights: tuple[int, str, str] | None = None   # version, uri, digest currently wanted
+        self.probe: Probe | None = None                    # the delivery probe of that version
+        self.delivery: dict[str, float] = {}               # worst {"mean", "max"} difference of the last push
         self.reconnecting: set[int] = set()
         self.unacked: dict[int, tuple[list[str], list[str], list[str]]] = {}  # acks that failed (service down)
         self._next = 0
@@ -86,7 +91,22 @@ class ServiceSet:
             raise LearnerError(f"rollout service {client.url} answered weights version {answer.get('version')} "
                                f"(digest {answer.get('sha256')}) to the learner's push of version {version} "
                                f"(digest {digest}); its weights are not the learner's, stopping")
+        self._check_delivery(index, version)
         self.holds[index] = version
+
+    def _check_delivery(self, index: int, version: int) -> None:
+        """The service's log-probs of the probe equal the learner's at `version` (LearnerError naming it)."""
+        probe = self.probe
+        if probe is None or probe.version != version:
+            return
+        client = self.clients[index]
+        try:
+            answer = client.score(probe.token_ids, probe.start)
+        except RolloutRequestError as err:
+            raise LearnerError(f"delivery check: rollout service {client.url} could not score the probe: {err}") from err
+        found = compare(answer, probe, client.url)
+        for key, value in found.items():
+            self.delivery[key] = max(self.delivery.get(key, 0.0), value)
 
     def _sync(self, index: int) -> None:
         client = self.clients[index]
@@ -101,6 +121,7 @@ class ServiceSet:
             if status["version"] != version or status.get("weights_sha256", digest) != digest:
                 self._push_one(index, version, uri, digest, resync=True)
             else:
+                self._check_delivery(index, version)
                 self.holds[index] = version
         elif status["version"] != 0:
             raise LearnerError(f"rollout service {client.url} serves weights version {status['version']}, but this "
@@ -221,9 +242,12 @@ class ServiceSet:
                 oldest.append(status["oldest_unfinished_version"])
         return True, min(oldest, default=None)
 
-    def push(self, version: int, uri: str, digest: str) -> None:
-        """Every live service loads `version` and confirms it (LearnerError naming a service that does not)."""
+    def push(self, version: int, uri: str, digest: str, probe: Probe | None = None) -> None:
+        """Every live service loads `version`, confirms it and passes the delivery `probe` (LearnerError naming a
+        service that does not)."""
         self.weights = (version, uri, digest)
+        self.probe = probe
+        self.delivery = {}
         def push_one(index: int) -> None:
             held = self.holds.get(index)
             if held != version:   # (a service that just rejoined was given `version` by its re-sync)

@@ -79,6 +79,10 @@ class RolloutClient:
             body["resync"] = True
         return self._call("POST", "/v1/weights", timeout_s=600.0, json=body)
 
+    def score(self, token_ids: list[int], start: int) -> dict:
+        """{"logprobs": of token_ids[start:] under the service's weights in use, "version", "sha256"}."""
+        return self._call("POST", "/v1/score", timeout_s=120.0, json={"token_ids": token_ids, "start": start})
+
     def pause(self) -> dict:
         return self._call("POST", "/v1/pause", json={})
 

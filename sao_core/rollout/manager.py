@@ -23,7 +23,13 @@ from typing import Any
 
 from sao_core import storage
 from sao_core.rollout.admission import DEFAULT_RULE, Admission, AdmissionError, AdmissionPolicy
-from sao_core.rollout.engines.base import Engine, SamplingParams, check_context, check_training_sampling
+from sao_core.rollout.engines.base import (
+    Engine,
+    EngineError,
+    SamplingParams,
+    check_context,
+    check_training_sampling,
+)
 from sao_core.rollout.episode import EpisodeLimits, run_episode
 from sao_core.rollout.trajectory import Trajectory
 
@@ -502,6 +508,16 @@ class RolloutManager:
             self.weights_sha256 = sha256
             self.last_weight_load_seconds = time.monotonic() - started
             return {"version": self.engine.version, "sha256": sha256, "seconds": self.last_weight_load_seconds}
+
+    async def score(self, token_ids: list[int], start: int) -> dict:
+        """{"logprobs": of token_ids[start:], "version"}: scored under the weights lock, so the version is the
+        one the log-probs were computed with."""
+        async with self._weights_lock:
+            try:
+                logprobs = await self.engine.score(list(token_ids), start)
+            except EngineError as err:
+                raise RolloutError(f"score: {err}") from err
+            return {"logprobs": logprobs, "version": self.engine.version, "sha256": self.weights_sha256}
 
     async def pause(self) -> None:
         self._paused = True

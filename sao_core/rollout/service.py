@@ -4,7 +4,8 @@
     POST /v1/rollouts/stop       stop the plan (running episodes are dropped)
     GET  /v1/trajectories        long-poll: take up to `max` finished trajectories (leased to `consumer`)
     POST /v1/trajectories/ack    acknowledge (or drop) taken trajectories
-    POST /v1/weights             load new weights {version, uri, sha256}
+    POST /v1/weights             load new weights {version, uri, sha256} (a full model or a LoRA adapter)
+    POST /v1/score               log-probs of given tokens under the weights in use {token_ids, start}
     POST /v1/pause | /v1/resume  pause or resume generation
     POST /v1/shutdown            graceful shutdown
     POST /v1/generate            evaluation: k samples per prompt, any sampling settings
@@ -147,6 +148,11 @@ class GenerateRequest(_Strict):
     max_new_tokens: int = Field(256, ge=1, le=1_000_000)
     seed: int | None = Field(None, ge=0, le=SEED_MAX, description="sample k of prompt i uses seed + i * n + k "
                                                                      "(mod 2^63)")
+
+
+class ScoreRequest(_Strict):
+    token_ids: list[TokenId] = Field(min_length=2, max_length=1_000_000)
+    start: int = Field(ge=1, description="the first position scored: log-probs of token_ids[start:] are returned")
 
 
 class ErrorBody(BaseModel):
@@ -440,6 +446,20 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
                          "logprobs": g.logprobs, "finish_reason": g.finish_reason, "version": g.versions[-1]
                          if g.versions else manager.engine.version} for g in samples])
         return {"results": out}
+
+    @app.post("/v1/score", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
+    async def score(body: ScoreRequest) -> dict:
+        """Log-probs of token_ids[start:] under the weights in use and their version (the learner's delivery
+        check after a weight push)."""
+        vocab = len(manager.tokenizer)
+        if any(x < 0 or x >= vocab for x in body.token_ids):
+            raise RolloutError(f"token_ids: token id out of range [0, {vocab})")
+        if body.start >= len(body.token_ids):
+            raise RolloutError(f"start {body.start} must be below the number of token_ids ({len(body.token_ids)})")
+        limit = getattr(manager.engine, "context_length", None)
+        if limit is not None and len(body.token_ids) > limit:
+            raise RolloutError(f"token_ids: {len(body.token_ids)} tokens exceed the engine's context of {limit}")
+        return await manager.score(body.token_ids, body.start)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"}})
     async def metrics() -> PlainTextResponse:

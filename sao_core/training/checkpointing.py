@@ -153,6 +153,13 @@ def load_training_checkpoint(local_dir: Path, parts: Parts, ctx: DistContext) ->
     return state
 
 
+def trainable_state_dict(model) -> dict[str, torch.Tensor]:
+    """The full (gathered, on CPU) weights of the parameters that train, e.g. a LoRA adapter's: a collective
+    under FSDP2 that moves only those."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=True))
+
+
 def save_full_model(model, tokenizer, staging: Path, ctx: DistContext) -> bool:
     """Gather the full weights of a (possibly FSDP2-sharded) causal LM and write a Hugging Face directory
     (safetensors + tokenizer) at `staging` on rank 0. Collective; returns True on the rank that wrote."""

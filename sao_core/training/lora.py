@@ -6,8 +6,10 @@ wrapped model's state (the training core's format), so a resume is exact. `plain
 of the model with the adapter merged in (peft's own merge), under the base model's names: what an export
 writes, a Hugging Face model any engine loads without peft.
 
-Scope of this first part (issue 29): the supervised methods (sft, cpt, dpo, gkd) in one process. Not yet:
-FSDP2 under torchrun, the RL learner and its push to the rollout engines, adapter-only checkpoints.
+An adapter on its own is a folder in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``,
+what `PeftModel.from_pretrained` and vLLM's LoRA loader read): `write_adapter` writes it from a training model,
+`load_adapter_into` puts it into a live (inference) model, `merge_adapter_into` merges it into a plain model
+(peft's merge): the RL learner publishes adapters to the rollout engines, `sao checkpoint merge` merges one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import torch
 
 #: peft's prefix of the base model's parameter names inside a PeftModel
 _PEFT_PREFIX = "base_model.model."
+#: the files of an adapter folder (peft's names)
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def lora_config(rank: int, alpha: float, dropout: float, target_modules: str):
@@ -71,20 +76,136 @@ def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
             sum(p.numel() for p in model.parameters()))
 
 
+def base_names(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's weights out of a LoRA model's full state dict, under the base model's names."""
+    return {name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", "."): tensor
+            for name, tensor in full.items() if ".lora_" not in name}
+
+
 def plain_state_dict(model: torch.nn.Module, state_dict_fn) -> dict[str, torch.Tensor]:
     """The model's full weights under the base model's names, the adapter merged in by peft for a LoRA model.
-    `state_dict_fn(model)` gathers the full state dict (the training core's, FSDP-aware). The live model is
-    left as it was (merged only for the copy)."""
+    `state_dict_fn(model)` gathers the full state dict (the training core's, FSDP-aware: a collective). The
+    merge runs on a plain copy built from the gathered weights (CPU), so it works on sharded models too and
+    leaves the live model as it was."""
+    full = state_dict_fn(model)
     if not is_lora(model):
-        return state_dict_fn(model)
-    model.merge_adapter()
+        return full
+    from peft import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    adapter = get_peft_model_state_dict(model, state_dict=full)
+    plain = AutoModelForCausalLM.from_config(model.get_base_model().config,
+                                             dtype=next(iter(full.values())).dtype)
+    plain.load_state_dict(base_names(full), strict=True)
+    merged = merge_adapter_into(plain, model.peft_config["default"], adapter)
+    return {name: tensor.detach() for name, tensor in merged.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------ adapter folders
+def adapter_state_dict(model: torch.nn.Module, state_dict_fn) -> dict[str, torch.Tensor]:
+    """The adapter's weights of a LoRA training model under peft's file names (``base_model.model.…lora_A.weight``).
+    `state_dict_fn(model)` gathers the parameters that train (FSDP-aware; a collective)."""
+    from peft import get_peft_model_state_dict
+
+    return {name: tensor.detach().contiguous()
+            for name, tensor in get_peft_model_state_dict(model, state_dict=state_dict_fn(model)).items()}
+
+
+def write_adapter(model: torch.nn.Module, adapter: dict[str, torch.Tensor], directory) -> None:
+    """Write `adapter` (from `adapter_state_dict`) and the model's LoRA config as a peft adapter folder."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.peft_config["default"].save_pretrained(str(directory))
+    save_file({k: v.cpu() for k, v in adapter.items()}, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def is_adapter_dir(directory) -> bool:
+    """True for a peft adapter folder (it has ``adapter_config.json``)."""
+    from pathlib import Path
+
+    return (Path(directory) / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter(directory):
+    """(LoraConfig, weights under peft's file names) of an adapter folder; ValueError saying what is wrong."""
+    from pathlib import Path
+
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not is_adapter_dir(directory) or not (directory / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"{directory} is not a LoRA adapter folder ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} expected)")
     try:
-        full = {k: v.detach().clone() for k, v in state_dict_fn(model).items()}
-    finally:
-        model.unmerge_adapter()
-    plain = {}
-    for name, tensor in full.items():
-        if ".lora_" in name:
-            continue
-        plain[name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")] = tensor
-    return plain
+        config = LoraConfig.from_pretrained(str(directory))
+    except Exception as err:   # peft raises several kinds for a config it cannot read
+        raise ValueError(f"{directory / ADAPTER_CONFIG}: not a LoRA config ({err})") from None
+    if getattr(config, "peft_type", None) is None or str(config.peft_type) not in ("LORA", "PeftType.LORA"):
+        raise ValueError(f"{directory / ADAPTER_CONFIG}: peft_type {config.peft_type!r} is not LORA")
+    return config, load_file(str(directory / ADAPTER_WEIGHTS))
+
+
+def _set_adapter(model: torch.nn.Module, adapter: dict[str, torch.Tensor], where: str) -> None:
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model, adapter)
+    missing = [k for k in result.missing_keys if ".lora_" in k]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"{where}: the adapter does not fit this model: unexpected weights "
+                         f"{result.unexpected_keys[:3]}, missing adapter weights {missing[:3]}")
+
+
+def load_adapter_into(model: torch.nn.Module, directory) -> torch.nn.Module:
+    """Put the adapter of `directory` into `model`, a plain causal LM used for inference: the first call
+    injects LoRA layers with the adapter's config (peft's `inject_adapter_in_model`; the module stays the same
+    object), later calls with the same config only copy the new adapter weights in (a few megabytes). The
+    adapter is applied unmerged, as the learner computes it. ValueError when the config differs from the
+    injected one or the weights do not fit the model."""
+    from peft import inject_adapter_in_model
+
+    config, weights = read_adapter(directory)
+    adapter = {name.removeprefix(_PEFT_PREFIX): tensor for name, tensor in weights.items()}
+    injected = getattr(model, "_sao_lora_config", None)
+    if injected is None:
+        inject_adapter_in_model(config, model)
+        model._sao_lora_config = config.to_dict()
+    elif _comparable(injected) != _comparable(config.to_dict()):
+        raise ValueError(f"{directory}: its LoRA config differs from the adapter this model already carries "
+                         f"(rank / alpha / targets must stay the same within a run)")
+    _set_adapter(model, adapter, str(directory))
+    return model
+
+
+def _comparable(config: dict) -> dict:
+    keys = ("r", "lora_alpha", "target_modules", "use_rslora", "bias", "modules_to_save")
+    return {k: (sorted(v) if isinstance(v, list | set | tuple) else v) for k, v in config.items() if k in keys}
+
+
+def merge_adapter_into(plain: torch.nn.Module, config, adapter: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """`plain` (a causal LM with the base weights) with the adapter merged into its weights by peft
+    (`merge_and_unload`); the returned model has the base model's names and no LoRA layers."""
+    from peft import get_peft_model
+
+    wrapped = get_peft_model(plain, config)
+    _set_adapter(wrapped, adapter, "adapter")
+    return wrapped.merge_and_unload()
+
+
+def merge_adapter_dir(base_dir, adapter_dir, output_dir, dtype: str = "auto") -> None:
+    """Write the merged model (base + adapter, peft's merge) as a Hugging Face folder at `output_dir`
+    (safetensors, config, the base's tokenizer files). `base_dir` a local model folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config, adapter = read_adapter(adapter_dir)
+    kwargs = {} if dtype == "auto" else {"dtype": getattr(torch, dtype)}
+    plain = AutoModelForCausalLM.from_pretrained(str(base_dir), **kwargs)
+    merged = merge_adapter_into(plain, config, adapter)
+    merged.save_pretrained(str(output_dir), safe_serialization=True)
+    try:
+        AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(output_dir))
+    except (OSError, ValueError):   # a base without tokenizer files: the merged model has none either
+        pass

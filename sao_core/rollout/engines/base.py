@@ -85,8 +85,16 @@ class Engine(Protocol):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
 
     async def load_weights(self, model_dir: str, version: int) -> None:
-        """Swap to the verified Hugging Face model in `model_dir`; tokens sampled afterwards carry
-        `version`. In-flight requests continue on the new weights. On failure the old weights stay."""
+        """Swap to the verified Hugging Face model in `model_dir`, or, when `model_dir` is a peft LoRA adapter
+        folder (`sao_core.training.lora.is_adapter_dir`), to the engine's base model (the one it started
+        with) plus that adapter; tokens sampled afterwards carry `version`. In-flight requests continue on the
+        new weights. On failure the old weights stay."""
+        ...
+
+    async def score(self, token_ids: list[int], start: int) -> list[float]:
+        """Log-probabilities of `token_ids[start:]`, each given the tokens before it, under the weights in use
+        (the model's own distribution: temperature 1, no top-k / top-p), float per token. `start` >= 1. The
+        learner's delivery check compares them with its own after a weight push."""
         ...
 
     async def pause(self) -> None: ...

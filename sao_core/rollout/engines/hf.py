@@ -307,6 +307,9 @@ class HFEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._active: list[_Request] = []
         self._swap: tuple | None = None
+        self._calls: queue.Queue = queue.Queue()   # (fn, loop, future): run in the engine thread between steps
+        self._model_is_base = True                 # the live model is the base (+ an adapter): adapters apply to it
+        self.lora_mode: str | None = None          # "adapter" once a LoRA adapter is in use
         self._paused = threading.Event()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -340,8 +343,27 @@ class HFEngine:
             raise
 
     async def load_weights(self, model_dir: str, version: int) -> None:
+        """Full weights: loaded off the engine thread, swapped in between two steps. A LoRA adapter folder
+        (`lora.is_adapter_dir`): applied to the base model the engine started with (peft, unmerged, as the
+        learner computes it) in the engine thread between two steps; the first adapter injects the LoRA layers,
+        later ones copy a few megabytes of adapter weights. After full weights of another version the base is
+        loaded again before an adapter is applied."""
         from sao_core.models import load_model
+        from sao_core.training import lora
 
+        if lora.is_adapter_dir(model_dir):
+            try:
+                await asyncio.to_thread(lora.read_adapter, model_dir)   # a broken folder fails here, off-thread
+            except ValueError as err:
+                raise EngineError(str(err)) from err
+            if self._model_is_base:
+                await self._in_engine_thread(functools.partial(self._apply_adapter, self.model, model_dir, version))
+                return
+            base = await asyncio.to_thread(load_model, self.model_ref, self.cache_dir, self.dtype)
+            base.to(self.device)
+            _use_gqa_attention(base)
+            await self._in_engine_thread(functools.partial(self._apply_adapter, base, model_dir, version))
+            return
         new_model = await asyncio.to_thread(load_model, model_dir, self.cache_dir, self.dtype)
         new_model.to(self.device)
         _use_gqa_attention(new_model)
@@ -350,6 +372,47 @@ class HFEngine:
         self._swap = (new_model, version, loop, done)
         self._wake.set()
         await done
+        self._model_is_base = False
+        self.lora_mode = None
+
+    async def score(self, token_ids: list[int], start: int) -> list[float]:
+        """Log-probs of `token_ids[start:]` under the weights in use (raw distribution), computed in the
+        engine thread between two steps, so never across a weight swap."""
+        if not 1 <= start < len(token_ids):
+            raise EngineError(f"score: start must be in [1, {len(token_ids) - 1}], got {start}")
+
+        def run() -> list[float]:
+            ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, start - 1:-1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            return logp.gather(1, ids[0, start:].unsqueeze(1)).squeeze(1).cpu().tolist()
+
+        return await self._in_engine_thread(run)
+
+    async def _in_engine_thread(self, fn):
+        """Run `fn()` in the engine thread between two steps (also while paused); its result or exception."""
+        if self._stop.is_set():
+            raise EngineError("engine is closed")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._calls.put((fn, loop, done))
+        self._wake.set()
+        return await done
+
+    def _apply_adapter(self, model, adapter_dir: str, version: int) -> None:
+        """(engine thread) `adapter_dir` into `model` (the base, or the live model already carrying an adapter);
+        `model` becomes the live model at `version`."""
+        from sao_core.training import lora
+
+        try:
+            lora.load_adapter_into(model, adapter_dir)
+        except ValueError as err:
+            raise EngineError(f"{err}; the current weights (version {self.version}) stay") from err
+        model.eval()
+        dtype_changed = self._slots is not None and self._slots.dtype != model.dtype
+        self.model, self.version = model, version
+        self._model_is_base, self.lora_mode = True, "adapter"
+        self._after_weight_change(dtype_changed)
 
     async def pause(self) -> None:
         self._paused.set()
@@ -370,7 +433,7 @@ class HFEngine:
                 "paused": self._paused.is_set(), "tokens_generated": self._tokens_generated,
                 "busy_share": self._busy_seconds / elapsed, "busy_seconds": self._busy_seconds,
                 "uptime_seconds": elapsed, "steps": self._steps, "positions_encoded": self._positions,
-                "kv_cache": self.cache_shape is not None,
+                "kv_cache": self.cache_shape is not None, "lora": self.lora_mode,
                 "prefill_tokens": self._prefill_tokens, "prefix_reused_tokens": self._reused_tokens}
 
     # ------------------------------------------------------------------ engine thread
@@ -384,6 +447,7 @@ class HFEngine:
                     break
             if self._swap is not None:
                 self._apply_swap()
+            self._run_calls()
             for request in [r for r in self._active if r.future.cancelled()]:
                 self._active.remove(request)
                 self._leave_row(request)
@@ -411,20 +475,48 @@ class HFEngine:
             self._steps += 1
         for request in self._active:
             self._finish(request, error=EngineError("engine closed"))
+        while not self._calls.empty():
+            _, loop, done = self._calls.get_nowait()
+            loop.call_soon_threadsafe(lambda done=done: done.done() or done.set_exception(EngineError("engine closed")))
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, loop, done = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result, error = fn(), None
+            except Exception as err:  # handed to the caller; the engine thread goes on
+                result, error = None, err
+
+            def deliver(done=done, result=result, error=error):
+                if done.done():
+                    return
+                if error is not None:
+                    done.set_exception(error)
+                else:
+                    done.set_result(result)
+
+            loop.call_soon_threadsafe(deliver)
 
     def _apply_swap(self) -> None:
         new_model, version, loop, done = self._swap
         self._swap = None
+        dtype_changed = self._slots is not None and self._slots.dtype != new_model.dtype
         self.model = new_model
         self.version = version
-        if self.recompute_kv_on_update or (self._slots is not None and self._slots.dtype != new_model.dtype):
+        self._after_weight_change(dtype_changed)
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    def _after_weight_change(self, dtype_changed: bool) -> None:
+        if self.recompute_kv_on_update or dtype_changed:
             # Keys / values of the old weights must not be reused: every request in flight re-encodes its
             # context with the new weights when it is admitted again.
             self._prefix_store.clear()
             for request in self._rows:
                 request.row, request.kv_len = -1, 0
             self._rows, self._slots = [], None
-        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
     def _step_reencode(self, batch: list[_Request]) -> None:
         """One token per request, re-encoding every left-padded context [B, max context length]."""
