@@ -22,6 +22,15 @@ its peak GPU memory (`torch.cuda.max_memory_allocated`, reset per phase):
    steady-state time (the first one allocates the optimiser states).
 4. learner_fsdp: the same step with policy and critic under FSDP2 (`fully_shard` of every decoder layer
    and the root) in a one-process NCCL group.
+5. learner_lora: the learner step with a LoRA policy (peft; `--lora-rank`, default 16, alpha 2 × rank, all
+   linear layers) and SAO's full critic: peak memory and step time against `learner`'s (issue 29).
+6. sft / sft_lora: one supervised step (next-token loss on every token of the learner batch, float32
+   master weights, bf16 autocast, activation checkpointing, AdamW over what trains), full and LoRA.
+7. push: the LoRA policy of `learner_lora` published the two ways a LoRA run can push it — the adapter alone
+   (twice: the first push injects the LoRA layers into the engine, the second only copies weights) and the
+   merged full model — each staged, sealed with a manifest, verified as a rollout service verifies it,
+   loaded by the HF engine (bf16) and checked with the learner's delivery probe (32 tokens): bytes, seconds
+   of each stage, and mean / max |engine − learner| probe log-prob, as full / adapter ratios in one run.
 
 MFU = model FLOPs of the step / seconds / peak (`--peak-tflops`, default 989: H200 dense bf16). Model FLOPs:
 forward FLOPs per token = 2 × non-embedding parameters + 2 × layers × sequence length × query width
@@ -65,7 +74,7 @@ import torch  # noqa: E402
 DEFAULT_CONFIG = ROOT / "bench" / "configs" / "qwen3-1.7b.json"
 H200_BF16_TFLOPS = 989.0
 GB = 2 ** 30
-PHASES = ("build", "engine", "learner", "learner_fsdp")
+PHASES = ("build", "engine", "learner", "learner_fsdp", "learner_lora", "sft", "sft_lora", "push")
 # Config fields that are bookkeeping, not architecture (the kit sets the dtype itself).
 _NOT_ARCHITECTURE = ("architectures", "transformers_version", "torch_dtype", "dtype")
 # --smoke: the same architecture, tiny.
@@ -75,7 +84,7 @@ SMOKE_MODEL = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, 
 # (GPU run, --smoke) defaults of the sizes.
 DEFAULTS = {"sequences": (64, 8), "prompt_tokens": (16, 8), "new_tokens": (1024, 32), "learner_sequences": (16, 8),
             "learner_seq_tokens": (1024, 40), "micro_batch_tokens": (16384, 16384), "learner_steps": (2, 2),
-            "precision": ("bf16", "float32"), "budget_s": (420.0, 120.0)}
+            "precision": ("bf16", "float32"), "budget_s": (480.0, 180.0), "lora_rank": (16, 4)}
 
 
 # ---------------------------------------------------------------------------------------------- model loading
@@ -135,6 +144,7 @@ class Kit:
         self.cache_dir = self.workdir / "cache"
         self.models, loader = model_api()
         self.generations: list[tuple[list[int], object]] = []
+        self.lora_policy = None     # the trained LoRA policy of learner_lora, pushed by the push phase
         self.shape: dict = {}
         self.pad_id = 0
         self.report: dict = {
@@ -149,7 +159,8 @@ class Kit:
             "settings": {k: getattr(args, k) for k in DEFAULTS},
             "phases": {name: {"ok": False, "skipped": True, "seconds": None, "tokens": None, "tokens_per_s": None,
                               "peak_gpu_gb": None, "error": None} for name in PHASES},
-            "mfu": {"learner": None, "learner_fsdp": None},
+            "mfu": {"learner": None, "learner_fsdp": None, "learner_lora": None},
+            "peft_version": _version("peft"), "ratios": {},
             "mfu_formula": "model FLOPs / s / peak_tflops; per token forward = 2 x non-embedding params + 2 x "
                            "layers x seq_len x q_dim (+ 2 x vocab x hidden on sampled tokens, policy); step = "
                            "3 x policy forward + (1 + 3K) x critic forward; recompute not counted",
@@ -365,7 +376,7 @@ class Kit:
                            finish_reason="length", metadata={"epoch": 0})
                 for i, (prompt, sampled, logprobs, versions) in enumerate(rows)]
 
-    def learner(self, record: dict, fsdp: bool) -> None:
+    def learner(self, record: dict, fsdp: bool, lora: bool = False) -> None:
         import torch.distributed as dist
 
         from sao_core.learner.batch import collate
@@ -384,6 +395,8 @@ class Kit:
             began = time.monotonic()
             policy = self.models.load_model(str(self.model_dir), str(self.cache_dir), dtype="float32")
             critic = ValueModel.from_pretrained(str(self.model_dir))
+            if lora:
+                policy = self._apply_lora(policy, record)
             policy = prepare_model(policy, ctx, gradient_checkpointing=True)
             critic = prepare_model(critic, ctx, gradient_checkpointing=True)
             if fsdp:
@@ -392,14 +405,15 @@ class Kit:
             batch = collate(self.trajectories(), self.pad_id)
             self.sync()
             record["load_seconds"] = round(time.monotonic() - began, 3)
-            if not fsdp and self.report["batch_source"] == "engine":
+            if not fsdp and not lora and self.report["batch_source"] == "engine":
                 self._compare_logprobs(policy, batch, autocast, model_logprobs)
             config = RLConfig(data="unused", output="unused", method="sao", batch_size=len(batch.trajectories),
                               steps=args.learner_steps, precision=args.precision, gradient_checkpointing=True,
                               critic_warmup_steps=0, micro_batch_tokens=args.micro_batch_tokens, seed=args.seed,
-                              cache_dir=str(self.cache_dir))
+                              cache_dir=str(self.cache_dir), lora_rank=args.lora_rank if lora else 0)
             config.validate()
             updater = Updater(config, policy, critic, ctx)
+            name = "learner_lora" if lora else "learner_fsdp" if fsdp else "learner"
             tokens = int(batch.attention_mask.sum())
             action_tokens = int(batch.action_mask.sum())
             seq_len = tokens / len(batch.trajectories)
@@ -411,14 +425,14 @@ class Kit:
             for step in range(args.learner_steps):
                 if step and self.over_budget(reserve=30 if fsdp else 90):
                     record["steps_skipped"] = args.learner_steps - step
-                    self.log(f"{'learner_fsdp' if fsdp else 'learner'}: budget: skipping the remaining steps")
+                    self.log(f"{name}: budget: skipping the remaining steps")
                     break
                 self.sync()
                 began = time.monotonic()
                 metrics, changed = updater.step(batch, step)
                 self.sync()
                 step_seconds.append(time.monotonic() - began)
-                self.log(f"{'learner_fsdp' if fsdp else 'learner'}: step {step} {step_seconds[-1]:.2f} s, "
+                self.log(f"{name}: step {step} {step_seconds[-1]:.2f} s, "
                          f"logp_diff_max {metrics.get('logp_diff_max', float('nan')):.4g}, "
                          f"policy_loss {metrics.get('policy_loss', float('nan')):.4g}, "
                          f"critic_loss {metrics.get('critic_loss', float('nan')):.4g}")
@@ -433,10 +447,148 @@ class Kit:
             record.update(seconds=round(seconds, 4), step_seconds=[round(s, 4) for s in step_seconds],
                           first_step_seconds=round(step_seconds[0], 4), tokens_per_s=tokens / seconds,
                           mfu=flops / seconds / (args.peak_tflops * 1e12))
-            self.report["mfu"]["learner_fsdp" if fsdp else "learner"] = record["mfu"]
+            self.report["mfu"][name] = record["mfu"]
+            if lora:
+                self.lora_policy = policy
         finally:
             if fsdp and dist.is_initialized():
                 dist.destroy_process_group()
+
+    def _apply_lora(self, model, record: dict):
+        from sao_core.training.lora import apply_lora, trainable_parameters
+
+        rank = self.args.lora_rank
+        model = apply_lora(model, rank=rank, alpha=2.0 * rank, dropout=0.0, target_modules="all-linear")
+        trained, total = trainable_parameters(model)
+        record["lora"] = {"rank": rank, "alpha": 2.0 * rank, "target_modules": "all-linear",
+                          "trainable_parameters": trained, "parameters": total}
+        return model
+
+    def sft(self, record: dict, lora: bool) -> None:
+        """One supervised step on the learner batch (every token a target), full or LoRA; the last of
+        `learner_steps` steps timed."""
+        from sao_core.learner.batch import collate
+        from sao_core.objectives.sft import sft_loss
+        from sao_core.training.core import autocast, build_optimizer, clip_and_step, prepare_model
+        from sao_core.training.distributed import DistContext
+        from sao_core.training.forward import model_logprobs
+
+        args = self.args
+        ctx = DistContext(rank=0, world_size=1, device=self.device)
+        began = time.monotonic()
+        model = self.models.load_model(str(self.model_dir), str(self.cache_dir), dtype="float32")
+        if lora:
+            model = self._apply_lora(model, record)
+        model = prepare_model(model, ctx, gradient_checkpointing=True)
+        model.train()
+        optimizer = build_optimizer(model.parameters(), lr=1e-5, weight_decay=0.0)
+        batch = collate(self.trajectories(), self.pad_id).to(self.device)
+        mask = batch.attention_mask
+        self.sync()
+        record["load_seconds"] = round(time.monotonic() - began, 3)
+        tokens = int(mask.sum())
+        step_seconds, losses = [], []
+        for step in range(args.learner_steps):
+            if step and self.over_budget(reserve=60):
+                record["steps_skipped"] = args.learner_steps - step
+                break
+            self.sync()
+            began = time.monotonic()
+            with autocast(args.precision, self.device):
+                logp, _ = model_logprobs(model, batch.input_ids, mask, positions=mask)
+                loss, _ = sft_loss(logp, mask)
+            loss.backward()
+            norm = clip_and_step(optimizer, model.parameters(), 1.0)
+            self.sync()
+            step_seconds.append(time.monotonic() - began)
+            losses.append(float(loss.detach()))
+            self.log(f"{'sft_lora' if lora else 'sft'}: step {step} {step_seconds[-1]:.2f} s, loss {losses[-1]:.4f}, "
+                     f"grad norm {norm:.4g}")
+            if not (math.isfinite(losses[-1]) and math.isfinite(norm)):
+                raise RuntimeError(f"step {step}: loss {losses[-1]}, grad norm {norm}")
+        seconds = step_seconds[-1]
+        record.update(seconds=round(seconds, 4), step_seconds=[round(s, 4) for s in step_seconds], tokens=tokens,
+                      tokens_per_s=tokens / seconds, losses=losses,
+                      optimizer_state_elements=sum(t.numel() for st in optimizer.state.values()
+                                                   for t in st.values() if torch.is_tensor(t) and t.dim()))
+
+    def push(self, record: dict) -> None:
+        """The trained LoRA policy pushed as an adapter (twice) and as the merged full model to a bf16 HF engine,
+        each delivery-checked (see the module docstring)."""
+        from sao_core import storage
+        from sao_core.learner.delivery import learner_logprobs, probe_tokens
+        from sao_core.rollout.engines.hf import HFEngine
+        from sao_core.training.checkpointing import save_full_model, trainable_state_dict
+        from sao_core.training.core import autocast
+        from sao_core.training.distributed import DistContext
+        from sao_core.training.lora import adapter_state_dict, write_adapter
+
+        if self.lora_policy is None:
+            raise RuntimeError("no LoRA policy: the learner_lora phase failed")
+        policy, ctx = self.lora_policy, DistContext(rank=0, world_size=1, device=self.device)
+        tokenizer = self.models.load_tokenizer(str(self.model_dir), str(self.cache_dir))
+        ids = probe_tokens(self.shape["vocab_size"] - 1, 32, self.args.seed)
+        mine = learner_logprobs(policy, ids, 1, autocast(self.args.precision, self.device), self.device)
+
+        async def go():
+            began = time.monotonic()
+            engine = HFEngine(str(self.model_dir), str(self.cache_dir), max_batch=4, device=str(self.device),
+                              dtype=self.engine_dtype, seed=self.args.seed)
+            record["engine_load_seconds"] = round(time.monotonic() - began, 3)
+            try:
+                for version, mode in enumerate(("adapter", "adapter_again", "full"), start=1):
+                    if self.over_budget(reserve=20):
+                        record[mode] = {"skipped": "time budget"}
+                        continue
+                    staging, uri = self.workdir / f"stage-{mode}", self.workdir / f"weights-v{version}"
+                    times = {}
+                    self.sync()
+                    t0 = time.monotonic()
+                    if mode == "full":
+                        save_full_model(policy, tokenizer, staging, ctx)
+                    else:
+                        write_adapter(policy, adapter_state_dict(policy, trainable_state_dict), staging)
+                    times["stage"] = time.monotonic() - t0
+                    t1 = time.monotonic()
+                    storage.publish_checkpoint(staging, str(uri), metadata={"version": version})
+                    digest = storage.checkpoint_digest(str(uri))
+                    local = storage.fetch_checkpoint(str(uri), self.cache_dir / "weights")   # verifies every file
+                    times["publish_verify"] = time.monotonic() - t1
+                    t2 = time.monotonic()
+                    await engine.load_weights(str(local), version)
+                    times["engine_load"] = time.monotonic() - t2
+                    t3 = time.monotonic()
+                    theirs = await engine.score(ids, 1)
+                    times["probe"] = time.monotonic() - t3
+                    diffs = [abs(a - b) for a, b in zip(theirs, mine, strict=True)]
+                    size = sum(f.stat().st_size for f in Path(uri).iterdir() if f.is_file())
+                    record[mode] = {"bytes": size, "digest": digest[:12],
+                                    "seconds": {k: round(v, 3) for k, v in times.items()},
+                                    "total_seconds": round(sum(times.values()), 3),
+                                    "probe_diff_mean": sum(diffs) / len(diffs), "probe_diff_max": max(diffs)}
+                    self.log(f"push: {mode} {size / 2**20:.1f} MiB in {sum(times.values()):.2f} s "
+                             f"({ {k: round(v, 2) for k, v in times.items()} }), probe |diff| mean "
+                             f"{record[mode]['probe_diff_mean']:.4g} max {record[mode]['probe_diff_max']:.4g}")
+            finally:
+                await engine.close()
+
+        asyncio.run(go())
+        full, adapter = record.get("full", {}), record.get("adapter_again", {})
+        if "bytes" in full and "bytes" in adapter:
+            self.report["ratios"]["push_bytes_full_over_adapter"] = full["bytes"] / adapter["bytes"]
+            self.report["ratios"]["push_seconds_full_over_adapter"] = full["total_seconds"] / adapter["total_seconds"]
+        record["seconds"] = round(sum(r.get("total_seconds", 0.0) for r in (record.get(m, {}) for m in
+                                                                            ("adapter", "adapter_again", "full"))), 3)
+
+    def _ratios(self) -> None:
+        """Full / LoRA peak memory and step time, measured side by side in this run."""
+        phases, ratios = self.report["phases"], self.report["ratios"]
+        for full, lora in (("learner", "learner_lora"), ("sft", "sft_lora")):
+            a, b = phases[full], phases[lora]
+            if a["ok"] and b["ok"]:
+                if a.get("peak_gpu_gb") and b.get("peak_gpu_gb"):
+                    ratios[f"{full}_peak_memory_full_over_lora"] = a["peak_gpu_gb"] / b["peak_gpu_gb"]
+                ratios[f"{full}_step_seconds_full_over_lora"] = a["seconds"] / b["seconds"]
 
     def _compare_logprobs(self, policy, batch, autocast, model_logprobs) -> None:
         """max / mean |engine log-prob − learner log-prob| on the sampled tokens, before any update."""
@@ -476,6 +628,12 @@ class Kit:
             self.phase("engine", self.engine)
             self.phase("learner", lambda r: self.learner(r, fsdp=False))
             self.phase("learner_fsdp", lambda r: self.learner(r, fsdp=True))
+            self.phase("learner_lora", lambda r: self.learner(r, fsdp=False, lora=True))
+            self.phase("sft", lambda r: self.sft(r, lora=False))
+            self.phase("sft_lora", lambda r: self.sft(r, lora=True))
+            self.phase("push", self.push)
+            self.lora_policy = None
+            self._ratios()
         else:
             for name in PHASES[1:]:
                 self.report["phases"][name]["error"] = "skipped: the build phase failed"
@@ -488,7 +646,8 @@ class Kit:
             shutil.rmtree(self.workdir, ignore_errors=True)
         summary = {name: (p["tokens_per_s"], p["peak_gpu_gb"]) for name, p in self.report["phases"].items()}
         self.log(f"done in {self.elapsed():.1f} s, ok={self.report['ok']}: tokens/s and peak GB {summary}, "
-                 f"mfu {self.report['mfu']}, logp_diff_max {self.report['logp_diff_max']}; wrote {self.args.out}")
+                 f"mfu {self.report['mfu']}, logp_diff_max {self.report['logp_diff_max']}, ratios "
+                 f"{self.report['ratios']}; wrote {self.args.out}")
         return 0 if self.report["ok"] else 1
 
 
@@ -507,7 +666,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--learner-steps", type=int, help="learner steps per learner phase (the last is timed); 2")
     parser.add_argument("--precision", choices=("bf16", "float32"),
                         help="learner precision, and the engine's dtype; bf16, smoke float32")
-    parser.add_argument("--budget-s", type=float, help="time budget in seconds; 420, smoke 120")
+    parser.add_argument("--budget-s", type=float, help="time budget in seconds; 480, smoke 180")
+    parser.add_argument("--lora-rank", type=int, help="LoRA rank of the learner_lora, sft_lora and push phases; "
+                                                      "16, smoke 4")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
                         help="peak dense bf16 TFLOPs of the GPU for the MFU (default: H200, 989)")
     parser.add_argument("--seed", type=int, default=0)

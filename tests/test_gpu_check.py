@@ -16,17 +16,18 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-PHASES = ("build", "engine", "learner", "learner_fsdp")
+PHASES = ("build", "engine", "learner", "learner_fsdp", "learner_lora", "sft", "sft_lora", "push")
 TOP_KEYS = ("kit", "format", "smoke", "ok", "device", "python", "torch_version", "transformers_version",
             "model_loader", "config_name", "model", "precision", "engine_dtype", "activation_checkpointing",
             "peak_tflops", "settings", "phases", "mfu", "mfu_formula", "logp_diff_max", "logp_diff_mean",
-            "batch_source", "errors", "total_seconds", "budget_s")
+            "batch_source", "errors", "total_seconds", "budget_s", "peft_version", "ratios")
 PHASE_KEYS = ("ok", "skipped", "seconds", "tokens", "tokens_per_s", "peak_gpu_gb", "error", "wall_seconds")
-# What the GPU machine does not have: the project's dependencies other than torch, transformers, safetensors
-# and tokenizers (top-level module names). Blocked as `sys.modules[name] = None`, so that importing them fails
+# What the GPU machine does not have: the project's dependencies other than torch, transformers, safetensors,
+# tokenizers, peft and its accelerate (top-level module names; the image's package list is in the device
+# tool's KINDS.md). Blocked as `sys.modules[name] = None`, so that importing them fails
 # and importlib.util.find_spec reports them missing (transformers' optional-package checks).
 NOT_ON_THE_GPU_MACHINE = ("kfp", "kubernetes", "boto3", "botocore", "datasets", "pyarrow", "math_verify", "fastapi",
-                          "uvicorn", "starlette", "prometheus_client", "httpx", "vllm", "gguf", "accelerate", "moto",
+                          "uvicorn", "starlette", "prometheus_client", "httpx", "vllm", "gguf", "moto",
                           "jsonschema")
 
 
@@ -62,6 +63,21 @@ def _check_smoke_report(report: dict) -> None:
     # float32 engine vs float32 learner: the same numbers up to summation order (bf16 on the GPU: ~1e-2)
     assert math.isfinite(report["logp_diff_max"]) and 0 <= report["logp_diff_mean"] <= report["logp_diff_max"] < 1e-3
     assert report["model"]["model_type"] == "qwen3" and report["model"]["params"] > 0
+    # LoRA (issue 29): the adapter is a small part of the model; the SFT steps lower the loss; every push is
+    # delivered (the engine's probe log-probs equal the learner's) and the adapter is smaller than the model
+    lora = report["phases"]["learner_lora"]["lora"]
+    assert lora["rank"] == settings["lora_rank"] and 0 < lora["trainable_parameters"] < lora["parameters"] / 4
+    for name in ("sft", "sft_lora"):
+        phase = report["phases"][name]
+        assert phase["tokens"] == settings["learner_sequences"] * settings["learner_seq_tokens"]
+        assert phase["losses"][-1] < phase["losses"][0]
+    assert report["phases"]["sft_lora"]["optimizer_state_elements"] < report["phases"]["sft"]["optimizer_state_elements"] / 4
+    push = report["phases"]["push"]
+    for mode in ("adapter", "adapter_again", "full"):
+        assert push[mode]["probe_diff_mean"] < 1e-5 and push[mode]["bytes"] > 0, (mode, push[mode])
+    ratios = report["ratios"]
+    assert ratios["push_bytes_full_over_adapter"] > 5
+    assert {"learner_step_seconds_full_over_lora", "sft_step_seconds_full_over_lora"} <= set(ratios)
 
 
 def test_smoke_run_writes_every_key_with_every_phase_ok(tmp_path):

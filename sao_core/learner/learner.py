@@ -153,7 +153,7 @@ class Learner:
         # With lora_rank the policy trains an adapter, published alone (or merged: lora_publish). SAO's critic
         # (another head on the same body) trains fully.
         try:
-            policy, _ = apply_lora_settings(policy, config, ctx.distributed)
+            policy, _ = apply_lora_settings(policy, config)
         except ValueError as err:
             raise LearnerError(str(err)) from err
         policy = prepare_model(policy, ctx, config.gradient_checkpointing)

@@ -168,10 +168,10 @@ def save_full_model(model, tokenizer, staging: Path, ctx: DistContext) -> bool:
     from sao_core.training.lora import plain_state_dict
 
     # A LoRA model is written with its adapter merged (peft's merge), under the base model's names.
-    full = plain_state_dict(model, lambda m: get_model_state_dict(
-        m, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not ctx.is_main:
         return False
+    full = plain_state_dict(model, lambda _: gathered)
     shutil.rmtree(staging, ignore_errors=True)
     dtype = next(model.parameters()).dtype
     plain = AutoModelForCausalLM.from_config(model.config, dtype=dtype)

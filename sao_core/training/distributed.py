@@ -76,12 +76,19 @@ def fully_shard_layers(model: torch.nn.Module) -> torch.nn.Module:
     """`fully_shard` each decoder layer, then the root, in the current process group (also a group of one)."""
     from torch.distributed.fsdp import fully_shard
 
-    # Causal LMs keep their decoder layers at model.model.layers, the critic at model.backbone.layers.
-    inner = getattr(model, "model", None) or getattr(model, "backbone", None) or model
-    for layer in getattr(inner, "layers", None) or []:
+    for layer in decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a causal LM (model.model.layers), of the critic (model.backbone.layers) or of either
+    wrapped by peft (a LoRA model): the first ModuleList named `layers`."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, torch.nn.ModuleList):
+            return list(module)
+    return []
 
 
 def barrier(ctx: DistContext) -> None:

@@ -49,14 +49,13 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, 
         raise ValueError(f"lora_target_modules {target_modules!r}: {err}") from None
 
 
-def apply_lora_settings(model: torch.nn.Module, config, distributed: bool):
+def apply_lora_settings(model: torch.nn.Module, config):
     """`model` with the LoRA adapter of a training-core config (`lora_rank` 0: `model` unchanged), and a summary
     (rank, alpha, targets, trainable / all parameters; None without LoRA). ValueError naming the setting when
-    LoRA cannot run: under torchrun (FSDP2 with an adapter is not supported yet) or bad target modules."""
+    peft refuses the target modules. Apply it before `prepare_model`: under torchrun FSDP2 then shards the
+    wrapped model (frozen base and adapter alike; only the adapter gets gradients)."""
     if not config.lora_rank:
         return model, None
-    if distributed:
-        raise ValueError("lora_rank > 0 under torchrun (FSDP2) is not supported yet: run LoRA in one process")
     model = apply_lora(model, config.lora_rank, config.lora_alpha, config.lora_dropout, config.lora_target_modules)
     trained, total = trainable_parameters(model)
     return model, {"rank": config.lora_rank, "alpha": config.lora_alpha,

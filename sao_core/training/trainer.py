@@ -149,7 +149,7 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
     # After setup: DPO's reference log-probs come from the base weights (the adapter starts at zero, so the base
     # model is the initial policy), and no second copy of the model is kept.
     try:
-        model, lora_summary = apply_lora_settings(model, config, ctx.distributed)
+        model, lora_summary = apply_lora_settings(model, config)
     except ValueError as err:
         raise TrainingError(str(err)) from err
     if lora_summary:
