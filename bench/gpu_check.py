@@ -625,7 +625,10 @@ class Kit:
                  f"{self.report['transformers_version']}, loader: {self.report['model_loader']}")
         self.phase("build", self.build)
         if self.report["phases"]["build"]["ok"]:
-            self.phase("engine", self.engine)
+            if self.args.skip_engine:   # the learner phases then train on random tokens
+                self.report["phases"]["engine"]["error"] = "skipped: --skip-engine"
+            else:
+                self.phase("engine", self.engine)
             self.phase("learner", lambda r: self.learner(r, fsdp=False))
             self.phase("learner_fsdp", lambda r: self.learner(r, fsdp=True))
             self.phase("learner_lora", lambda r: self.learner(r, fsdp=False, lora=True))
@@ -671,6 +674,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                       "16, smoke 4")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS,
                         help="peak dense bf16 TFLOPs of the GPU for the MFU (default: H200, 989)")
+    parser.add_argument("--skip-engine", action="store_true",
+                        help="skip the engine phase (the learner phases train on random tokens)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="where the temporary model directory goes (default: TMPDIR)")
     parser.add_argument("--keep-workdir", action="store_true")

