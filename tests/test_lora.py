@@ -5,6 +5,8 @@ DPO's reference is the base model (no second copy), and bad settings are refused
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from run_helpers import StopRun, stop_at
@@ -92,6 +94,15 @@ def test_a_resumed_lora_run_ends_with_the_weights_of_an_uninterrupted_one(data, 
     assert resumed["resumed_from"].endswith("step-000002")
     a, b = load_file(f"{straight['model']}/model.safetensors"), load_file(f"{resumed['model']}/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the checkpoints hold the adapter and its optimiser states only, sealed like every checkpoint
+    from sao_core import storage
+
+    checkpoint = resumed["resumed_from"]
+    assert storage.read_manifest(checkpoint)["metadata"]["adapter_only"] == ["model"]
+    storage.verify_checkpoint(checkpoint)
+    size = sum(f.stat().st_size for f in (Path(checkpoint) / "dcp").iterdir())
+    model_size = sum(v.numel() * v.element_size() for v in a.values())
+    assert size < model_size / 3, (size, model_size)   # tiny model: DCP's own metadata is most of the 0.4 MB
 
 
 def test_dpo_with_lora_trains_against_the_base_model_as_its_reference(data, tmp_path, sao_cache, tiny_model_dir):

@@ -136,3 +136,24 @@ def test_the_score_endpoint_refuses_bad_requests_with_4xx(served):
                                 ([1], 1, "422|400"), (PROBE, 0, "422|400")):
         with pytest.raises(RolloutRequestError, match=message):
             client.score(ids, start)
+
+
+def test_a_run_that_publishes_adapters_gives_its_vllm_rollout_services_the_rank(tmp_path):
+    """vLLM takes adapters only up to the max_lora_rank it was started with: the colocated service and the
+    TrainJob's replicas get the run's lora_rank (not when the run publishes merged weights, nor for hf)."""
+    from test_cluster_launcher import config as launch_config
+
+    from sao_core.learner.config import RLConfig
+    from sao_core.learner.loop import colocated_serve_config
+
+    def serve(**kw):
+        return colocated_serve_config(RLConfig(data="d", output=str(tmp_path / "out"), engine="vllm", **kw))
+
+    assert serve(lora_rank=8).engine_options["max_lora_rank"] == 8
+    assert "max_lora_rank" not in serve(lora_rank=8, lora_publish="merged").engine_options
+    assert "max_lora_rank" not in serve().engine_options
+    assert serve(lora_rank=8, rollout_options={"engine_options": {"max_lora_rank": 32}}).engine_options == \
+        {"max_lora_rank": 32}
+    assert launch_config(engine="vllm", rl_options={"lora_rank": 16}).run_engine_options()["max_lora_rank"] == 16
+    assert "max_lora_rank" not in launch_config(engine="vllm").run_engine_options()
+    assert "max_lora_rank" not in launch_config(engine="hf", rl_options={"lora_rank": 16}).run_engine_options()

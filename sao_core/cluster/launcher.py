@@ -197,6 +197,15 @@ class LaunchConfig(RuntimeSpec):
         episode its plan asks for)."""
         return self.max_model_len or self.rl_config().max_total_tokens
 
+    def run_engine_options(self) -> dict[str, Any]:
+        """The replicas' per-run engine options; a run that publishes LoRA adapters gives vLLM its rank
+        (`max_lora_rank`) unless `engine_options` set one."""
+        options = super().run_engine_options()
+        rank = self.rl_config().rollout_lora_rank()
+        if self.engine == "vllm" and rank and "max_lora_rank" not in options:
+            options["max_lora_rank"] = rank
+        return options
+
     def runtime_spec(self) -> RuntimeSpec:
         return RuntimeSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RuntimeSpec)})
 

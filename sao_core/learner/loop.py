@@ -86,6 +86,8 @@ def colocated_serve_config(config: RLConfig):
     if config.engine == "vllm" and not options.get("max_model_len") and \
             not (options.get("engine_options") or {}).get("max_model_len"):
         options["max_model_len"] = config.max_total_tokens
+    if config.engine == "vllm" and config.rollout_lora_rank():   # vLLM applies the pushed adapters per request
+        options["engine_options"] = {"max_lora_rank": config.rollout_lora_rank(), **(options.get("engine_options") or {})}
     try:
         serve = build_config(ServeConfig, {**fixed, **options}, source="rollout_options")
         serve.validate()

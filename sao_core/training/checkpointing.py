@@ -93,6 +93,19 @@ def delete_checkpoints(uris: list[str], what: str) -> list[str]:
 Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
 
 
+def _adapter_only(model) -> bool:
+    from sao_core.training.lora import is_lora
+
+    return is_lora(model)
+
+
+def _state_options(model) -> StateDictOptions:
+    """A LoRA model's checkpoint holds its adapter (and the adapter's optimiser states) only: the frozen base
+    comes back from the run's `model` (verified when it is loaded), so a checkpoint is megabytes, not the
+    model's size again."""
+    return StateDictOptions(ignore_frozen_params=_adapter_only(model))
+
+
 def save_training_checkpoint(staging: Path, dest_uri: str, parts: Parts, trainer_state: dict[str, Any],
                              ctx: DistContext) -> str:
     """Write and publish a resumable checkpoint of the named (model, optimiser) `parts` (collective: every rank
@@ -105,7 +118,7 @@ def save_training_checkpoint(staging: Path, dest_uri: str, parts: Parts, trainer
         storage.begin_checkpoint(dest_uri)
     state: dict[str, Any] = {}
     for name, (model, optimizer) in parts.items():
-        state[name], state[f"{name}_optim"] = get_state_dict(model, optimizer)
+        state[name], state[f"{name}_optim"] = get_state_dict(model, optimizer, options=_state_options(model))
     barrier(ctx)
     with _single_process_quiet(ctx):
         dcp.save(state, checkpoint_id=str(mine / "dcp"))
@@ -125,9 +138,11 @@ def save_training_checkpoint(staging: Path, dest_uri: str, parts: Parts, trainer
         raise storage.StorageError(f"checkpoint {dest_uri} not published: {'; '.join(failed)}")
     if ctx.is_main:
         merged = {rel: entry for rank_entries in everyone for rel, entry in rank_entries.items()}
+        adapters = sorted(name for name, (model, _) in parts.items() if _adapter_only(model))
         storage.complete_checkpoint(dest_uri, merged, metadata={"kind": "training-state",
                                                                 "step": trainer_state["step"],
-                                                                "method": trainer_state["method"]})
+                                                                "method": trainer_state["method"],
+                                                                **({"adapter_only": adapters} if adapters else {})})
     barrier(ctx)
     return dest_uri
 
@@ -138,11 +153,21 @@ def load_training_checkpoint(local_dir: Path, parts: Parts, ctx: DistContext) ->
     state = json.loads((local_dir / STATE_FILE).read_text())
     loaded: dict[str, Any] = {}
     for name, (model, optimizer) in parts.items():
-        loaded[name], loaded[f"{name}_optim"] = get_state_dict(model, optimizer)
+        loaded[name], loaded[f"{name}_optim"] = get_state_dict(model, optimizer, options=_state_options(model))
     with _single_process_quiet(ctx):
         dcp.load(loaded, checkpoint_id=str(local_dir / "dcp"))
     for name, (model, optimizer) in parts.items():
-        set_state_dict(model, optimizer, model_state_dict=loaded[name], optim_state_dict=loaded[f"{name}_optim"])
+        adapter_only = _adapter_only(model)
+        # An adapter-only checkpoint leaves the frozen base as it is (strict=False); every trained weight must load.
+        result = set_state_dict(model, optimizer, model_state_dict=loaded[name],
+                                optim_state_dict=loaded[f"{name}_optim"],
+                                options=StateDictOptions(ignore_frozen_params=adapter_only, strict=not adapter_only))
+        if adapter_only:
+            trained = {n for n, p in model.named_parameters() if p.requires_grad}
+            missing = [k for k in getattr(result, "missing_keys", []) if k in trained]
+            if missing or getattr(result, "unexpected_keys", []):
+                raise ValueError(f"checkpoint {local_dir}: the {name} adapter does not fit the model: missing "
+                                 f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")
     rng_file = local_dir / f"rng-rank{ctx.rank}.pt"
     if state.get("world_size") == ctx.world_size and rng_file.exists():
         rng = torch.load(rng_file, weights_only=False)
