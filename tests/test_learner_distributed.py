@@ -51,9 +51,12 @@ def test_two_rank_step_equals_the_single_process_step(tmp_path, tiny_model_dir, 
 
 @pytest.mark.slow
 def test_torchrun_learner_runs_checkpoints_and_resumes(tmp_path, tiny_model_dir, sao_cache):
-    """`sao train-rl` under torchrun with the colocated rollout service on rank 0: 4 SAO steps with a
-    checkpoint at step 2, then a resume in one process to step 6 (checkpoints hold full tensors, so they
-    do not depend on the world size). No trajectory is trained twice; the exported model loads."""
+    """`sao train-rl` under torchrun with the colocated rollout service on rank 0, the policy a LoRA adapter
+    (FSDP2 shards the wrapped model; each version is pushed as the adapter, gathered from the shards, and
+    passes the delivery check): 4 SAO steps with a checkpoint at step 2, then a resume in one process to
+    step 6 (checkpoints hold full tensors — the adapter's and the critic's — so they do not depend on the
+    world size). No trajectory is trained twice; the exported model (merged) loads. The full-weight path
+    under torchrun: test_trainer's FSDP2 run and the step equality above."""
     from transformers import AutoModelForCausalLM
 
     tool_arith_rl(tmp_path / "rl", 300, seed=3, p_more=1.0)
@@ -61,7 +64,8 @@ def test_torchrun_learner_runs_checkpoints_and_resumes(tmp_path, tiny_model_dir,
     args = ["-m", "sao_core.cli", "--quiet", "--log-level", "WARNING", "train-rl", "--method", "sao",
             "--data", str(tmp_path / "rl"), "--output", str(out), "--model", tiny_model_dir, "--batch-size", "8",
             "--critic-warmup-steps", "1", "--checkpoint-every", "2", "--max-new-tokens-per-turn", "32",
-            "--max-total-tokens", "160", "--policy-lr", "1e-3", "--critic-lr", "1e-3"]
+            "--max-total-tokens", "160", "--policy-lr", "1e-3", "--critic-lr", "1e-3", "--lora-rank", "4",
+            "--lora-target-modules", "all-linear"]
 
     def launch(prefix: list[str], *extra: str) -> dict:
         done = subprocess.run([*prefix, *args, *extra], env=_env(sao_cache), capture_output=True, text=True,
@@ -74,6 +78,10 @@ def test_torchrun_learner_runs_checkpoints_and_resumes(tmp_path, tiny_model_dir,
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["world_size"] for m in metrics] == [2] * 4
     assert all(m["action_tokens"] > 0 for m in metrics) and metrics[0].get("critic_warmup") == 1.0
+    pushed = [m for m in metrics if "delivery_logp_diff_mean" in m]
+    assert pushed and all(m["delivery_logp_diff_mean"] < 1e-4 for m in pushed)
+    assert (out / "weights" / "v000003" / "adapter_model.safetensors").exists()
+    assert storage.read_manifest(str(out / "checkpoints" / "step-000002"))["metadata"]["adapter_only"] == ["policy"]
     assert storage.verify_checkpoint(str(out / "checkpoints" / "step-000002"))
     second = launch([sys.executable], "--steps", "6", "--resume")
     assert second["world_size"] == 1 and second["resumed_from"].endswith("step-000004")
