@@ -15,7 +15,7 @@ from test_trainer import _common, _dpo_rows, _prepared
 
 from sao_core.data.synthetic import tool_arith_sft_rows
 from sao_core.models.tokenizer_corpus import corpus_lines
-from sao_core.training.config import CPTConfig, DPOConfig, SFTConfig
+from sao_core.training.config import CPTConfig, DPOConfig, GKDConfig, SFTConfig
 from sao_core.training.lora import apply_lora, plain_state_dict, trainable_parameters
 from sao_core.training.trainer import TrainingError, train
 
@@ -160,3 +160,29 @@ def test_lora_under_torchrun_fsdp2_two_processes_checkpoints_resumes_and_exports
     assert set(exported) == set(base)
     changed = {k for k in base if not torch.equal(base[k], exported[k])}
     assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed)
+
+
+def test_gkd_with_lora_learns_from_its_teacher(data, tmp_path, sao_cache, tiny_model_dir, warm_tool_model):
+    """GKD with an adapter: the student (base + adapter) samples its on-policy half with the adapter on, and
+    the distillation loss on held-out rows falls."""
+    s = train("gkd", GKDConfig(data=data["sft"], teacher_model=warm_tool_model, steps=12, lr=1e-2, lora_rank=8,
+                               lora_target_modules="all-linear", on_policy_fraction=0.5, max_new_tokens=8,
+                               model=tiny_model_dir, **_common(tmp_path, sao_cache)))
+    assert s["lora"]["rank"] == 8 and s["eval_loss_after"] < s["eval_loss_before"]
+
+
+@pytest.mark.parametrize("method", ["sao", "grpo", "grpo_async", "grpo_dis", "running_mean"])
+def test_every_rl_method_with_lora_changes_only_the_adapter(method, tmp_path, sao_cache, tiny_model_dir):
+    """One learner step of each RL method with a LoRA policy: the policy's update lands in its adapter only
+    (SAO's critic, a separate model, trains fully)."""
+    from test_learner_parts import _learner, _on_policy, _recorded_batch
+
+    learner = _learner(tmp_path, sao_cache, method=method, lora_rank=4, lora_target_modules="all-linear",
+                       group_size=2, critic_warmup_steps=0)
+    batch = _on_policy(learner, _recorded_batch())
+    for i, t in enumerate(batch):   # two groups of two (the GRPO methods' advantages are within a group)
+        t.prompt_id = f"p{i // 2}"
+    before = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
+    result = learner.step(batch)
+    changed = {n for n, p in learner.policy.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert result.changed and changed and all(".lora_" in n for n in changed), (method, sorted(changed)[:3])
