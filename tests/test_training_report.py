@@ -225,6 +225,19 @@ def test_a_real_sft_run_writes_and_refreshes_its_report(tmp_path, sao_cache):
     assert "finished: step 3 of 3" in html and "<td>max_tokens</td><td>64</td>" in html
     assert 'href="checkpoints/step-000002/"' in html and 'href="checkpoints/step-000003/"' in html
     assert f"<code>{summary['model']}</code>" in html
+    assert "<td>weights trained</td><td>all (full fine-tuning)</td>" in html
+
+
+def test_the_report_names_a_lora_adapter():
+    from sao_core.reporting.training import weights_trained
+
+    lora = {"rank": 8, "alpha": 16.0, "target_modules": "all-linear", "trainable_parameters": 1200,
+            "parameters": 90000}
+    assert weights_trained({}, {"lora": lora}) == \
+        "LoRA adapter: rank 8, alpha 16.0, targets all-linear; 1,200 of 90,000 parameters"
+    assert weights_trained({"lora_rank": 4, "lora_alpha": 16.0, "lora_target_modules": ""}, None) == \
+        "LoRA adapter: rank 4, alpha 16.0, targets (peft default)"
+    assert weights_trained({"lora_rank": 0}, {"lora": None}) == "all (full fine-tuning)"
 
 
 def test_a_real_sao_run_reports_its_health_curves(tmp_path, sao_cache, tiny_model_dir):

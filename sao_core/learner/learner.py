@@ -133,6 +133,7 @@ class Learner:
         self.end_of_turn_ids = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
         self.updater = Updater(config, policy, critic, ctx, end_of_turn_ids=self.end_of_turn_ids)
         self.state = RunState()
+        self.lora: dict | None = None   # the LoRA summary (rank, alpha, targets, parameters) when the policy has one
 
     @classmethod
     def load(cls, config: RLConfig, ctx: DistContext, scratch: Path) -> Learner:
@@ -153,13 +154,15 @@ class Learner:
         # With lora_rank the policy trains an adapter, published alone (or merged: lora_publish). SAO's critic
         # (another head on the same body) trains fully.
         try:
-            policy, _ = apply_lora_settings(policy, config)
+            policy, lora = apply_lora_settings(policy, config)
         except ValueError as err:
             raise LearnerError(str(err)) from err
         policy = prepare_model(policy, ctx, config.gradient_checkpointing)
         if critic is not None:
             critic = prepare_model(critic, ctx, config.gradient_checkpointing)
-        return cls(config, ctx, scratch, policy, tokenizer, critic, initial.path)
+        learner = cls(config, ctx, scratch, policy, tokenizer, critic, initial.path)
+        learner.lora = lora
+        return learner
 
     # ------------------------------------------------------------------------------------------ step
     def step(self, trajectories: list[Trajectory], allow_empty_rows: bool = False) -> StepResult:

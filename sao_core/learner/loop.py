@@ -403,6 +403,7 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 "reward_last": sum(counters.last_rewards) / max(1, len(counters.last_rewards)),
                 "seconds": time.time() - started, "checkpoint": last_checkpoint, "model": model_uri,
                 "critic": critic_uri, "resumed_from": latest, "world_size": ctx.world_size,
+                "lora": learner.lora, "weights_published": "adapter" if learner.publishes_adapter else "full",
             }
             if evaluator is not None:   # from the metrics lines, so a resumed run's earlier evaluations count
                 from sao_core.learner.evaluation import eval_summary

@@ -406,6 +406,21 @@ def _link(uri: str, run: str) -> Raw:
     return Raw(f'<a href="{escape(href)}/">{shown}</a>')
 
 
+def weights_trained(config: Mapping[str, Any], summary: Mapping[str, Any] | None) -> str:
+    """"all (full fine-tuning)" or the LoRA adapter's settings, from the summary's `lora` or the config."""
+    lora = (summary or {}).get("lora")
+    if isinstance(lora, Mapping):
+        share = ""
+        if lora.get("parameters"):
+            share = f"; {lora.get('trainable_parameters', 0):,} of {lora['parameters']:,} parameters"
+        return (f"LoRA adapter: rank {lora.get('rank')}, alpha {lora.get('alpha')}, targets "
+                f"{lora.get('target_modules')}{share}")
+    if config.get("lora_rank"):
+        return (f"LoRA adapter: rank {config['lora_rank']}, alpha {config.get('lora_alpha')}, targets "
+                f"{config.get('lora_target_modules') or '(peft default)'}")
+    return "all (full fine-tuning)"
+
+
 def training_body(rows: Sequence[Mapping[str, Any]], *, run: str, method: str | None = None,
                   config: Mapping[str, Any] | None = None, summary: Mapping[str, Any] | None = None,
                   artifacts: Sequence[tuple[str, str]] = (), level: int = 1) -> list[str]:
@@ -423,7 +438,7 @@ def training_body(rows: Sequence[Mapping[str, Any]], *, run: str, method: str | 
     now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     meta = [["run", Raw(f"<code>{escape(run)}</code>")], ["method", method], ["status", status],
             ["metrics lines", len(rows)], ["report written", now],
-            ["model", config.get("model", "")]]
+            ["model", config.get("model", "")], ["weights trained", weights_trained(config, summary)]]
     if isinstance(last.get("seconds"), int | float):
         meta.append(["seconds at the last line", f"{float(last['seconds']):.1f}"])
     sub = level + 1
