@@ -23,7 +23,8 @@ its peak GPU memory (`torch.cuda.max_memory_allocated`, reset per phase):
 4. learner_fsdp: the same step with policy and critic under FSDP2 (`fully_shard` of every decoder layer
    and the root) in a one-process NCCL group.
 5. learner_lora: the learner step with a LoRA policy (peft; `--lora-rank`, default 16, alpha 2 × rank, all
-   linear layers) and SAO's full critic: peak memory and step time against `learner`'s (issue 29).
+   linear layers) and SAO's full critic: peak memory and step time against `learner`'s (issue 29);
+   learner_lora_critic: the same with a LoRA adapter on the critic's body too (`critic_lora_rank`).
 6. sft / sft_lora: one supervised step (next-token loss on every token of the learner batch, float32
    master weights, bf16 autocast, activation checkpointing, AdamW over what trains), full and LoRA.
 7. push: the LoRA policy of `learner_lora` published the two ways a LoRA run can push it — the adapter alone
@@ -74,7 +75,8 @@ import torch  # noqa: E402
 DEFAULT_CONFIG = ROOT / "bench" / "configs" / "qwen3-1.7b.json"
 H200_BF16_TFLOPS = 989.0
 GB = 2 ** 30
-PHASES = ("build", "engine", "learner", "learner_fsdp", "learner_lora", "sft", "sft_lora", "push")
+PHASES = ("build", "engine", "learner", "learner_fsdp", "learner_lora", "learner_lora_critic", "sft", "sft_lora",
+          "push")
 # Config fields that are bookkeeping, not architecture (the kit sets the dtype itself).
 _NOT_ARCHITECTURE = ("architectures", "transformers_version", "torch_dtype", "dtype")
 # --smoke: the same architecture, tiny.
@@ -159,7 +161,7 @@ class Kit:
             "settings": {k: getattr(args, k) for k in DEFAULTS},
             "phases": {name: {"ok": False, "skipped": True, "seconds": None, "tokens": None, "tokens_per_s": None,
                               "peak_gpu_gb": None, "error": None} for name in PHASES},
-            "mfu": {"learner": None, "learner_fsdp": None, "learner_lora": None},
+            "mfu": {"learner": None, "learner_fsdp": None, "learner_lora": None, "learner_lora_critic": None},
             "peft_version": _version("peft"), "ratios": {},
             "mfu_formula": "model FLOPs / s / peak_tflops; per token forward = 2 x non-embedding params + 2 x "
                            "layers x seq_len x q_dim (+ 2 x vocab x hidden on sampled tokens, policy); step = "
@@ -376,7 +378,7 @@ class Kit:
                            finish_reason="length", metadata={"epoch": 0})
                 for i, (prompt, sampled, logprobs, versions) in enumerate(rows)]
 
-    def learner(self, record: dict, fsdp: bool, lora: bool = False) -> None:
+    def learner(self, record: dict, fsdp: bool, lora: bool = False, lora_critic: bool = False) -> None:
         import torch.distributed as dist
 
         from sao_core.learner.batch import collate
@@ -397,6 +399,13 @@ class Kit:
             critic = ValueModel.from_pretrained(str(self.model_dir))
             if lora:
                 policy = self._apply_lora(policy, record)
+            if lora_critic:
+                from sao_core.training.lora import apply_critic_lora, trainable_parameters
+
+                rank = args.lora_rank
+                critic = apply_critic_lora(critic, types.SimpleNamespace(
+                    critic_lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0, lora_target_modules="all-linear"))
+                record["critic_trainable_parameters"] = trainable_parameters(critic)[0]
             policy = prepare_model(policy, ctx, gradient_checkpointing=True)
             critic = prepare_model(critic, ctx, gradient_checkpointing=True)
             if fsdp:
@@ -410,10 +419,12 @@ class Kit:
             config = RLConfig(data="unused", output="unused", method="sao", batch_size=len(batch.trajectories),
                               steps=args.learner_steps, precision=args.precision, gradient_checkpointing=True,
                               critic_warmup_steps=0, micro_batch_tokens=args.micro_batch_tokens, seed=args.seed,
-                              cache_dir=str(self.cache_dir), lora_rank=args.lora_rank if lora else 0)
+                              cache_dir=str(self.cache_dir), lora_rank=args.lora_rank if lora else 0,
+                          critic_lora_rank=args.lora_rank if lora_critic else 0)
             config.validate()
             updater = Updater(config, policy, critic, ctx)
-            name = "learner_lora" if lora else "learner_fsdp" if fsdp else "learner"
+            name = ("learner_lora_critic" if lora_critic else "learner_lora" if lora else
+                    "learner_fsdp" if fsdp else "learner")
             tokens = int(batch.attention_mask.sum())
             action_tokens = int(batch.action_mask.sum())
             seq_len = tokens / len(batch.trajectories)
@@ -448,7 +459,7 @@ class Kit:
                           first_step_seconds=round(step_seconds[0], 4), tokens_per_s=tokens / seconds,
                           mfu=flops / seconds / (args.peak_tflops * 1e12))
             self.report["mfu"][name] = record["mfu"]
-            if lora:
+            if lora and not lora_critic:
                 self.lora_policy = policy
         finally:
             if fsdp and dist.is_initialized():
@@ -583,12 +594,12 @@ class Kit:
     def _ratios(self) -> None:
         """Full / LoRA peak memory and step time, measured side by side in this run."""
         phases, ratios = self.report["phases"], self.report["ratios"]
-        for full, lora in (("learner", "learner_lora"), ("sft", "sft_lora")):
+        for full, lora in (("learner", "learner_lora"), ("sft", "sft_lora"), ("learner_lora", "learner_lora_critic")):
             a, b = phases[full], phases[lora]
             if a["ok"] and b["ok"]:
                 if a.get("peak_gpu_gb") and b.get("peak_gpu_gb"):
-                    ratios[f"{full}_peak_memory_full_over_lora"] = a["peak_gpu_gb"] / b["peak_gpu_gb"]
-                ratios[f"{full}_step_seconds_full_over_lora"] = a["seconds"] / b["seconds"]
+                    ratios[f"peak_memory_{full}_over_{lora}"] = a["peak_gpu_gb"] / b["peak_gpu_gb"]
+                ratios[f"step_seconds_{full}_over_{lora}"] = a["seconds"] / b["seconds"]
 
     def _compare_logprobs(self, policy, batch, autocast, model_logprobs) -> None:
         """max / mean |engine log-prob − learner log-prob| on the sampled tokens, before any update."""
@@ -620,6 +631,15 @@ class Kit:
             torch.cuda.set_device(self.device)
         dist.init_process_group("nccl" if self.cuda else "gloo", rank=0, world_size=1)
 
+    def wanted(self, name: str) -> bool:
+        return not self.args.phases or name in self.args.phases
+
+    def run_phase(self, name: str, fn) -> None:
+        if self.wanted(name):
+            self.phase(name, fn)
+        else:
+            self.report["phases"][name]["error"] = "skipped: not in --phases"
+
     def run(self) -> int:
         self.log(f"device {self.report['device']['name']}, torch {torch.__version__}, transformers "
                  f"{self.report['transformers_version']}, loader: {self.report['model_loader']}")
@@ -628,13 +648,14 @@ class Kit:
             if self.args.skip_engine:   # the learner phases then train on random tokens
                 self.report["phases"]["engine"]["error"] = "skipped: --skip-engine"
             else:
-                self.phase("engine", self.engine)
-            self.phase("learner", lambda r: self.learner(r, fsdp=False))
-            self.phase("learner_fsdp", lambda r: self.learner(r, fsdp=True))
-            self.phase("learner_lora", lambda r: self.learner(r, fsdp=False, lora=True))
-            self.phase("sft", lambda r: self.sft(r, lora=False))
-            self.phase("sft_lora", lambda r: self.sft(r, lora=True))
-            self.phase("push", self.push)
+                self.run_phase("engine", self.engine)
+            self.run_phase("learner", lambda r: self.learner(r, fsdp=False))
+            self.run_phase("learner_fsdp", lambda r: self.learner(r, fsdp=True))
+            self.run_phase("learner_lora", lambda r: self.learner(r, fsdp=False, lora=True))
+            self.run_phase("learner_lora_critic", lambda r: self.learner(r, fsdp=False, lora=True, lora_critic=True))
+            self.run_phase("sft", lambda r: self.sft(r, lora=False))
+            self.run_phase("sft_lora", lambda r: self.sft(r, lora=True))
+            self.run_phase("push", self.push)
             self.lora_policy = None
             self._ratios()
         else:
@@ -676,10 +697,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="peak dense bf16 TFLOPs of the GPU for the MFU (default: H200, 989)")
     parser.add_argument("--skip-engine", action="store_true",
                         help="skip the engine phase (the learner phases train on random tokens)")
+    parser.add_argument("--phases", type=lambda v: [x.strip() for x in v.split(",") if x.strip()], default=[],
+                        help="comma-separated phases to run after build (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="where the temporary model directory goes (default: TMPDIR)")
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.phases) - set(PHASES[1:]))
+    if unknown:
+        parser.error(f"--phases: unknown {', '.join(unknown)} (phases: {', '.join(PHASES[1:])})")
     for key, (gpu, smoke) in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, smoke if args.smoke else gpu)

@@ -37,7 +37,7 @@ from sao_core.learner.loop import train_rl  # noqa: E402
 from sao_core.training.config import SFTConfig  # noqa: E402
 from sao_core.training.trainer import train  # noqa: E402
 
-HEALTH = ("turn_cut_share", "tool_error_share", "policy_kept", "end_of_turn_logprob")
+HEALTH = ("turn_cut_share", "tool_error_share", "policy_kept", "end_of_turn_logprob", "explained_variance")
 
 # The learning tests' settings (tests/test_learner.py::test_rl_raises_the_reward imports them from here, so the
 # runs below measure exactly what the tests run). `margin`: the rise the test asserts (README "Learning that
@@ -102,7 +102,10 @@ def one_run(args, seed: int, model: str, data: str, cache: Path, out: Path) -> d
     started = time.time()
     config = learning_config(args.method, data, model, str(out), str(cache), seed=seed, steps=args.steps,
                              group_size=args.group_size, policy_lr=args.policy_lr, critic_lr=args.critic_lr,
-                             critic_warmup_steps=args.critic_warmup)
+                             critic_warmup_steps=args.critic_warmup, lora_rank=args.lora_rank,
+                             critic_lora_rank=args.critic_lora_rank, lora_alpha=2.0 * max(args.lora_rank,
+                                                                                          args.critic_lora_rank, 1),
+                             lora_target_modules="all-linear" if args.lora_rank or args.critic_lora_rank else "")
     summary = train_rl(config)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = first_and_last(rows)
@@ -144,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--critic-lr", type=float, default=None, help="default: the learning test's")
     parser.add_argument("--critic-warmup", type=int, default=None, help="default: the learning test's")
     parser.add_argument("--sft-steps", type=int, default=240, help="the warm start's SFT steps (the test's: 240)")
+    parser.add_argument("--lora-rank", type=int, default=0, help="the policy's LoRA rank (0: full; alpha 2 x rank, "
+                                                                 "all linear layers)")
+    parser.add_argument("--critic-lora-rank", type=int, default=0, help="SAO's critic body's LoRA rank (0: full)")
     parser.add_argument("--dip-below", type=float, default=0.10)
     parser.add_argument("--output", default="local_outputs/bench/learning_runs")
     args = parser.parse_args(argv)

@@ -16,7 +16,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-PHASES = ("build", "engine", "learner", "learner_fsdp", "learner_lora", "sft", "sft_lora", "push")
+PHASES = ("build", "engine", "learner", "learner_fsdp", "learner_lora", "learner_lora_critic", "sft", "sft_lora",
+          "push")
 TOP_KEYS = ("kit", "format", "smoke", "ok", "device", "python", "torch_version", "transformers_version",
             "model_loader", "config_name", "model", "precision", "engine_dtype", "activation_checkpointing",
             "peak_tflops", "settings", "phases", "mfu", "mfu_formula", "logp_diff_max", "logp_diff_mean",
@@ -52,7 +53,7 @@ def _check_smoke_report(report: dict) -> None:
     engine = report["phases"]["engine"]
     assert engine["tokens"] == settings["sequences"] * settings["new_tokens"] and engine["tokens_per_s"] > 0
     assert engine["finish_reasons"] == {"length": settings["sequences"]} and engine["kv_cache"] is True
-    for name in ("learner", "learner_fsdp"):
+    for name in ("learner", "learner_fsdp", "learner_lora", "learner_lora_critic"):
         phase = report["phases"][name]
         assert phase["tokens"] == settings["learner_sequences"] * settings["learner_seq_tokens"]
         assert phase["tokens_per_s"] > 0 and 0 < report["mfu"][name] == phase["mfu"] < 1
@@ -77,7 +78,9 @@ def _check_smoke_report(report: dict) -> None:
         assert push[mode]["probe_diff_mean"] < 1e-5 and push[mode]["bytes"] > 0, (mode, push[mode])
     ratios = report["ratios"]
     assert ratios["push_bytes_full_over_adapter"] > 5
-    assert {"learner_step_seconds_full_over_lora", "sft_step_seconds_full_over_lora"} <= set(ratios)
+    assert {"step_seconds_learner_over_learner_lora", "step_seconds_sft_over_sft_lora",
+            "step_seconds_learner_lora_over_learner_lora_critic"} <= set(ratios)
+    assert report["phases"]["learner_lora_critic"]["critic_trainable_parameters"] > 0
 
 
 def test_smoke_run_writes_every_key_with_every_phase_ok(tmp_path):

@@ -186,3 +186,40 @@ def test_every_rl_method_with_lora_changes_only_the_adapter(method, tmp_path, sa
     result = learner.step(batch)
     changed = {n for n, p in learner.policy.named_parameters() if not torch.equal(before[n], p.detach())}
     assert result.changed and changed and all(".lora_" in n for n in changed), (method, sorted(changed)[:3])
+
+
+def test_a_critic_with_a_lora_body_trains_its_adapter_and_head_and_saves_merged(tmp_path, sao_cache, tiny_model_dir):
+    """critic_lora_rank: the critic's body gets an adapter (peft), its new value head trains fully; checkpoints
+    hold both adapters and the head, and a resume gives every weight back; the saved critic is plain (merged)
+    and computes the live critic's values."""
+    from test_learner_parts import _learner, _on_policy, _recorded_batch, _weights
+
+    from sao_core import storage
+    from sao_core.learner.batch import collate
+    from sao_core.models.value import ValueModel
+
+    learner = _learner(tmp_path, sao_cache, lora_rank=4, critic_lora_rank=4, lora_target_modules="all-linear")
+    critic = learner.critic
+    trainable = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n or n.startswith("value_head") for n in trainable)
+    assert {"value_head.weight", "value_head.bias"} <= trainable
+    before = {n: p.detach().clone() for n, p in critic.named_parameters()}
+    for version in (0, 1):
+        learner.step(_on_policy(learner, _recorded_batch(version=version)))
+    changed = {n for n, p in critic.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert changed and changed <= trainable and any(".lora_" in n for n in changed)
+    uri = learner.checkpoint()
+    assert storage.read_manifest(uri)["metadata"]["adapter_only"] == ["critic", "policy"]
+    again = _learner(tmp_path, sao_cache, lora_rank=4, critic_lora_rank=4, lora_target_modules="all-linear")
+    again.resume(uri)
+    assert all(torch.equal(a, b) for a, b in zip(critic.state_dict().values(), again.critic.state_dict().values(),
+                                                  strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_weights(learner).values(), _weights(again).values(), strict=True))
+    _, critic_uri = learner.save_final()
+    saved = ValueModel.from_pretrained(critic_uri)
+    assert not any(".lora_" in n for n, _ in saved.named_parameters())
+    batch = collate(_recorded_batch(), learner.tokenizer.pad_token_id)
+    with torch.no_grad():
+        live = critic.eval()(batch.input_ids, batch.attention_mask)
+        plain = saved.eval()(batch.input_ids, batch.attention_mask)
+    torch.testing.assert_close(plain, live, rtol=0, atol=1e-5)

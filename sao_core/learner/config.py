@@ -58,6 +58,8 @@ class RLConfig(CoreConfig):
     critic_updates: int = setting(2, "Critic updates per policy update (K).", methods=("sao",))
     critic_warmup_steps: int = setting(10, "Critic-only steps before the first policy update.", unit="steps",
                                        methods=("sao",))
+    critic_lora_rank: int = setting(0, "a LoRA adapter of this rank on the critic's body (its value head trains "
+                                    "fully); 0: the critic trains every weight", methods=("sao",))
     freeze_critic_attention: bool = setting(False, "train only the critic's MLPs and value head (attention frozen)",
                                             methods=("sao",))
     value_clip: float = setting(0.0, "clip of the value loss around the old values; 0: no clipping",
@@ -153,6 +155,8 @@ class RLConfig(CoreConfig):
                     "max_total_tokens", "rollout_max_batch", "keep_weight_versions"):
             if getattr(self, key) < 1:
                 raise ValueError(f"RLConfig.{key} must be >= 1, got {getattr(self, key)}")
+        if self.critic_lora_rank < 0:
+            raise ValueError(f"RLConfig.critic_lora_rank must be >= 0 (0: a full critic), got {self.critic_lora_rank}")
         if self.delivery_check_tokens == 1 or self.delivery_check_tokens < 0:
             raise ValueError(f"RLConfig.delivery_check_tokens must be 0 (off) or >= 2, got {self.delivery_check_tokens}")
         if not (math.isfinite(self.delivery_tolerance) and self.delivery_tolerance > 0):

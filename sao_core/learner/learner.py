@@ -142,7 +142,7 @@ class Learner:
         from sao_core.models import load_model_and_tokenizer, resolve_model
         from sao_core.models.value import ValueModel
         from sao_core.training.core import prepare_model
-        from sao_core.training.lora import apply_lora_settings
+        from sao_core.training.lora import apply_critic_lora, apply_lora_settings
 
         initial = resolve_model(config.model, config.cache_dir, config.unverified)
         policy, tokenizer = load_model_and_tokenizer(initial, config.cache_dir)
@@ -151,6 +151,10 @@ class Learner:
             critic = ValueModel.from_pretrained(initial.path)
             if config.freeze_critic_attention:
                 critic.freeze_attention()
+            try:
+                critic = apply_critic_lora(critic, config)
+            except ValueError as err:
+                raise LearnerError(f"critic_lora_rank: {err}") from err
         # With lora_rank the policy trains an adapter, published alone (or merged: lora_publish). SAO's critic
         # (another head on the same body) trains fully.
         try:
@@ -345,22 +349,20 @@ class Learner:
         critic_uri = None
         if self.critic is not None:
             critic_uri = storage.join(config.output, "critic")
-            if _save_critic(self.critic, self.initial_dir, self.scratch / "critic", self.ctx):
+            if _save_critic(self.critic, self.initial_dir, self.scratch / "critic", self.ctx, self.config):
                 storage.publish_checkpoint(self.scratch / "critic", critic_uri, metadata={"step": state.step})
         return model_uri, critic_uri
 
 
-def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext) -> bool:
-    """Gather the critic (collective) and write it on rank 0; True on the rank that wrote."""
+def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext, config: RLConfig) -> bool:
+    """Gather the critic (collective) and write it on rank 0 (a LoRA body merged); True on the rank that wrote."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from sao_core.models.value import ValueModel
+    from sao_core.training.lora import merged_critic
 
     full = get_model_state_dict(critic, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not ctx.is_main:
         return False
     shutil.rmtree(staging, ignore_errors=True)
-    plain = ValueModel.from_pretrained(initial_dir)
-    plain.load_state_dict(full, strict=True)
-    plain.save_pretrained(staging)
+    merged_critic(critic, full, initial_dir, config).save_pretrained(staging)
     return True

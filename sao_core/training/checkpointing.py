@@ -94,9 +94,9 @@ Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
 
 
 def _adapter_only(model) -> bool:
-    from sao_core.training.lora import is_lora
+    from sao_core.training.lora import has_adapter
 
-    return is_lora(model)
+    return has_adapter(model)
 
 
 def _state_options(model) -> StateDictOptions:

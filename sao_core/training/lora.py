@@ -25,9 +25,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def lora_config(rank: int, alpha: float, dropout: float, target_modules: str):
-    """peft's LoraConfig for a causal LM. `target_modules`: "" for peft's default for the model's architecture,
-    "all-linear" for every linear layer but the output head, or comma-separated module names."""
+def lora_config(rank: int, alpha: float, dropout: float, target_modules: str, task_type: str | None = "CAUSAL_LM"):
+    """peft's LoraConfig for a causal LM (`task_type` None: any module, e.g. a critic's body). `target_modules`:
+    "" for peft's default for the model's architecture, "all-linear" for every linear layer but the output
+    head, or comma-separated module names."""
     from peft import LoraConfig
 
     targets: Any = None
@@ -35,16 +36,17 @@ def lora_config(rank: int, alpha: float, dropout: float, target_modules: str):
         targets = "all-linear"
     elif target_modules.strip():
         targets = [name.strip() for name in target_modules.split(",") if name.strip()]
-    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type)
 
 
-def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, target_modules: str):
+def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, target_modules: str,
+               task_type: str | None = "CAUSAL_LM"):
     """`model` wrapped with a new LoRA adapter (its B matrices start at zero, so the wrapped model computes what
     `model` did); ValueError naming the setting when peft refuses the target modules."""
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, lora_config(rank, alpha, dropout, target_modules))
+        return get_peft_model(model, lora_config(rank, alpha, dropout, target_modules, task_type))
     except ValueError as err:
         raise ValueError(f"lora_target_modules {target_modules!r}: {err}") from None
 
@@ -67,6 +69,33 @@ def is_lora(model: torch.nn.Module) -> bool:
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
+
+
+def has_adapter(model: torch.nn.Module) -> bool:
+    """True when `model` or a part of it carries a LoRA adapter (a LoRA policy, a critic with a LoRA body)."""
+    return any(".lora_" in name for name, _ in model.named_parameters())
+
+
+def apply_critic_lora(critic, config):
+    """SAO's critic with a LoRA adapter of rank `critic_lora_rank` on its body (the policy's alpha, dropout and
+    targets); its value head, new at the start, trains fully. `critic_lora_rank` 0: `critic` unchanged."""
+    if not config.critic_lora_rank:
+        return critic
+    critic.backbone = apply_lora(critic.backbone, config.critic_lora_rank, config.lora_alpha, config.lora_dropout,
+                                 config.lora_target_modules, task_type=None)
+    return critic
+
+
+def merged_critic(critic, full: dict[str, torch.Tensor], initial_dir: str, config):
+    """A plain critic (no LoRA layers) holding the gathered weights `full` of `critic`, its body's adapter merged
+    in by peft: what `ValueModel.save_pretrained` writes."""
+    from sao_core.models.value import ValueModel
+
+    plain = apply_critic_lora(ValueModel.from_pretrained(initial_dir), config)
+    plain.load_state_dict(full, strict=True)
+    if config.critic_lora_rank:
+        plain.backbone = plain.backbone.merge_and_unload()
+    return plain
 
 
 def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
