@@ -69,11 +69,15 @@ def test_the_export_is_the_merged_model_under_the_base_names(tiny_model_dir, sao
             assert not torch.allclose(model(ids).logits, merged(ids).logits, atol=1e-4)
 
 
-def test_sft_with_lora_learns_and_exports_a_plain_model(data, tmp_path, sao_cache, tiny_model_dir):
+@pytest.mark.parametrize("precision, checkpointing", [("float32", False), ("bf16", True)])
+def test_sft_with_lora_learns_and_exports_a_plain_model(data, tmp_path, sao_cache, tiny_model_dir, precision,
+                                                        checkpointing):
+    """Also under bf16 autocast with activation checkpointing (the GPU settings; bf16 runs on CPU too)."""
     from sao_core.models import load_model
 
     s = train("sft", SFTConfig(data=data["sft"], steps=20, lr=1e-2, lora_rank=8, lora_alpha=16.0,
-                               lora_target_modules="all-linear", model=tiny_model_dir, **_common(tmp_path, sao_cache)))
+                               lora_target_modules="all-linear", model=tiny_model_dir, precision=precision,
+                               gradient_checkpointing=checkpointing, **_common(tmp_path, sao_cache)))
     assert s["last_train_loss"] < s["first_train_loss"] and s["eval_loss_after"] < s["eval_loss_before"]
     assert s["lora"]["rank"] == 8 and 0 < s["lora"]["trainable_parameters"] < s["lora"]["parameters"]
     exported = load_file(f"{s['model']}/model.safetensors")
