@@ -1,10 +1,11 @@
 """evaluate: score a model on SWE-Bench Verified, BeyondAIME and / or IMO-AnswerBench.
 
-Calls :func:`sao_core.eval.run.evaluate`: k samples per problem through the rollout engine (vLLM or
-HF), graded the way each benchmark defines it; writes ``samples.jsonl``, ``summary.json``,
-``metrics.json`` and ``report.html`` to ``OUTPUT_ROOT/RUN_ID/eval-BENCHMARKS`` and resumes from the
-graded samples there when the task is retried. Outputs: the summary (JSON), the flat metrics
-(``imo_answerbench/avg@4``, ...) and the HTML report, shown in the KFP UI.
+Calls :func:`sao_core.eval.run.evaluate` (with ``adapter``: on the model with that LoRA adapter merged
+in): k samples per problem through the rollout engine (vLLM or HF), graded the way each benchmark
+defines it; writes ``samples.jsonl``, ``summary.json``, ``metrics.json`` and ``report.html`` to
+``OUTPUT_ROOT/RUN_ID/eval-BENCHMARKS`` and resumes from the graded samples there when the task is
+retried. Outputs: the summary (JSON), the flat metrics (``imo_answerbench/avg@4``, ...) and the HTML
+report, shown in the KFP UI.
 """
 
 from typing import NamedTuple, Optional
@@ -22,6 +23,7 @@ def evaluate(
     summary: Output[Artifact],
     metrics: Output[Metrics],
     report: Output[HTML],
+    adapter: str = "",
     benchmarks: str = "swe_verified,beyond_aime,imo_answerbench",
     k: int = 4,
     limit: int = 0,
@@ -42,6 +44,7 @@ def evaluate(
         summary: The run's summary.json.
         metrics: Flat metrics (avg@k, pass@k, maj@k per benchmark and category, rates of empty / unsettled / failed samples).
         report: The HTML report.
+        adapter: LoRA adapter applied to model (a peft folder with a manifest or an s3:// checkpoint, e.g. a LoRA run's OUTPUT_ROOT/RUN_ID/sao/weights/vNNNNNN): the merged model is evaluated ('' = none).
         benchmarks: Comma-separated benchmark names: swe_verified, beyond_aime, imo_answerbench.
         k: Samples per problem.
         limit: Evaluate only the first N problems of each benchmark (0 = all).
@@ -66,13 +69,13 @@ def evaluate(
     names = [b.strip() for b in benchmarks.split(",") if b.strip()]
     run = artifacts.run_dir(output_root, run_id, "eval-" + "-".join(names))
     config = artifacts.build(EvalConfig, {
-        "model": model, "output": run, "benchmarks": names, "k": k, "limit": limit or None, "engine": engine,
-        "max_new_tokens": max_new_tokens, "max_total_tokens": max_total_tokens, "temperature": temperature,
-        "sandbox": sandbox, "previous_summary": previous_summary or None, "resume": True,
+        "model": model, "adapter": adapter, "output": run, "benchmarks": names, "k": k, "limit": limit or None,
+        "engine": engine, "max_new_tokens": max_new_tokens, "max_total_tokens": max_total_tokens,
+        "temperature": temperature, "sandbox": sandbox, "previous_summary": previous_summary or None, "resume": True,
         "cache_dir": artifacts.cache_dir()}, options, source="evaluate")
     result = run_evaluation(config)
     artifacts.write_text_artifact(summary, json.dumps(result, indent=2, ensure_ascii=False, default=str) + "\n")
-    summary.metadata.update({"model": model, "benchmarks": names, "k": k, "run_dir": run})
+    summary.metadata.update({"model": model, "adapter": adapter, "benchmarks": names, "k": k, "run_dir": run})
     artifacts.log_numbers(metrics, result["metrics"])
     report_uri = result["files"]["report"]
     if storage.is_s3_uri(report_uri):

@@ -398,6 +398,7 @@ def build_evaluation_stage(settings: k8s.ClusterSettings):
         tolerations: list,
         s3_secret_name: str,
         trained_model: str = "",
+        adapter: str = "",
     ) -> str:
         """Evaluate `model` on each benchmark in parallel, then write one report; returns the report's URI.
 
@@ -420,15 +421,17 @@ def build_evaluation_stage(settings: k8s.ClusterSettings):
             tolerations: Tolerations of the evaluation pods.
             s3_secret_name: Secret with the S3 credentials.
             trained_model: The model the pipeline trained (= model), whose training run the report shows ('' = none).
+            adapter: LoRA adapter merged into model before it is evaluated ('' = none).
         """
         params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
                                    node_selector=node_selector, tolerations=tolerations,
                                    s3_secret_name=s3_secret_name)
         with dsl.ParallelFor(benchmarks, name="benchmarks") as benchmark:
-            step = evaluate(model=model, output_root=output_root, benchmarks=benchmark, k=k, limit=limit,
-                            engine=engine, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
-                            temperature=temperature, sandbox=sandbox, previous_summary=previous_summary,
-                            options=eval_options, run_id=RUN_ID).set_display_name("evaluate")
+            step = evaluate(model=model, adapter=adapter, output_root=output_root, benchmarks=benchmark, k=k,
+                            limit=limit, engine=engine, max_new_tokens=max_new_tokens,
+                            max_total_tokens=max_total_tokens, temperature=temperature, sandbox=sandbox,
+                            previous_summary=previous_summary, options=eval_options,
+                            run_id=RUN_ID).set_display_name("evaluate")
             k8s.apply(step, "evaluation", params, settings, image_kind="rollout")
         final = report(summaries=dsl.Collected(step.outputs["summary"]), output_root=output_root,
                        previous_summary=previous_summary, run_id=RUN_ID,

@@ -15,9 +15,9 @@ LITERALS = {"c_engine": ["vllm", "hf"], "c_sandbox": ["kubernetes", "local"]}
 #: The pipeline's description in the KFP UI.
 DESCRIPTION = (
     "Evaluate a model on SWE-Bench Verified, BeyondAIME and IMO-AnswerBench (one parallel step each) and write one "
-    "HTML report; the target of recurring runs. Required: a_model and a_output_root. Fields are grouped by "
-    "prefix: a_: what to evaluate and where to write; c_: evaluation settings (c_eval_options: other EvalConfig "
-    "fields); d_: cluster. Every field is described in pipelines/README.md.")
+    "HTML report; the target of recurring runs. Required: a_model and a_output_root (a_adapter: an optional LoRA "
+    "adapter merged into a_model). Fields are grouped by prefix: a_: what to evaluate and where to write; c_: "
+    "evaluation settings (c_eval_options: other EvalConfig fields); d_: cluster. Every field is described in pipelines/README.md.")
 DEFAULT_BENCHMARKS = ["swe_verified", "beyond_aime", "imo_answerbench"]
 
 
@@ -31,6 +31,7 @@ def build_evaluation(settings: k8s.ClusterSettings | None = None):
     def evaluation(
         a_model: str,
         a_output_root: str,
+        a_adapter: str = "",
         c_benchmarks: list = DEFAULT_BENCHMARKS,  # noqa: B006 (a pipeline parameter's default, never mutated)
         c_engine: str = "vllm",
         c_eval_options: dict = {},  # noqa: B006
@@ -51,6 +52,7 @@ def build_evaluation(settings: k8s.ClusterSettings | None = None):
 
         Args:
             a_model: Required. Model to evaluate: an s3:// checkpoint (e.g. a training run's OUTPUT_ROOT/RUN_ID/sao/model), a directory, embedded:tiny or a Hugging Face id.
+            a_adapter: Optional LoRA adapter applied to a_model: a peft folder with a manifest or an s3:// checkpoint (e.g. a LoRA run's OUTPUT_ROOT/RUN_ID/sao/weights/vNNNNNN); each evaluation step merges it into a_model and evaluates the merged model ('' = none: a_model as it is).
             a_output_root: Required. Where evaluation runs are written: s3://bucket/prefix in a cluster (a local directory for local runs). Each run writes OUTPUT_ROOT/RUN_ID/eval-BENCHMARK and OUTPUT_ROOT/RUN_ID/report.
             c_benchmarks: Benchmarks to run, each in its own parallel step: swe_verified, beyond_aime, imo_answerbench.
             c_engine: Generation engine: vllm (GPU) or hf (transformers).
@@ -70,6 +72,7 @@ def build_evaluation(settings: k8s.ClusterSettings | None = None):
         """
         # The run form's grouped names (a_ inputs, b_ method, c_ evaluation, d_ cluster), as the steps name them.
         model = a_model
+        adapter = a_adapter
         output_root = a_output_root
         benchmarks = c_benchmarks
         k = c_k
@@ -86,10 +89,10 @@ def build_evaluation(settings: k8s.ClusterSettings | None = None):
         node_selector = d_node_selector
         tolerations = d_tolerations
         s3_secret_name = d_s3_secret_name
-        result = stage(model=model, output_root=output_root, benchmarks=benchmarks, k=k, limit=limit, engine=engine,
-                       max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens, temperature=temperature,
-                       sandbox=sandbox, previous_summary=previous_summary, eval_options=eval_options,
-                       gpu_count=gpu_count, accelerator_type=accelerator_type, node_selector=node_selector,
+        result = stage(model=model, adapter=adapter, output_root=output_root, benchmarks=benchmarks, k=k,
+                       limit=limit, engine=engine, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
+                       temperature=temperature, sandbox=sandbox, previous_summary=previous_summary,
+                       eval_options=eval_options, gpu_count=gpu_count, accelerator_type=accelerator_type, node_selector=node_selector,
                        tolerations=tolerations, s3_secret_name=s3_secret_name).set_display_name("evaluation")
         return result.output
 

@@ -163,20 +163,27 @@ def cmd_rollout_serve(args: argparse.Namespace) -> int:
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from sao_core import storage
 
-    if args.action == "publish":
+    action = args.action
+    if action == "publish":
         if not args.source:
             raise ConfigError("checkpoint publish needs --source LOCAL_DIR")
         manifest = storage.publish_checkpoint(args.source, args.uri)
         print(f"published {len(manifest['files'])} files to {args.uri}")
-    elif args.action == "verify":
+    elif action == "verify":
         local = storage.fetch_checkpoint(args.uri, Path(args.cache_dir) / "s3")
         print(f"ok: {args.uri} verified ({local})")
-    elif args.action == "latest":
+    elif action == "latest":
         latest = storage.latest_checkpoint(args.uri)
         if latest is None:
             print(f"no complete checkpoint under {args.uri}", file=sys.stderr)
             return 1
         print(latest)
+    elif action == "merge":
+        from sao_core.training.merge import merge_checkpoint
+
+        result = merge_checkpoint(args.base, args.adapter, args.output, args.cache_dir, dtype=args.dtype,
+                                  unverified=args.unverified)
+        print(json.dumps(result, indent=2))
     return 0
 
 
@@ -559,11 +566,33 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                                   "rollouts_per_prompt, epochs, max_in_flight, ...)")
     p.set_defaults(func=cmd_rollout_serve)
 
-    p = sub.add_parser("checkpoint", help="publish, verify or find the latest checkpoint (path or s3://)")
-    p.add_argument("action", choices=["publish", "verify", "latest"])
-    p.add_argument("uri", help="checkpoint URI (publish: destination; latest: the root holding checkpoints)")
+    checkpoint = sub.add_parser("checkpoint", help="publish, verify or find the latest checkpoint (path or s3://); "
+                                                   "merge a LoRA adapter into its base model")
+    checkpoint_sub = checkpoint.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = checkpoint_sub.add_parser("publish", help="publish a local directory as a checkpoint (manifest, _COMPLETE)")
+    p.add_argument("uri", help="destination (path or s3://)")
     p.add_argument("--source", help="local directory to publish")
-    p.set_defaults(func=cmd_checkpoint)
+    p = checkpoint_sub.add_parser("verify", help="fetch a checkpoint and check every file against its manifest")
+    p.add_argument("uri", help="checkpoint (path or s3://)")
+    p = checkpoint_sub.add_parser("latest", help="print the newest complete checkpoint under a root")
+    p.add_argument("uri", metavar="ROOT", help="the root holding checkpoints (path or s3://)")
+    from sao_core.training.merge import MERGE_DTYPES
+
+    p = checkpoint_sub.add_parser("merge", help="merge a LoRA adapter into its base model and publish the full "
+                                                "model as a checkpoint; print model, sha256, base and adapter (JSON)")
+    p.add_argument("--base", required=True, metavar="MODEL", help="the base model the adapter was trained on: "
+                                                                   "embedded:tiny, a directory, s3:// or a hub id")
+    p.add_argument("--adapter", required=True, metavar="ADAPTER", help="LoRA adapter (peft folder): a directory "
+                                                                       "with a manifest or an s3:// checkpoint, "
+                                                                       "e.g. a LoRA run's OUTPUT/weights/vNNNNNN")
+    p.add_argument("--output", required=True, metavar="URI", help="where the merged model is published (a new "
+                                                                  "folder or an s3:// prefix)")
+    p.add_argument("--dtype", default="auto", choices=MERGE_DTYPES,
+                   help="dtype of the merged weights [default: auto, the base's]")
+    p.add_argument("--unverified", action="store_true", help="accept an adapter or base folder without a "
+                                                             "manifest.json (as it is)")
+    for p in checkpoint_sub.choices.values():
+        p.set_defaults(func=cmd_checkpoint)
 
     from sao_core.eval.config import EvalConfig
 

@@ -29,6 +29,7 @@ class EvalConfig:
 
     model: str                                  # model reference: embedded:tiny, a directory, s3:// checkpoint, hub id
     output: str                                 # run directory: local path or s3:// prefix
+    adapter: str = ""                           # LoRA adapter (peft folder with a manifest, or s3://) applied to model: the merged model is evaluated; "" none
     benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARK_NAMES))  # comma-separated: swe_verified,beyond_aime,imo_answerbench
     k: int = 4                                  # samples per problem
     limit: int | None = None                    # evaluate only the first N problems of each benchmark
@@ -75,6 +76,8 @@ class EvalConfig:
         """Raise EvalError naming the first bad field."""
         if not isinstance(self.model, str) or not self.model.strip():
             raise EvalError("model is empty: give a model reference (embedded:tiny, a directory, s3://, org/name)")
+        if not isinstance(self.adapter, str):
+            raise EvalError(f"adapter must be a folder or s3:// URI of a LoRA adapter ('' = none), got {self.adapter!r}")
         if not isinstance(self.output, str) or not self.output.strip():
             raise EvalError("output is empty: give a local folder or an s3:// prefix")
         names = list(self.benchmarks) if not isinstance(self.benchmarks, str) else [self.benchmarks]

@@ -26,7 +26,7 @@ def merge_summaries(summaries: list[dict[str, Any]], previous: dict[str, Any] | 
                     previous_uri: str | None = None) -> dict[str, Any]:
     """One summary from the summaries of several evaluation runs of one model (disjoint benchmarks).
 
-    Raises ConfigError if the runs evaluated different models or the same benchmark twice.
+    Raises ConfigError if the runs evaluated different models (or adapters) or the same benchmark twice.
     """
     from sao_core.eval.metrics import compare
 
@@ -35,6 +35,11 @@ def merge_summaries(summaries: list[dict[str, Any]], previous: dict[str, Any] | 
     models = sorted({str(s.get("model")) for s in summaries})
     if len(models) != 1:
         raise ConfigError(f"the evaluation runs evaluated different models ({', '.join(models)}); a report covers one")
+    adapters = sorted({f"{s.get('adapter') or ''} {s.get('adapter_sha256') or ''}".strip() or "none"
+                       for s in summaries})
+    if len(adapters) != 1:
+        raise ConfigError(f"the evaluation runs applied different LoRA adapters ({', '.join(adapters)}); a report "
+                          "covers one model")
     benchmarks: dict[str, Any] = {}
     metrics: dict[str, float] = {}
     files: dict[str, Any] = {}
@@ -50,7 +55,8 @@ def merge_summaries(summaries: list[dict[str, Any]], previous: dict[str, Any] | 
     config = dict(summaries[0].get("config", {}))
     config["benchmarks"] = list(benchmarks)
     merged = {
-        "schema": summaries[0].get("schema"), "model": models[0], "engine": summaries[0].get("engine"),
+        "schema": summaries[0].get("schema"), "model": models[0], "adapter": summaries[0].get("adapter"),
+        "adapter_sha256": summaries[0].get("adapter_sha256"), "engine": summaries[0].get("engine"),
         "config": config, "benchmarks": benchmarks, "metrics": metrics,
         "started_at": min(starts).isoformat(timespec="seconds") if starts else None,
         "finished_at": max(ends).isoformat(timespec="seconds") if ends else None,
