@@ -203,6 +203,30 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_judge_agreement(args: argparse.Namespace) -> int:
+    import os
+
+    from sao_core.eval.judge import LABELLED_SET, LLMJudge, judge_agreement, read_labelled
+
+    pairs = read_labelled(args.labelled or LABELLED_SET)
+    key = os.environ.get(args.judge_api_key_env) if args.judge_api_key_env else None
+    judge = LLMJudge(args.judge_url, args.judge_model, api_key=key, api=args.judge_api, timeout_s=args.timeout_s,
+                     max_tokens=args.max_tokens)
+    try:
+        report = judge_agreement(judge, pairs)
+    finally:
+        judge.close()
+    report["labelled"] = str(args.labelled or LABELLED_SET)
+    text = json.dumps(report, indent=2)
+    if args.output:
+        from sao_core import storage
+
+        storage.write_text(args.output, text + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "disagreements"}, indent=2))
+    print(f"{len(report['disagreements'])} disagreements" + (f" (all in {args.output})" if args.output else ""))
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from sao_core.reporting.training import write_training_report
 
@@ -600,6 +624,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                         "(samples, summary, metrics, HTML report)")
     add_config_arguments(p, EvalConfig, skip=("cache_dir",))
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("judge-agreement", help="run an LLM judge over a labelled set of IMO answer pairs (equal or "
+                                               "not) and report its agreement and every disagreement")
+    p.add_argument("--judge-url", required=True, help="an OpenAI-compatible API base (…/v1) or a rollout service")
+    p.add_argument("--judge-model", default="judge", help="the model name sent (rollout: only a label) [default: judge]")
+    p.add_argument("--judge-api", choices=("openai", "rollout"), default="openai", help="[default: openai]")
+    p.add_argument("--judge-api-key-env", default="SAO_JUDGE_API_KEY",
+                   help="environment variable holding the judge's key / the service's token [default: SAO_JUDGE_API_KEY]")
+    p.add_argument("--labelled", default=None, help="JSON lines of {reference, answer, equal, problem?, note?} "
+                                                    "[default: the built-in set, sao_core/eval/judge_labelled.jsonl]")
+    p.add_argument("--max-tokens", type=int, default=4096, help="reply length limit in tokens [default: 4096]")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="one judge request, seconds [default: 120]")
+    p.add_argument("--output", default=None, help="write the whole report (with the disagreements) here as JSON")
+    p.set_defaults(func=cmd_judge_agreement)
 
     report = sub.add_parser("report", help="HTML reports of runs")
     report_sub = report.add_subparsers(dest="report_command", required=True, metavar="KIND")

@@ -96,3 +96,25 @@ def test_a_rollout_service_with_the_embedded_model_is_a_judge_behind_its_token(t
         assert refused.correct is None and "HTTP 401" in refused.error
     finally:
         server.stop()
+
+
+def test_the_cli_reports_agreement_and_writes_the_disagreements(generate_judge, tmp_path, monkeypatch, capsys):
+    from sao_core.cli import main
+    from sao_core.eval.config import JUDGE_APIS as CONFIG_APIS
+    from sao_core.eval.judge import JUDGE_APIS
+
+    assert CONFIG_APIS == JUDGE_APIS
+    labelled = tmp_path / "set.jsonl"
+    labelled.write_text('{"reference": "7", "answer": "7", "equal": true}\n'
+                        '{"reference": "\\\\frac12", "answer": "0.5", "equal": true, "note": "decimal"}\n')
+    monkeypatch.setenv("MY_JUDGE_TOKEN", TOKEN)
+    out = tmp_path / "agreement.json"
+    code = main(["judge-agreement", "--judge-url", generate_judge.url, "--judge-api", "rollout", "--judge-api-key-env",
+                 "MY_JUDGE_TOKEN", "--labelled", str(labelled), "--output", str(out)])
+    assert code == 0
+    written = json.loads(out.read_text())
+    assert written["agreement"] == 0.5 and [d["note"] for d in written["disagreements"]] == ["decimal"]
+    assert "1 disagreements" in capsys.readouterr().out
+    labelled.write_text("not json\n")
+    assert main(["judge-agreement", "--judge-url", generate_judge.url, "--labelled", str(labelled)]) == 2
+    assert "set.jsonl:1: not JSON" in capsys.readouterr().err

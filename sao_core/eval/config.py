@@ -11,6 +11,7 @@ BENCHMARK_NAMES: tuple[str, ...] = ("swe_verified", "beyond_aime", "imo_answerbe
 ENGINES: tuple[str, ...] = ("hf", "vllm")
 SANDBOXES: tuple[str, ...] = ("local", "kubernetes")
 JUDGE_POLICIES: tuple[str, ...] = ("unsettled", "rejected")
+JUDGE_APIS: tuple[str, ...] = ("openai", "rollout")   # = sao_core.eval.judge.JUDGE_APIS (a test checks)
 
 DEFAULT_MATH_PROMPT = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -59,8 +60,9 @@ class EvalConfig:
     env_options: dict = field(default_factory=dict)  # extra options per environment, e.g. {"swe": {"sandbox_options": {"namespace": "eval"}}}
     grader_workers: int = 2                     # math-verify worker processes
     grade_timeout_s: float = 10.0               # math-verify time per answer
-    judge_url: str | None = None                # OpenAI-compatible base URL of an LLM judge (…/v1) for IMO answers rules cannot settle
-    judge_model: str | None = None              # model name sent to the judge
+    judge_url: str | None = None                # LLM judge for IMO answers rules cannot settle: an OpenAI-compatible API base (…/v1), or a SAO rollout service (judge_api rollout)
+    judge_model: str | None = None              # model name sent to the judge (rollout: only a label)
+    judge_api: str = "openai"                   # openai: /chat/completions | rollout: a SAO rollout service's /v1/generate (its bearer token in judge_api_key_env)
     judge_api_key_env: str = "SAO_JUDGE_API_KEY"  # environment variable holding the judge's API key (unset: no key)
     judge_policy: str = "unsettled"             # unsettled: judge only answers rules cannot settle | rejected: also rule mismatches
     judge_timeout_s: float = 120.0              # one judge request
@@ -120,6 +122,8 @@ class EvalConfig:
             raise EvalError(f"sandbox must be one of {', '.join(SANDBOXES)}, got {self.sandbox!r}")
         if self.judge_policy not in JUDGE_POLICIES:
             raise EvalError(f"judge_policy must be one of {', '.join(JUDGE_POLICIES)}, got {self.judge_policy!r}")
+        if self.judge_api not in JUDGE_APIS:
+            raise EvalError(f"judge_api must be one of {', '.join(JUDGE_APIS)}, got {self.judge_api!r}")
         if bool(self.judge_url) != bool(self.judge_model):
             raise EvalError("judge_url and judge_model go together: give both to use an LLM judge, or neither")
         if self.judge_url and not str(self.judge_url).startswith(("http://", "https://")):

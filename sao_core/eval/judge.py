@@ -27,6 +27,8 @@ from typing import Any
 from sao_core.envs.grading import answer_region, extract_boxed
 
 JUDGE_APIS = ("openai", "rollout")
+#: the built-in labelled set (pairs of IMO-style answers known equal or not; see its first lines)
+LABELLED_SET = Path(__file__).with_name("judge_labelled.jsonl")
 
 JUDGE_SYSTEM = (
     "You are a strict, deterministic grader of final answers to olympiad mathematics problems. You receive a "
