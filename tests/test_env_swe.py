@@ -319,6 +319,9 @@ def test_grade_patch_gold_empty_breaking_malformed(task, factory, test_command, 
     assert report.resolved, report.to_dict()
     assert report.apply_method == "git apply" and report.test_patch_applied
     assert (report.fail_to_pass_passed, report.pass_to_pass_passed) == (1, 2)
+    # a record without the harness's eval_script: our own command ran (the fallback), and the report says so
+    assert (report.test_command_source, report.test_command) == ("fallback", f"{test_command} tests/test_calc.py")
+    assert "no eval_script" in report.fallback_reason and report.eval_script_sha256 is None
 
     report = grade_patch(task, "", factory, test_command=test_command)
     assert not report.resolved and report.patch_empty and report.tests_run
@@ -337,7 +340,7 @@ def test_grade_patch_gold_empty_breaking_malformed(task, factory, test_command, 
                  "@@ -1,2 +1,2 @@\n-this line is not in the file\n+nor this one\n context\n")
     report = grade_patch(task, malformed, factory, test_command=test_command)
     assert not report.resolved and report.patch_applied is False and not report.tests_run
-    assert report.error == "the patch does not apply"
+    assert report.error == "the patch does not apply" and report.test_command_source == "fallback"
     assert "git apply --verbose --reject" in report.apply_log and "patch --batch" in report.apply_log
 
 

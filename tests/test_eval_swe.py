@@ -98,7 +98,8 @@ def test_runner_plays_and_grades_agent_episodes(tmp_path, swe_repos, swe_sandbox
     assert won["tests"] == {"fail_to_pass_total": 1, "fail_to_pass_passed": 1, "fail_to_pass_failed": [],
                             "pass_to_pass_total": 2, "pass_to_pass_passed": 2, "pass_to_pass_failed": []}
     assert won["harness"] == {"harness": f"swebench {swebench_version()}", "log_parser": "parse_log_pytest",
-                              "resolution": "RESOLVED_FULL", "log_valid": True}
+                              "resolution": "RESOLVED_FULL", "log_valid": True,
+                              "test_command": "fallback"}      # the rows have no eval_script: our commands ran
     lost = samples[(inventory.instance_id, 1)]
     assert lost["tests"]["pass_to_pass_failed"] == inventory.broken_p2p
     assert lost["harness"]["resolution"] == "RESOLVED_NO"
@@ -109,6 +110,7 @@ def test_runner_plays_and_grades_agent_episodes(tmp_path, swe_repos, swe_sandbox
     report = (tmp_path / "run" / "report.html").read_text()
     assert "Resolved rate over all 3 instances (avg@2): <b>33.3%</b>" in report
     assert "SWE-Bench Verified: avg@2 per repo" in report and "patch_does_not_apply" not in report
+    assert "(<code>make_test_spec</code>): 0 sample(s); by our fallback commands: 5." in report
     # the grading library's version: in run.json, in the summary and in the report
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["library_versions"]["swebench"] == swebench_version() == SWEBENCH_PIN

@@ -22,7 +22,14 @@ from pathlib import Path
 import pytest
 
 from sao_core.envs.swe_grading import grade_test_log, parse_test_log, runner_spec_for
-from sao_core.envs.swebench_harness import SWEBENCH_PIN, harness, harness_log, parser_for, swebench_version
+from sao_core.envs.swebench_harness import (
+    SWEBENCH_PIN,
+    harness,
+    harness_log,
+    harness_test_spec,
+    parser_for,
+    swebench_version,
+)
 from sao_core.eval.graders import verdict_from_swe_report
 
 H = harness()
@@ -315,6 +322,11 @@ def test_pinned_version_is_installed_and_heavy_deps_not_imported():
     for image in ("cpu", "cuda", "vllm"):
         assert f'--no-deps "swebench=={SWEBENCH_PIN}"' in (ROOT / "images" / f"{image}.Dockerfile").read_text()
     assert f"'swebench=={SWEBENCH_PIN}'" in (ROOT / "Makefile").read_text()
+    harness_test_spec({"instance_id": "a__b-1", "repo": "a/b", "FAIL_TO_PASS": ["t"], "PASS_TO_PASS": [],
+                       "eval_script": f": '{H.constants.START_TEST_OUTPUT}'\npytest\n: '{H.constants.END_TEST_OUTPUT}'"})
     loaded = {name.split(".")[0] for name in sys.modules}
     assert not loaded & {"modal", "ghapi", "git"}, loaded & {"modal", "ghapi", "git"}
     assert "swebench.harness.docker_utils" not in sys.modules and "swebench.harness.run_evaluation" not in sys.modules
+    assert "swebench.harness.utils" not in sys.modules         # make_test_spec is compiled from it, not imported
+    # docker too: in a fresh interpreter (this one may hold it from unrelated tests), see
+    # tests/test_swe_eval_script.py::test_docker_and_modal_are_never_imported

@@ -18,7 +18,9 @@ Schemas (output keys):
   str or None), ``metadata`` (dict of the row's other columns).
 - ``swe_bench_verified``: ``id`` (= instance_id), ``repo, base_commit, problem_statement,
   gold_patch, test_patch, fail_to_pass, pass_to_pass, version, environment_setup_commit,
-  hints_text, created_at, difficulty``.
+  hints_text, created_at, difficulty``, and, only when the row has them (swebench 5.x rows), the
+  harness's ``eval_script, image, log_parser, eval_type`` (strings; the grader then runs that
+  eval script, see `sao_core.envs.swe`).
 - ``beyond_aime``: ``id, problem, answer`` (int).
 - ``imo_answerbench``: ``id, problem, answer, category, subcategory, source``.
 """
@@ -372,6 +374,10 @@ def normalize_rl(row: Mapping[str, Any], environments: Iterable[str] | None = No
     return _with_id("rl", record, sid)
 
 
+#: The swebench 5.x columns the SWE grader runs and grades with (`sao_core.envs.swebench_harness.HARNESS_ROW_FIELDS`).
+SWE_HARNESS_FIELDS = ("eval_script", "image", "log_parser", "eval_type")
+
+
 def normalize_swe_bench_verified(row: Mapping[str, Any]) -> dict[str, Any]:
     """SWE-bench Verified columns -> swe record (``id`` = ``instance_id``)."""
     instance_id = _required_string(row, "instance_id").strip()
@@ -390,6 +396,10 @@ def normalize_swe_bench_verified(row: Mapping[str, Any]) -> dict[str, Any]:
     record["pass_to_pass"] = _string_list(p2p, "PASS_TO_PASS")
     for key in ("version", "environment_setup_commit", "hints_text", "created_at", "difficulty"):
         record[key] = _optional_string(row, key)
+    for key in SWE_HARNESS_FIELDS:      # kept only when there: older rows' records stay as they were
+        value = _optional_string(row, key)
+        if value:
+            record[key] = value
     return {"id": instance_id, **record}
 
 

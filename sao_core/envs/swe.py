@@ -47,10 +47,24 @@ Sandboxes: `sandbox_factory` is called with the task when it takes a required po
 ``"kubernetes"`` makes a `KubernetesPodSandbox` of ``task.metadata["image"]`` or the SWE-bench
 image (`image_template`), working in the repository dir (``sandbox_options``: namespace, ...).
 
-Tests run with `test_command` (None: per repository, `runner_spec_for`: pytest ``-rA`` for most,
-Django's ``tests/runtests.py`` and sympy's ``bin/test`` as in the SWE-bench harness) on the files the
-test patch touches; the official SWE-bench harness (PyPI ``swebench``) parses the log with the
-repository's parser and decides "resolved" (`sao_core.envs.swe_grading`, `sao_core.envs.swebench_harness`).
+What runs the tests (`GradeReport.test_command_source`, per sample):
+
+- ``"harness"``: a task whose metadata carries the harness's ``eval_script`` (a swebench 5.x row,
+  usually with ``image``, ``log_parser``, ``eval_type``) runs exactly the ``TestSpec.eval_script``
+  that the harness's ``make_test_spec`` builds from it (`sao_core.envs.swebench_harness.harness_test_spec`):
+  after the model's patch is applied, ``bash eval.sh`` in the repository (the script resets the
+  test files, applies the test patch, prints the markers, runs the tests, records their exit
+  status); ``get_eval_report`` grades its output with that ``TestSpec``. In the instance image
+  (the repository at ``/testbed``, conda there) the script runs unchanged; for a repository copied
+  into the sandbox (``repo_path``: the local sandbox) ``/testbed`` becomes the repository dir and
+  the conda activation lines become no-ops (`sao_core.envs.swe_grading.adapt_eval_script`, the
+  changes listed in ``eval_script_changes``). `test_command` and `log_parser` options are not
+  used for such a task.
+- ``"fallback"``: otherwise `test_command` (None: per repository, `runner_spec_for`: pytest ``-rA``
+  for most, Django's ``tests/runtests.py`` and sympy's ``bin/test`` as in the SWE-bench harness) on
+  the files the test patch touches, after we reset those files and apply the test patch; the
+  official SWE-bench harness (PyPI ``swebench``) parses the log with the repository's parser and
+  decides "resolved" (`sao_core.envs.swe_grading`, `sao_core.envs.swebench_harness`).
 """
 
 from __future__ import annotations
@@ -64,22 +78,28 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sao_core.envs.base import StepResult, Task
 from sao_core.envs.grading import answer_region
 from sao_core.envs.swe_grading import (
     DEFAULT_TEST_COMMAND,
+    HARNESS_REPO_DIR,
     GradeReport,
     RepoShell,
     RunnerSpec,
+    adapt_eval_script,
     apply_patch,
+    grade_harness_log,
     grade_test_log,
     patch_files,
+    run_eval_script,
     run_tests,
     runner_spec_for,
+    script_sha256,
 )
+from sao_core.envs.swebench_harness import HARNESS_ROW_FIELDS, HarnessSpec, harness_test_spec
 from sao_core.envs.tool_calls import TOOL_CALL, format_exec_output, parse_tool_call
 from sao_core.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
 
@@ -94,6 +114,7 @@ __all__ = [
     "SWEInstance",
     "default_sandbox_factory",
     "grade_patch",
+    "harness_script_for",
     "parse_bash_call",
     "prepare_repository",
     "swebench_image",
@@ -169,6 +190,9 @@ class SWEInstance:
     test_command: str | None = None
     log_parser: str | None = None
     setup_command: str | None = None
+    # the harness's TestSpec when the record carries its eval_script (None: our commands, the fallback)
+    harness: HarnessSpec | None = field(default=None, compare=False, repr=False)
+    fallback_reason: str | None = None
 
     @classmethod
     def from_task(cls, task: Task, repo_source: str | None = None) -> SWEInstance:
@@ -176,7 +200,9 @@ class SWEInstance:
         base_commit, problem_statement, test_patch, fail_to_pass, pass_to_pass``; SWE-bench's own
         ``FAIL_TO_PASS``/``PASS_TO_PASS`` JSON strings also work; ``task.tests`` stands in for
         FAIL_TO_PASS), plus optional ``repo_path, repo_dir, image, test_command, log_parser,
-        setup_command``."""
+        setup_command`` and the swebench 5.x columns ``eval_script, image, log_parser, eval_type,
+        version`` (`harness`: `sao_core.envs.swebench_harness.harness_test_spec`; its ValueError
+        for a script the harness could not grade propagates)."""
         md = dict(task.metadata or {})
 
         def get(*keys: str) -> Any:
@@ -204,6 +230,10 @@ class SWEInstance:
             repo_path = _mirror_path(repo_source, repo, task.id)
         if repo_path is not None:
             repo_path = os.fspath(repo_path)
+        row = {"instance_id": str(task.id), "repo": repo, "version": get("version"), "FAIL_TO_PASS": f2p,
+               "PASS_TO_PASS": p2p, "image_assets": get("image_assets"),
+               **{key: md.get(key) for key in HARNESS_ROW_FIELDS}}
+        spec = harness_test_spec(row)
         return cls(
             id=str(task.id),
             repo=str(repo) if repo else None,
@@ -218,6 +248,8 @@ class SWEInstance:
             test_command=get("test_command"),
             log_parser=get("log_parser"),
             setup_command=get("setup_command"),
+            harness=spec,
+            fallback_reason=None if spec is not None else "the record has no eval_script (not a swebench 5.x row)",
         )
 
     @property
@@ -421,19 +453,27 @@ def grade_in_shell(
     test_timeout_s: float = 600,
     step_timeout_s: float = 120,
 ) -> GradeReport:
-    """Grade `patch_text` in a repository that is clean at `base`: apply it, reset the test
-    files, apply the test patch, run the tests; the SWE-bench harness grades the captured output
-    and exit status (`grade_test_log`)."""
+    """Grade `patch_text` in a repository that is clean at `base`: apply it, then run the tests,
+    and let the SWE-bench harness grade the captured output.
+
+    With the harness's ``TestSpec`` (`SWEInstance.harness`): run its eval script
+    (`_run_harness_script`; `spec` is not used). Otherwise (the fallback): reset the test files,
+    apply the test patch, run `spec`'s command; `grade_test_log` grades output and exit status."""
     started = time.monotonic()
     f2p, p2p = list(instance.fail_to_pass), list(instance.pass_to_pass)
+    source = "harness" if instance.harness is not None else "fallback"
+    provenance: dict[str, Any] = {"test_command_source": source, "fallback_reason": instance.fallback_reason,
+                                  "harness_derived": list(instance.harness.derived) if instance.harness else []}
 
     def harness_grade(output: str = "", exit_code: int | None = None, timed_out: bool = False,
                       applied: bool = True) -> GradeReport:
+        if instance.harness is not None:
+            return grade_harness_log(output, instance.harness, timed_out=timed_out, patch_applied=applied)
         return grade_test_log(output, f2p, p2p, exit_code=exit_code, timed_out=timed_out, repo=instance.repo,
                               log_parser=spec.parser, instance_id=instance.id, patch_applied=applied)
 
     def finish(report: GradeReport, **fields: Any) -> GradeReport:
-        report = replace(report, **fields)
+        report = replace(report, **provenance, **fields)
         report.seconds = time.monotonic() - started
         return report
 
@@ -444,6 +484,13 @@ def grade_in_shell(
         if not ok:
             return finish(harness_grade(applied=False), patch_empty=False, patch_applied=False,
                           apply_log=apply_log[-20_000:], error="the patch does not apply")
+    if instance.harness is not None:
+        log, timed_out, command, script, changes = _run_harness_script(shell, instance, test_timeout_s, step_timeout_s)
+        report = harness_grade(log, timed_out=timed_out)
+        return finish(report, patch_empty=empty, patch_applied=None if empty else True, apply_method=method,
+                      tests_run=True, test_command=command, eval_script_sha256=script_sha256(script),
+                      eval_script_changes=changes, tests_timed_out=timed_out, apply_log=apply_log[-20_000:],
+                      test_log_tail=log[-20_000:], error="the tests timed out" if timed_out else None)
     _reset_test_files(shell, base, instance.test_patch, step_timeout_s)
     test_patch_ok: bool | None = None
     if instance.test_patch.strip():
@@ -460,6 +507,29 @@ def grade_in_shell(
                   test_patch_applied=test_patch_ok, tests_run=True, test_command=command,
                   test_exit_code=code, tests_timed_out=timed_out, apply_log=apply_log[-20_000:],
                   test_log_tail=log[-20_000:], error="the tests timed out" if timed_out else None)
+
+
+def harness_script_for(instance: SWEInstance, repo_dir: str) -> tuple[str, list[str]]:
+    """The eval script to run for `instance` (which has `SWEInstance.harness`) whose repository is
+    at `repo_dir` in the sandbox, and what was changed (`adapt_eval_script`): in the image (no
+    ``repo_path``) the harness's script with ``/testbed`` moved to `repo_dir` (unchanged when that
+    is ``/testbed``); for a repository copied into the sandbox (``repo_path``) also without conda."""
+    assert instance.harness is not None
+    return adapt_eval_script(instance.harness.eval_script, repo_dir, conda=not instance.local)
+
+
+def _run_harness_script(shell: RepoShell, instance: SWEInstance, test_timeout_s: float,
+                        step_timeout_s: float) -> tuple[str, bool, str, str, list[str]]:
+    """Run the harness's eval script in the repository: ``(log, timed_out, command, script, changes)``."""
+    repo_dir = instance.repo_dir if not instance.local else ""
+    if instance.local:     # the repository is the sandbox's work dir: its absolute path there
+        res = shell.run("pwd -P", timeout_s=step_timeout_s)
+        repo_dir = res.stdout.strip().splitlines()[-1] if res.ok and res.stdout.strip() else ""
+        if not repo_dir.startswith("/"):
+            raise SandboxError(f"could not find the repository's path in the sandbox: {(res.stderr or res.stdout)[:300]}")
+    script, changes = harness_script_for(instance, repo_dir or HARNESS_REPO_DIR)
+    log, _, timed_out, command = run_eval_script(shell, script, timeout_s=test_timeout_s)
+    return log, timed_out, command, script, changes
 
 
 def _check_source(instance: SWEInstance, local_default: bool) -> None:

@@ -19,12 +19,19 @@ Pieces (each usable on its own; `sao_core.envs.swe.grade_patch` chains them):
   repository. pytest everywhere except ``django/django`` (``tests/runtests.py``, module labels)
   and ``sympy/sympy`` (``bin/test``); tests run on the files the test patch touches, as the
   SWE-bench harness does. The parser is the harness's for the repository (``parse_log_pytest``
-  for a repository it does not know).
+  for a repository it does not know). These are the **fallback**, for records without the
+  harness's ``eval_script``.
+- `run_eval_script` / `grade_harness_log`: for a swebench 5.x record, the harness's own
+  ``TestSpec.eval_script`` runs (``bash eval.sh``, output and errors to one log, as the harness's
+  ``/bin/bash /eval.sh``) and ``get_eval_report`` grades that log with the record's ``TestSpec``.
+  `adapt_eval_script` is the only change made to the script, and only where the repository is not
+  at the harness's ``/testbed`` (see there).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 import shlex
 import time
@@ -34,6 +41,7 @@ from typing import Any
 
 from sao_core.envs.swebench_harness import (
     HarnessReport,
+    HarnessSpec,
     harness,
     parser_for,
     report_for_log,
@@ -46,21 +54,26 @@ from sao_core.sandbox.base import ExecResult, Sandbox, SandboxError
 __all__ = [
     "DEFAULT_TEST_COMMAND",
     "FAILING_STATUSES",
+    "HARNESS_REPO_DIR",
     "GradeReport",
     "PASSING_STATUSES",
     "REPO_RUNNERS",
     "RepoShell",
     "STATUSES",
     "RunnerSpec",
+    "adapt_eval_script",
     "apply_patch",
     "django_test_labels",
     "grade",
+    "grade_harness_log",
     "grade_test_log",
     "harness_log",
     "parse_test_log",
     "patch_files",
+    "run_eval_script",
     "run_tests",
     "runner_spec_for",
+    "script_sha256",
 ]
 
 STATUSES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL")   # swebench.harness.constants.TestStatus
@@ -126,7 +139,12 @@ class GradeReport:
     apply_method: str | None = None
     test_patch_applied: bool | None = None
     tests_run: bool = False
-    test_command: str | None = None
+    test_command: str | None = None        # the command line that ran (harness: "bash <eval.sh>")
+    test_command_source: str | None = None  # "harness": the record's eval script; "fallback": our commands
+    fallback_reason: str | None = None      # why a record got the fallback
+    harness_derived: list[str] = field(default_factory=list)   # make_test_spec inputs the record lacked
+    eval_script_sha256: str | None = None   # of the script that ran (after `adapt_eval_script`)
+    eval_script_changes: list[str] = field(default_factory=list)   # what adapt_eval_script changed
     test_exit_code: int | None = None
     tests_timed_out: bool = False
     error: str | None = None
@@ -190,6 +208,28 @@ def grade_test_log(
     hr = report_for_log(log, fail_to_pass, pass_to_pass, repo=repo, log_parser=log_parser,
                         instance_id=instance_id, version=version, test_output=test_output)
     return _from_harness(hr, fail_to_pass, pass_to_pass)
+
+
+def grade_harness_log(log: str, spec: HarnessSpec, *, timed_out: bool = False, patch_applied: bool = True,
+                      model_patch: str | None = "") -> GradeReport:
+    """Grade the output of the harness's eval script (`run_eval_script`) with the record's
+    ``TestSpec`` (`spec`), by the harness's ``get_eval_report``: `log` is taken as the harness's
+    ``test_output.txt`` as it is. A timed-out run gets the harness's ``>>>>> Tests Timed Out``
+    marker appended (the harness stops such a run without a report: never resolved); a patch that
+    did not apply is graded on a log of the ``>>>>> Patch Apply Failed`` marker alone (the harness
+    stops there too). The exit status is the one the script itself records (``>>>>> Test Exit
+    Code: N``, `GradeReport.test_exit_code`)."""
+    h = harness()
+    c = h.constants
+    ts = spec.test_spec
+    if not patch_applied:
+        log = c.APPLY_PATCH_FAIL + "\n"
+    elif timed_out:
+        log = log.rstrip("\n") + "\n" + c.TESTS_TIMEOUT + "\n"
+    hr = report_for_log(log, ts.FAIL_TO_PASS, ts.PASS_TO_PASS, test_spec=ts, model_patch=model_patch)
+    report = _from_harness(hr, ts.FAIL_TO_PASS, ts.PASS_TO_PASS)
+    report.test_exit_code = h.grading.parse_test_exit_code(log)
+    return report
 
 
 def grade(statuses: Mapping[str, str], fail_to_pass: Sequence[str], pass_to_pass: Sequence[str],
@@ -426,17 +466,12 @@ def runner_spec_for(repo: str | None, command: str | None = None, parser: str | 
                       targets=base.targets)
 
 
-def run_tests(
-    shell: RepoShell,
-    spec: RunnerSpec,
-    targets: Sequence[str],
-    timeout_s: float = 600,
-    max_log_bytes: int = 8 << 20,
-) -> tuple[str, int | None, bool, str]:
-    """Run the tests; returns ``(log, exit_code, timed_out, command)``. The log goes to a file in the
-    scratch dir (so the sandbox's output cap does not cut it) and is read back in chunks."""
-    command = " ".join([spec.command, *(shlex.quote(t) for t in targets)])
-    log_path = shell.scratch("test.log")
+def _run_to_log(shell: RepoShell, command: str, name: str, timeout_s: float,
+                max_log_bytes: int) -> tuple[str, int | None, bool]:
+    """Run `command` in `shell` with stdout and stderr into one file, ``<git dir>/sao/<name>`` (so the
+    sandbox's output cap does not cut it), read back in chunks; returns ``(log, exit status, timed
+    out)``. Past `max_log_bytes` only the tail is kept (a first line says so)."""
+    log_path = shell.scratch(name)
     started = time.monotonic()
     result = shell.run(
         f'mkdir -p "$(git rev-parse --git-dir)/{SCRATCH}"; log={log_path}; '
@@ -453,4 +488,102 @@ def run_tests(
         log = f"[log cut: only the last {max_log_bytes} bytes]\n" + log
     if result.timed_out:
         log += f"\n[tests timed out after {time.monotonic() - started:.0f} s]"
-    return log, exit_code, result.timed_out, command
+    return log, exit_code, result.timed_out
+
+
+def run_tests(
+    shell: RepoShell,
+    spec: RunnerSpec,
+    targets: Sequence[str],
+    timeout_s: float = 600,
+    max_log_bytes: int = 8 << 20,
+) -> tuple[str, int | None, bool, str]:
+    """Run the tests (the fallback: our own command); returns ``(log, exit_code, timed_out, command)``.
+    The log goes to a file in the scratch dir (so the sandbox's output cap does not cut it) and is
+    read back in chunks."""
+    command = " ".join([spec.command, *(shlex.quote(t) for t in targets)])
+    log, exit_code, timed_out = _run_to_log(shell, command, "test.log", timeout_s, max_log_bytes)
+    return log, exit_code, timed_out, command
+
+
+# ---------------------------------------------------------------------------------------- the harness's eval script
+
+#: Where the harness's images hold the repository, and its eval scripts ``cd``.
+HARNESS_REPO_DIR = "/testbed"
+# a line that activates the images' conda env: "source /opt/miniconda3/bin/activate [env]", ". <same>",
+# "conda activate <env>" / "conda deactivate"
+_CONDA_LINE = re.compile(r"^\s*(?:(?:source|\.)\s+/opt/miniconda3/bin/activate(?:\s+\S+)?"
+                         r"|conda\s+(?:activate\s+\S+|deactivate))\s*;?\s*$")
+_HEREDOC = re.compile(r"(?<!<)<<(-?)\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\2")
+_TESTBED = re.compile(r"(?<![A-Za-z0-9_.-])/testbed(?![A-Za-z0-9_.-])")
+_SAFE_DIR = re.compile(r"/[A-Za-z0-9_./-]*")
+
+
+def adapt_eval_script(script: str, repo_dir: str = HARNESS_REPO_DIR, *, conda: bool = True) -> tuple[str, list[str]]:
+    """The harness's eval `script` for a repository at `repo_dir` (absolute) and, with `conda` False,
+    for a machine without the images' conda; returns ``(script, changes)``, one line of `changes`
+    per changed line (``line N: 'old' -> 'new'``).
+
+    Exactly two substitutions, on the script's command lines only (the bodies of here-documents,
+    e.g. the test patch the script applies with ``git apply -v - <<'EOF...'``, are never changed):
+
+    - the path ``/testbed`` (as a whole path component) becomes `repo_dir`, when `repo_dir` is
+      not ``/testbed``;
+    - with `conda` False, each line that only activates the conda env
+      (``source /opt/miniconda3/bin/activate [env]``, ``. /opt/miniconda3/bin/activate``,
+      ``conda activate <env>``, ``conda deactivate``) becomes the no-op
+      ``: 'sao: no conda: <the line>'`` (under the script's ``set -x`` it still shows in the log).
+
+    With ``repo_dir="/testbed"`` and `conda` True (the instance image) the script is returned
+    unchanged. Everything else (``set -uxo pipefail``, the test-file reset, the test patch, the
+    markers, the test command, the exit-status line) is the harness's. Raises ValueError for a
+    `repo_dir` that is not a plain absolute path (``/`` then letters, digits, ``_ . - /``)."""
+    if not _SAFE_DIR.fullmatch(repo_dir or ""):
+        raise ValueError(f"cannot put {repo_dir!r} into the harness's eval script: not a plain absolute path")
+    repo_dir = repo_dir.rstrip("/") or "/"
+    move = repo_dir != HARNESS_REPO_DIR
+    lines, changes = script.split("\n"), []
+    out: list[str] = []
+    delimiter: tuple[str, bool] | None = None
+    for number, line in enumerate(lines, 1):
+        if delimiter is not None:                     # inside a here-document: as it is
+            out.append(line)
+            word, tabs = delimiter
+            if (line.lstrip("\t") if tabs else line) == word:
+                delimiter = None
+            continue
+        new = line
+        if not conda and _CONDA_LINE.match(line):
+            new = ": " + shlex.quote(f"sao: no conda: {line.strip()}")
+        elif move:
+            new = _TESTBED.sub(lambda _m: repo_dir, line)
+        if new != line:
+            changes.append(f"line {number}: {line.strip()!r} -> {new.strip()!r}")
+        out.append(new)
+        heredoc = _HEREDOC.search(line)
+        if heredoc:
+            delimiter = (heredoc.group(3), heredoc.group(1) == "-")
+    return "\n".join(out), changes
+
+
+def run_eval_script(
+    shell: RepoShell,
+    script: str,
+    timeout_s: float = 1800,
+    max_log_bytes: int = 8 << 20,
+) -> tuple[str, int | None, bool, str]:
+    """Run an eval script (the harness's ``TestSpec.eval_script``, as `adapt_eval_script` left it) as
+    the harness does (``/bin/bash /eval.sh``, stdout and stderr into one log): written to
+    ``<git dir>/sao/eval.sh`` and run with ``bash`` from the repository dir; returns ``(log, bash's
+    exit status, timed_out, command)``. The log is the harness's ``test_output.txt``; the test
+    command's own exit status is in it (``>>>>> Test Exit Code: N``), bash's is that of the
+    script's last command."""
+    shell.write_scratch("eval.sh", script.encode("utf-8", "surrogateescape"))
+    command = 'bash "$(git rev-parse --git-dir)/sao/eval.sh"'
+    log, exit_code, timed_out = _run_to_log(shell, command, "test_output.txt", timeout_s, max_log_bytes)
+    return log, exit_code, timed_out, command
+
+
+def script_sha256(script: str) -> str:
+    """sha256 (hex) of a script's UTF-8 bytes, as `GradeReport.eval_script_sha256` records it."""
+    return hashlib.sha256(script.encode("utf-8", "surrogateescape")).hexdigest()

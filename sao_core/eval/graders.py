@@ -354,11 +354,17 @@ class LLMJudge:
 # --------------------------------------------------------------------------------------- SWE
 
 def verdict_from_swe_report(report: Mapping[str, Any], patch: str | None = None) -> Verdict:
-    """A Verdict (grader ``swe_tests``) from a `GradeReport` dict (`sao_core.envs.swe_grading`)."""
+    """A Verdict (grader ``swe_tests``) from a `GradeReport` dict (`sao_core.envs.swe_grading`).
+
+    ``extra["test_command"]`` names what ran the tests: ``"harness"`` (the record's own eval script,
+    through the harness's ``make_test_spec``) or ``"fallback"`` (our per-repository commands; the
+    reason in ``extra["fallback_reason"]``)."""
     extra = {key: report.get(key) for key in (
         "fail_to_pass_total", "fail_to_pass_passed", "fail_to_pass_failed", "pass_to_pass_total",
         "pass_to_pass_passed", "pass_to_pass_failed", "apply_method", "patch_applied", "test_patch_applied",
-        "tests_run", "test_exit_code", "tests_timed_out", "error", "resolution", "log_valid", "log_parser", "harness")}
+        "tests_run", "test_exit_code", "tests_timed_out", "error", "resolution", "log_valid", "log_parser", "harness",
+        "fallback_reason", "harness_derived", "eval_script_sha256", "eval_script_changes")}
+    extra["test_command"] = report.get("test_command_source")
     seconds = float(report.get("seconds") or 0.0)
     failed = list(report.get("fail_to_pass_failed") or []) + list(report.get("pass_to_pass_failed") or [])
     if report.get("resolved"):
@@ -389,7 +395,9 @@ def grade_swe_patch(record: Mapping[str, Any], patch: str, options: Mapping[str,
 
     `options` are the `SWEEnv` settings used for the benchmark (``sandbox_kind``, ``sandbox_limits``,
     ``sandbox_options``, ``repo_source``, ``test_command``, ``log_parser``, ``test_timeout_s``,
-    ``setup_command``; see :func:`sao_core.eval.run.swe_env_options`). `SandboxError` propagates.
+    ``setup_command``; see :func:`sao_core.eval.run.swe_env_options`). A record with the harness's
+    ``eval_script`` (swebench 5.x) runs that script and ``test_command`` / ``log_parser`` do not apply
+    (`sao_core.envs.swe.grade_in_shell`). `SandboxError` propagates.
     """
     from sao_core.envs.swe import SWEBENCH_SETUP, default_sandbox_factory, grade_patch, task_from_swe_record
     from sao_core.sandbox.base import SandboxLimits

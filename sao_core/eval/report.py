@@ -188,7 +188,7 @@ def _comparison(summary: Mapping[str, Any], previous: Mapping[str, Any] | None) 
     return "\n".join(html)
 
 
-def _intro(name: str, b: Mapping[str, Any]) -> str:
+def _intro(name: str, b: Mapping[str, Any], samples: Sequence[Mapping[str, Any]] = ()) -> str:
     k = int(b["k"])
     text = (f"<p>{b['problems']} problems × {k} samples; graded by <code>{escape(str(b.get('grader')))}</code>")
     versions = b.get("library_versions") or {}
@@ -199,6 +199,10 @@ def _intro(name: str, b: Mapping[str, Any]) -> str:
     if b.get("grader") == "swe_tests":
         text += (" Resolved as the official SWE-bench harness decides (<code>swebench.harness.grading."
                  "get_eval_report</code> on the captured test log).")
+        ran = Counter((s.get("harness") or {}).get("test_command") for s in samples if s.get("harness"))
+        if ran:
+            text += (f" Tests run by the record's own eval script (<code>make_test_spec</code>): {ran['harness']} "
+                     f"sample(s); by our fallback commands: {ran['fallback']}.")
     if name == "swe_verified":
         rate = (b.get("scores") or {}).get(f"avg@{k}")
         text += f" Resolved rate over all {b['problems']} instances (avg@{k}): <b>{_pct(rate)}</b>."
@@ -216,15 +220,21 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
     for s in samples:
         by_bench[str(s.get("benchmark"))].append(s)
     title = f"Evaluation of {summary.get('model', '?')}"
-    meta = [["model", summary.get("model")], ["engine", summary.get("engine")],
-            ["started", summary.get("started_at")], ["finished", summary.get("finished_at")],
-            ["wall time", f"{float(summary.get('seconds') or 0):.1f} s"],
-            ["samples generated / reused", f"{summary.get('samples_generated', 0)} / {summary.get('samples_reused', 0)}"],
-            ["sampling", f"temperature {config.get('temperature')}, top_p {config.get('top_p')}, top_k {config.get('top_k')}, "
-                         f"max_new_tokens {config.get('max_new_tokens')}, max_total_tokens {config.get('max_total_tokens')}, "
-                         f"seed {config.get('seed')}"],
-            ["LLM judge", f"{config.get('judge_model')} at {config.get('judge_url')} ({config.get('judge_policy')})"
-             if config.get("judge_url") else "none (answers rules cannot settle count as wrong and are listed)"]]
+    meta = [["model", summary.get("model")]]
+    if summary.get("adapter"):
+        title += " + LoRA adapter"
+        digest = summary.get("adapter_sha256")
+        meta.append(["LoRA adapter (merged into the model)",
+                     f"{summary['adapter']} (manifest sha256 {digest})" if digest else f"{summary['adapter']} (unverified)"])
+    meta += [["engine", summary.get("engine")],
+             ["started", summary.get("started_at")], ["finished", summary.get("finished_at")],
+             ["wall time", f"{float(summary.get('seconds') or 0):.1f} s"],
+             ["samples generated / reused", f"{summary.get('samples_generated', 0)} / {summary.get('samples_reused', 0)}"],
+             ["sampling", f"temperature {config.get('temperature')}, top_p {config.get('top_p')}, top_k {config.get('top_k')}, "
+                          f"max_new_tokens {config.get('max_new_tokens')}, max_total_tokens {config.get('max_total_tokens')}, "
+                          f"seed {config.get('seed')}"],
+             ["LLM judge", f"{config.get('judge_model')} at {config.get('judge_url')} ({config.get('judge_policy')})"
+              if config.get("judge_url") else "none (answers rules cannot settle count as wrong and are listed)"]]
     html = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
             f"<title>{escape(title)}</title><style>{_CSS}{TRAINING_CSS if training else ''}</style></head><body>",
             f"<h1>{escape(title)}</h1>", _table(["run", ""], meta)]
@@ -245,7 +255,7 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
     for name, b in benchmarks.items():
         mine = by_bench.get(name, [])
         html += [f'<h2 id="{escape(name)}">{escape(b.get("title", name))}</h2>',
-                 _intro(name, b),
+                 _intro(name, b, mine),
                  _groups_section(name, b), _length_histogram(b.get("title", name), mine),
                  "<h3>Who decided</h3>", _graders_table(b, mine),
                  _listing("Answers no grader could settle (counted as wrong)", b.get("unsettled", []),

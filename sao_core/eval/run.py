@@ -19,7 +19,8 @@ Outputs (in `EvalConfig.output`, a folder or an ``s3://`` prefix):
   (generated tokens), ``prompt_tokens, turns, seconds`` (wall time of the sample), ``generation_seconds,
   tool_seconds, grade_seconds, seed, groups`` (category, repository, ...), ``response`` (the end of the
   last model turn), SWE: ``patch``, ``tests`` (test counts) and ``harness`` (swebench version, log
-  parser, resolution status, whether the log was a valid run), plus ``judge`` when the LLM judge ruled;
+  parser, resolution status, whether the log was a valid run, ``test_command``: ``harness`` when the
+  record's own eval script ran, ``fallback`` for our commands), plus ``judge`` when the LLM judge ruled;
 - ``summary.json``: per benchmark its data set record, scores, counts, graders (with the grading
   libraries' versions, ``library_versions``), breakdowns, token statistics and per-problem results, plus the flat metrics and the comparison with a previous run;
 - ``metrics.json``: the flat ``name -> float`` metrics (KFP-ready, e.g. ``imo_answerbench/avg@4``);
@@ -27,6 +28,12 @@ Outputs (in `EvalConfig.output`, a folder or an ``s3://`` prefix):
 - ``run.json``: the settings that make samples comparable (checked when resuming), and the versions of
   the grading libraries (``library_versions``: ``swebench``, ``math-verify``, ...; recorded only);
 - ``datasets/<benchmark>/``: the normalised data (``data.jsonl``, ``rejects.jsonl``, ``stats.json``).
+
+A LoRA adapter (`EvalConfig.adapter`, a peft folder with a manifest or an ``s3://`` checkpoint) is merged into
+`model` once, before anything else, by `sao_core.training.merge.merge_checkpoint` into a scratch folder under
+``cache_dir/scratch`` (removed at the end); that merged model is evaluated exactly as a full model is (``hf`` or
+``vllm``). ``run.json`` and the summary record ``model`` (the base) and ``adapter`` with its manifest digest
+(``adapter_sha256``).
 
 Resuming: with `resume` (the default), samples already in ``samples.jsonl`` with status ``graded`` or
 ``timeout`` are kept and not generated again; ``error`` samples (a sandbox or engine failure) are
@@ -95,11 +102,15 @@ def sample_seed(seed: int, benchmark: str, problem_id: str, index: int) -> int:
     return int(digest[:8], 16) & 0x7FFFFFFF
 
 
-def run_settings(config: EvalConfig, loaded: list[LoadedBenchmark]) -> dict[str, Any]:
-    """What must be equal for samples of two runs to be mixed (stored in ``run.json``)."""
+def run_settings(config: EvalConfig, loaded: list[LoadedBenchmark], adapter_sha256: str | None = None
+                 ) -> dict[str, Any]:
+    """What must be equal for samples of two runs to be mixed (stored in ``run.json``); `adapter_sha256`: the
+    manifest digest of `config.adapter`."""
     prompt = f"{config.system_prompt or ''}\x00{config.math_prompt}"
     return {
         "model": config.model,
+        "adapter": config.adapter or None,
+        "adapter_sha256": adapter_sha256,
         "sampling": {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
                      "max_new_tokens": config.max_new_tokens, "max_total_tokens": config.max_total_tokens,
                      "seed": config.seed},
@@ -218,9 +229,12 @@ def _check_resume(output: _Output, settings: dict[str, Any], resume: bool) -> No
     except ValueError as err:
         raise EvalError(f"{output.uri_of(RUN_FILE)} is not JSON ({err}); remove it or set resume=false") from err
     problems = []
-    for key in ("model", "sampling", "prompt_sha256"):
+    for key in ("model", "sampling", "prompt_sha256", "adapter"):
         if before.get(key) != settings[key]:
             problems.append(f"{key}: {before.get(key)!r} there, {settings[key]!r} now")
+    if settings["adapter"] and before.get("adapter_sha256") != settings["adapter_sha256"]:
+        problems.append(f"adapter_sha256 (the adapter's files): {before.get('adapter_sha256')!r} there, "
+                        f"{settings['adapter_sha256']!r} now")
     for name, version in settings["datasets"].items():
         old = (before.get("datasets") or {}).get(name)
         if old is not None and old != version:
@@ -348,7 +362,8 @@ async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, An
     if spec.env == "swe":
         extra["tests"] = {k: v for k, v in verdict.extra.items() if k.endswith(("_total", "_passed", "_failed"))}
         if verdict.extra.get("harness"):     # what the SWE-bench harness decided, and which one
-            extra["harness"] = {k: verdict.extra.get(k) for k in ("harness", "log_parser", "resolution", "log_valid")}
+            extra["harness"] = {k: verdict.extra.get(k) for k in ("harness", "log_parser", "resolution", "log_valid",
+                                                                   "test_command")}
     if "judge" in verdict.extra:
         extra["judge"] = verdict.extra["judge"]
         extra["rule_grade"] = verdict.extra.get("rule_grade")
@@ -395,7 +410,8 @@ def _failed_sample(config: EvalConfig, bench: LoadedBenchmark, record: dict[str,
 
 # ------------------------------------------------------------------------------------------ the run
 
-def _make_engine(config: EvalConfig) -> Any:
+def _make_engine(config: EvalConfig, model: str | None = None) -> Any:
+    """The engine of `config` on `model` (default: config.model; the merged model of an adapter run)."""
     from sao_core.models import ModelLoadError
     from sao_core.rollout.engines import EngineError, make_engine
 
@@ -405,7 +421,7 @@ def _make_engine(config: EvalConfig) -> Any:
     if config.engine == "vllm" and not options.get("max_model_len"):
         options["max_model_len"] = config.max_total_tokens   # the context the run needs (checked by _check_context)
     try:
-        return make_engine(config.engine, config.model, config.cache_dir, **options)
+        return make_engine(config.engine, model or config.model, config.cache_dir, **options)
     except ModelLoadError as err:
         raise EvalError(f"cannot load the model: {err}") from err
     except EngineError as err:
@@ -416,8 +432,8 @@ def _make_engine(config: EvalConfig) -> Any:
 
 async def _generate(config: EvalConfig, loaded: list[LoadedBenchmark], todo: list[tuple[int, dict, int]],
                     store: _SampleStore, output: _Output, progress: Progress | None, total: int,
-                    done_before: int, given_engine: Any = None) -> int:
-    engine = given_engine if given_engine is not None else _make_engine(config)
+                    done_before: int, given_engine: Any = None, model: str | None = None) -> int:
+    engine = given_engine if given_engine is not None else _make_engine(config, model)
     graders = _Graders(config)
     if any(b.spec.grader == "math_rule" for b in loaded):
         await asyncio.to_thread(graders.warm_up, config.grader_workers)
@@ -489,6 +505,33 @@ def _check_swe_settings(config: EvalConfig) -> None:
                         "(each instance runs in its SWE-bench image)")
 
 
+def _merge_adapter(config: EvalConfig) -> dict[str, Any]:
+    """Merge `config.adapter` into `config.model` (`merge_checkpoint`) in a scratch folder under the cache:
+    ``{"model": the merged folder, "adapter_sha256", "sha256", "scratch"}``. EvalError before any other work when
+    the adapter is missing, unverified, not an adapter or does not fit the model."""
+    from sao_core.models import ModelLoadError
+    from sao_core.training.merge import merge_checkpoint
+
+    root = Path(config.cache_dir).expanduser() / "scratch"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise EvalError(f"cannot create the scratch folder {root} for the merged model: {err}") from err
+    scratch = Path(tempfile.mkdtemp(prefix="eval-merged-", dir=root))
+    unverified = config.unverified or bool(config.engine_options.get("unverified"))
+    try:
+        merged = merge_checkpoint(config.model, config.adapter, str(scratch / "model"), config.cache_dir,
+                                  unverified=unverified)
+    except (ValueError, ModelLoadError, storage.StorageError) as err:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise EvalError(f"cannot apply the adapter: {err}") from err
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    log.info("evaluating %s with adapter %s merged in (%s)", config.model, config.adapter, merged["model"])
+    return {**merged, "scratch": scratch}
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -499,13 +542,15 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
     `progress(done, total)` is called after every finished sample (counts of samples, reused ones
     included). `engine` (optional) is an already started `sao_core.rollout.engines.Engine` with a
     ``tokenizer`` attribute to generate with instead of starting ``config.engine`` on ``config.model``
-    (e.g. a colocated service's engine); it is not closed. `config.model` still names the run. The summary is the content of ``summary.json``: ``model, engine, started_at,
+    (e.g. a colocated service's engine); it is not closed. `config.model` still names the run. The summary is the content of ``summary.json``: ``model, adapter,
+    adapter_sha256`` (None without an adapter; with one also ``merged_model_sha256``), ``engine, started_at,
     finished_at, seconds`` (wall time), ``samples_generated, samples_reused, config, benchmarks``
     (per benchmark: ``title, dataset, problems, k, samples, scores, counts, graders, groups, tokens,
     per_problem, unsettled, errors``), ``metrics`` (flat name -> float, as in ``metrics.json``),
     ``comparison`` (None or ``{"previous", "model", "metrics": {name: {current, previous, delta}}}``)
     and ``files`` (where each output went). Raises EvalError for bad settings, unreadable data or
-    previous summary, a model that cannot be loaded, or when every sample failed.
+    previous summary, a model that cannot be loaded, an adapter that cannot be merged into it (before any other
+    work), or when every sample failed.
     """
     from sao_core.eval.report import write_report
 
@@ -520,7 +565,16 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
     if any(spec.env == "swe" for spec in specs):
         _check_swe_settings(config)
     _check_context(config, engine)
-    output = _Output(config.output)
+    if config.adapter and engine is not None:
+        raise EvalError("adapter cannot be applied to a given engine: evaluate with the engine's own weights, or "
+                        "without engine= so the merged model gets its own")
+    merged = _merge_adapter(config) if config.adapter else None
+    try:
+        output = _Output(config.output)
+    except BaseException:
+        if merged is not None:
+            shutil.rmtree(merged["scratch"], ignore_errors=True)
+        raise
     try:
         previous = load_summary(config.previous_summary) if config.previous_summary else None
         loaded = [
@@ -528,7 +582,7 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
                            config.max_reject_fraction, output.local / DATASETS_DIR / spec.name)
             for spec in specs
         ]
-        settings = run_settings(config, loaded)
+        settings = run_settings(config, loaded, merged["adapter_sha256"] if merged else None)
         if config.resume:
             output.fetch(RUN_FILE)
             output.fetch(SAMPLES_FILE)
@@ -545,18 +599,21 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
                             reused += 1
                         else:
                             todo.append((b, record, index))
-            log.info("evaluating %s on %s: %d samples to generate, %d reused", config.model,
-                     ", ".join(s.name for s in specs), len(todo), reused)
+            log.info("evaluating %s%s on %s: %d samples to generate, %d reused", config.model,
+                     f" + adapter {config.adapter}" if config.adapter else "", ", ".join(s.name for s in specs),
+                     len(todo), reused)
             if progress is not None:
                 progress(reused, total)
             generated = asyncio.run(_generate(config, loaded, todo, store, output, progress, total, reused,
-                                              engine)) if todo else 0
+                                              engine, merged["model"] if merged else None)) if todo else 0
         finally:
             store.close()
         samples = {b.spec.name: _in_scope(b, store.of(b.spec.name), config.k) for b in loaded}
         summary = summarize(config, loaded, samples, previous, equivalent=_voting_equivalence(config, loaded))
         if engine is not None:
             summary["engine"] = f"{type(engine).__name__} (given)"
+        if merged is not None:
+            summary.update(adapter_sha256=merged["adapter_sha256"], merged_model_sha256=merged["sha256"])
         summary.update(started_at=started_at, finished_at=_now(), seconds=round(time.monotonic() - started, 3),
                        samples_generated=generated, samples_reused=reused,
                        files={key: output.uri_of(name) for key, name in (
@@ -570,6 +627,8 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
         output.upload(SAMPLES_FILE, RUN_FILE, SUMMARY_FILE, METRICS_FILE, REPORT_FILE, DATASETS_DIR)
     finally:
         output.close()
+        if merged is not None:
+            shutil.rmtree(merged["scratch"], ignore_errors=True)
     errors = sum(bench["counts"].get("error", 0) for bench in summary["benchmarks"].values())
     if total and errors == total:
         first = next((b["errors"][0] for b in summary["benchmarks"].values() if b["errors"]), {})
@@ -651,5 +710,6 @@ def _summarize(config: EvalConfig, loaded: list[LoadedBenchmark], samples: dict[
     if previous is not None:
         comparison = {"model": previous.get("model"), "finished_at": previous.get("finished_at"),
                       "previous": config.previous_summary, "metrics": compare(flat, previous.get("metrics", {}))}
-    return {"schema": SUMMARY_SCHEMA, "model": config.model, "engine": config.engine, "config": public,
+    return {"schema": SUMMARY_SCHEMA, "model": config.model, "adapter": config.adapter or None,
+            "adapter_sha256": None, "engine": config.engine, "config": public,
             "benchmarks": benchmarks, "metrics": flat, "comparison": comparison}
