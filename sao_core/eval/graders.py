@@ -23,14 +23,14 @@
 from __future__ import annotations
 
 import re
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sao_core.envs.exact import squeeze
-from sao_core.envs.grading import MathGrader, answer_region, extract_boxed
+from sao_core.envs.grading import MathGrader
+from sao_core.eval.judge import JUDGE_SYSTEM, JUDGE_USER, JudgeRuling, LLMJudge, parse_judge_reply
 
 GRADERS = ("exact_int", "rule", "llm_judge", "swe_tests")
 
@@ -194,6 +194,11 @@ class ImoGrader:
                 return Verdict(True, "match", self.name, answer, "same words", seconds=time.monotonic() - started,
                                extra={"rule": "words"})
         prose = [name for name, text in (("reference", gold), ("answer", answer)) if is_prose(text)]
+        if len(prose) == 1:   # prose against a formula: the exact rules' prose-set rule may settle it
+            result = self.math_grader.grade(answer, gold, self.timeout_s, text_shortcut=text_shortcut, mode="exact")
+            if result.reason in ("match", "mismatch"):
+                return Verdict(result.correct, result.reason, self.name, answer, result.detail,
+                               seconds=time.monotonic() - started, extra={"rule": result.rule})
         if prose:
             return Verdict(False, "unsettled", self.name, answer,
                            f"the {' and the '.join(prose)} {'is' if len(prose) == 1 else 'are'} worded in prose: "
@@ -222,133 +227,10 @@ class ImoGrader:
 
 
 # --------------------------------------------------------------------------------------- LLM judge
+# The judge itself (prompt, transports, cache, agreement) is sao_core/eval/judge.py; its names are re-exported.
 
-JUDGE_SYSTEM = (
-    "You grade final answers to olympiad mathematics problems. You are given a problem, its reference "
-    "answer and a candidate's final answer. Decide whether the candidate's answer is mathematically "
-    "equivalent to the reference answer: the same number, set, expression, function or condition, possibly "
-    "written differently. Do not solve the problem yourself and do not judge the reasoning. An answer "
-    "that is incomplete, has extra solutions, or is only partly right is INCORRECT."
-)
-JUDGE_USER = (
-    "Problem:\n{problem}\n\nReference answer:\n{reference}\n\nCandidate's final answer:\n{answer}\n\n"
-    "Is the candidate's final answer equivalent to the reference answer? End your reply with exactly one of "
-    "\\boxed{{CORRECT}} or \\boxed{{INCORRECT}}."
-)
-_VERDICTS = {"correct": True, "incorrect": False, "equivalent": True, "not equivalent": False, "yes": True,
-             "no": False, "true": True, "false": False}
-_VERDICT_LINE = re.compile(r"(?i)\b(?:verdict|answer|grade)\s*[:=]\s*\**\s*(correct|incorrect)\b")
-
-
-@dataclass
-class JudgeRuling:
-    """One judge call: `correct` is None when the judge could not be asked or its reply had no verdict."""
-
-    correct: bool | None
-    verdict: str = ""
-    reply: str = ""
-    model: str = ""
-    seconds: float = 0.0
-    attempts: int = 0
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["reply"] = out["reply"][-2000:]
-        return out
-
-
-def parse_judge_reply(text: str) -> bool | None:
-    """The verdict in a judge's reply (after any reasoning block): the last ``\\boxed{CORRECT}`` /
-    ``\\boxed{INCORRECT}`` (also yes/no, equivalent/not equivalent), else a ``Verdict: CORRECT`` line."""
-    boxed = extract_boxed(text)
-    if boxed is not None:
-        word = re.sub(r"\\text\s*\{([^{}]*)\}", r"\1", boxed).strip().strip("*").strip().lower()
-        if word in _VERDICTS:
-            return _VERDICTS[word]
-    region = answer_region(text) or ""
-    found = _VERDICT_LINE.findall(region)
-    if found:
-        return found[-1].lower() == "correct"
-    return None
-
-
-class LLMJudge:
-    """An OpenAI-compatible chat endpoint that decides answer equivalence (thread-safe).
-
-    `url` is the API base (``http://host:8000/v1``; ``/chat/completions`` is appended). Requests use
-    temperature 0; connection errors, HTTP 429 and 5xx are retried `retries` times with a back-off of
-    1, 2, 4... seconds. At most `concurrency` requests run at once. `api_key` goes in an
-    ``Authorization: Bearer`` header when given.
-    """
-
-    def __init__(self, url: str, model: str, api_key: str | None = None, timeout_s: float = 120.0,
-                 retries: int = 2, concurrency: int = 4, max_tokens: int = 4096,
-                 sleep: Callable[[float], None] = time.sleep):
-        import httpx
-
-        self.url = url.rstrip("/")
-        self.endpoint = self.url + "/chat/completions"
-        self.model = model
-        self.retries = retries
-        self.max_tokens = max_tokens
-        self._sleep = sleep
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(timeout=timeout_s, headers=headers, trust_env=False)
-        self._slots = threading.BoundedSemaphore(concurrency)
-        self.calls = 0
-
-    def messages(self, problem: str, reference: str, answer: str) -> list[dict[str, str]]:
-        return [{"role": "system", "content": JUDGE_SYSTEM},
-                {"role": "user", "content": JUDGE_USER.format(problem=problem.strip() or "(not given)",
-                                                              reference=reference, answer=answer)}]
-
-    def judge(self, problem: str, reference: str, answer: str) -> JudgeRuling:
-        """Ask whether `answer` is equivalent to `reference` for `problem`. Never raises for HTTP or
-        reply problems: `JudgeRuling.error` says what went wrong and `correct` is None."""
-        import httpx
-
-        body = {"model": self.model, "messages": self.messages(problem, reference, answer), "temperature": 0.0,
-                "max_tokens": self.max_tokens}
-        started = time.monotonic()
-        error = "not attempted"
-        attempt = 0
-        with self._slots:
-            for attempt in range(1, self.retries + 2):
-                try:
-                    response = self._client.post(self.endpoint, json=body)
-                except httpx.HTTPError as exc:
-                    error = f"cannot reach the judge at {self.endpoint}: {type(exc).__name__}: {exc}"
-                else:
-                    if response.status_code == 429 or response.status_code >= 500:
-                        error = f"judge answered HTTP {response.status_code}: {response.text[:300]}"
-                    elif response.status_code != 200:
-                        error = f"judge refused the request: HTTP {response.status_code}: {response.text[:300]}"
-                        break
-                    else:
-                        self.calls += 1
-                        return self._ruling(response, started, attempt)
-                if attempt <= self.retries:
-                    self._sleep(2.0 ** (attempt - 1))
-        return JudgeRuling(None, model=self.model, seconds=time.monotonic() - started, attempts=attempt, error=error)
-
-    def _ruling(self, response: Any, started: float, attempts: int) -> JudgeRuling:
-        seconds = time.monotonic() - started
-        try:
-            data = response.json()
-            reply = data["choices"][0]["message"]["content"] or ""
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            return JudgeRuling(None, model=self.model, seconds=seconds, attempts=attempts,
-                               error=f"the judge's reply is not a chat completion ({type(exc).__name__}: "
-                                     f"{response.text[:200]})")
-        correct = parse_judge_reply(reply)
-        if correct is None:
-            return JudgeRuling(None, reply=reply, model=self.model, seconds=seconds, attempts=attempts,
-                               error="the judge's reply has no verdict (\\boxed{CORRECT} or \\boxed{INCORRECT})")
-        return JudgeRuling(correct, "CORRECT" if correct else "INCORRECT", reply, self.model, seconds, attempts)
-
-    def close(self) -> None:
-        self._client.close()
+__all__ = ["GRADERS", "IntegerGrader", "ImoGrader", "JUDGE_SYSTEM", "JUDGE_USER", "JudgeRuling", "LLMJudge",
+           "Verdict", "grade_swe_patch", "parse_judge_reply", "verdict_from_swe_report"]
 
 
 # --------------------------------------------------------------------------------------- SWE

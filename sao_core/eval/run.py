@@ -272,7 +272,7 @@ class _Graders:
         if config.judge_url and config.judge_model:
             key = os.environ.get(config.judge_api_key_env) if config.judge_api_key_env else None
             self.judge = LLMJudge(config.judge_url, config.judge_model, api_key=key, timeout_s=config.judge_timeout_s,
-                                  concurrency=config.judge_concurrency)
+                                  concurrency=config.judge_concurrency, api=config.judge_api)
         self.imo = ImoGrader(self.math, config.grade_timeout_s, self.judge, config.judge_policy)
         self.integer = IntegerGrader()
 
