@@ -244,6 +244,7 @@ def test_scores_by_hand_with_judge(tmp_path, tiny_tokenizer, judge_server):  # n
 
     text, _, charts = open_report(tmp_path / "run" / "report.html")
     assert "llm_judge" in text and "judge-x" in text
+    assert "LLM judge rulings: 3" in text     # every ruling listed (answer, what the rules said, verdict, cached)
     bars = {b["data-label"]: float(b["data-value"]) for b in marks(chart(charts, "IMO-AnswerBench: avg@4 per category"))}
     assert bars == {"Algebra": 0.5, "Geometry": 0.25, "Number theory": 0.75}
     assert len(marks(chart(charts, "pass@k"), "circle")) == 3 + 3          # pass@1, 2, 4 of two benchmarks

@@ -144,6 +144,16 @@ def _problem_table(b: Mapping[str, Any], samples: Sequence[Mapping[str, Any]]) -
     return f"<details><summary>per problem ({len(rows)})</summary>{table}</details>"
 
 
+def _judge_listing(samples: Sequence[Mapping[str, Any]]) -> str:
+    """Every ruling of the LLM judge: the answer, what the rules said, the judge's verdict (or its error), and
+    whether it was a cached ruling on the same (reference, answer)."""
+    judged = [s for s in samples if isinstance(s.get("judge"), Mapping)]
+    items = [{"id": s.get("id"), "sample": s.get("sample"), "answer": s.get("answer"), "rules": s.get("rule_grade"),
+              "judge": s["judge"].get("verdict") or f"no verdict: {s['judge'].get('error')}",
+              "cached": "yes" if s["judge"].get("cached") else "no"} for s in judged]
+    return _listing("LLM judge rulings", items[:200], len(items), ("id", "sample", "answer", "rules", "judge", "cached"))
+
+
 def _listing(title: str, items: Sequence[Mapping[str, Any]], total: int, keys: Sequence[str]) -> str:
     if not total:
         return ""
@@ -258,6 +268,7 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
                  _intro(name, b, mine),
                  _groups_section(name, b), _length_histogram(b.get("title", name), mine),
                  "<h3>Who decided</h3>", _graders_table(b, mine),
+                 _judge_listing(mine),
                  _listing("Answers no grader could settle (counted as wrong)", b.get("unsettled", []),
                           int(b.get("unsettled_total", 0)), ("id", "sample", "answer", "detail")),
                  _listing("Samples that failed (sandbox or engine errors; redone on resume)", b.get("errors", []),
