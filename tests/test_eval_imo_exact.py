@@ -49,8 +49,10 @@ def test_correct_rewrites_are_accepted(imo, gold, answer):
     assert (v.correct, v.grade, v.settled) == (True, "match", True), v
 
 
-def test_a_congruence_for_a_parametric_form_is_unsettled_not_wrong(imo):
+def test_a_congruence_for_a_parametric_form_is_the_same_class(imo):
     v = imo.grade("n \\equiv 3 \\pmod 4", "$n=4k+3$", {"problem": "p"})
+    assert (v.correct, v.grade, v.settled, v.extra["rule"]) == (True, "match", True, "congruence-progression"), v
+    v = imo.grade("n = 4k - 1", "$n=4k+3$")      # the same class, but as expressions in k they differ
     assert (v.correct, v.grade, v.settled) == (False, "unsettled", False), v
     v = imo.grade("1.749", "1.75")        # rounds to the decimal gold: the judge decides, never accepted
     assert (v.correct, v.grade, v.settled) == (False, "unsettled", False), v

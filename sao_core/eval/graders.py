@@ -11,7 +11,8 @@
   (`sao_core.envs.grading.MathGrader`). Rules *cannot settle* an answer when math-verify cannot parse
   it, times out or fails, or when the reference or the answer is worded in prose (``"all odd n"``,
   ``"1 if the triangle is isosceles, otherwise 2"``: math-verify ignores the words and would decide on
-  the numbers alone). Unsettled answers go to the optional LLM judge (grader ``llm_judge``, any
+  the numbers alone) — except that prose against a formula may be settled by the exact rules' ``prose-set``
+  rule (``"all positive integers"`` = ``\\mathbb{Z}^+``). Unsettled answers go to the optional LLM judge (grader ``llm_judge``, any
   OpenAI-compatible ``/chat/completions`` endpoint); with `judge_policy="rejected"` rule mismatches
   go to it too. Without a judge, an unsettled answer counts as wrong and is listed (``settled`` False).
 - **SWE-Bench Verified** (`grade_swe_patch`, grader ``swe_tests``): apply the patch in a fresh
