@@ -118,3 +118,35 @@ def test_the_cli_reports_agreement_and_writes_the_disagreements(generate_judge, 
     labelled.write_text("not json\n")
     assert main(["judge-agreement", "--judge-url", generate_judge.url, "--labelled", str(labelled)]) == 2
     assert "set.jsonl:1: not JSON" in capsys.readouterr().err
+
+
+def test_the_built_in_labelled_set_is_current_and_its_labels_agree_with_the_rules_wherever_they_settle(tmp_path):
+    """sao_core/eval/judge_labelled.jsonl = scripts/build_judge_labelled.py's output (the hand-written structural
+    sets of tests/data/eval and hand-written prose pairs for IMO-AnswerBench's prose answers); and where the rule
+    grader settles a pair, it says what the label says (a check of the labels, and of the rules)."""
+    import subprocess
+    import sys
+    from collections import Counter
+    from pathlib import Path
+
+    from sao_core.envs.grading import MathGrader
+    from sao_core.eval.graders import ImoGrader
+    from sao_core.eval.judge import LABELLED_SET
+
+    root = Path(__file__).resolve().parents[1]
+    before = LABELLED_SET.read_bytes()
+    built = subprocess.run([sys.executable, str(root / "scripts" / "build_judge_labelled.py")], capture_output=True,
+                           text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    assert LABELLED_SET.read_bytes() == before, "regenerate with scripts/build_judge_labelled.py"
+    pairs = read_labelled(LABELLED_SET)
+    assert len(pairs) == 251 and sum(p.equal for p in pairs) == 120
+    outcomes = Counter()
+    with MathGrader(max_workers=2, timeout_s=10) as math_grader:
+        grader = ImoGrader(math_grader, timeout_s=10)
+        for pair in pairs:
+            verdict = grader.rule(pair.answer, pair.reference)
+            outcomes[(pair.equal, verdict.grade)] += 1
+            if verdict.settled:
+                assert verdict.correct is pair.equal, (pair, verdict)
+    assert outcomes[(False, "match")] == 0
