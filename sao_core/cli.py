@@ -211,7 +211,7 @@ def cmd_judge_agreement(args: argparse.Namespace) -> int:
     pairs = read_labelled(args.labelled or LABELLED_SET)
     key = os.environ.get(args.judge_api_key_env) if args.judge_api_key_env else None
     judge = LLMJudge(args.judge_url, args.judge_model, api_key=key, api=args.judge_api, timeout_s=args.timeout_s,
-                     max_tokens=args.max_tokens)
+                     max_tokens=args.max_tokens, concurrency=args.concurrency)
     try:
         report = judge_agreement(judge, pairs)
     finally:
@@ -636,6 +636,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                                     "[default: the built-in set, sao_core/eval/judge_labelled.jsonl]")
     p.add_argument("--max-tokens", type=int, default=4096, help="reply length limit in tokens [default: 4096]")
     p.add_argument("--timeout-s", type=float, default=120.0, help="one judge request, seconds [default: 120]")
+    p.add_argument("--concurrency", type=int, default=4, help="judge requests in flight [default: 4]")
     p.add_argument("--output", default=None, help="write the whole report (with the disagreements) here as JSON")
     p.set_defaults(func=cmd_judge_agreement)
 

@@ -114,6 +114,7 @@ class LLMJudge:
         self._sleep = sleep
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=timeout_s, headers=headers, trust_env=False)
+        self.concurrency = concurrency
         self._slots = threading.BoundedSemaphore(concurrency)
         self._cache: dict[tuple[str, str], JudgeRuling] = {}
         self._cache_lock = threading.Lock()
@@ -234,12 +235,16 @@ def judge_agreement(judge: LLMJudge, pairs: Iterable[LabelledPair]) -> dict[str,
     counts as a disagreement), "no_verdict", "by_label" {equal, different: {pairs, agreed}},
     "false_accepts" (different pairs the judge called equal), "disagreements" (every pair the judge got
     wrong or gave no verdict on, with its ruling)}."""
+    from concurrent.futures import ThreadPoolExecutor
+
     pairs = list(pairs)
     disagreements = []
     by_label = {"equal": {"pairs": 0, "agreed": 0}, "different": {"pairs": 0, "agreed": 0}}
     agreed = no_verdict = false_accepts = 0
-    for pair in pairs:
-        ruling = judge.judge(pair.problem, pair.reference, pair.answer)
+    # the judge bounds its own requests in flight (`concurrency`); results are read in the set's order
+    with ThreadPoolExecutor(max_workers=judge.concurrency) as pool:
+        rulings = list(pool.map(lambda p: judge.judge(p.problem, p.reference, p.answer), pairs))
+    for pair, ruling in zip(pairs, rulings, strict=True):
         label = "equal" if pair.equal else "different"
         by_label[label]["pairs"] += 1
         if ruling.correct is pair.equal:
