@@ -1,8 +1,9 @@
 """LoRA adapters on the training core, with the `peft` library (wrapped, not re-implemented).
 
 `apply_lora` wraps a causal LM in a peft LoRA model: only the adapter's weights train (the optimiser is built
-over the parameters that require a gradient, so it holds the adapter's states only). Checkpoints keep the whole
-wrapped model's state (the training core's format), so a resume is exact. `plain_state_dict` gives the weights
+over the parameters that require a gradient, so it holds the adapter's states only). Checkpoints hold the adapter
+and its optimiser states only (`training.checkpointing`: the base comes back from the run's model), and a resume
+is exact. `apply_critic_lora` gives SAO's critic a LoRA body (its value head trains fully). `plain_state_dict` gives the weights
 of the model with the adapter merged in (peft's own merge), under the base model's names: what an export
 writes, a Hugging Face model any engine loads without peft.
 
