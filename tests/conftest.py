@@ -20,6 +20,7 @@ if str(Path(__file__).parent) not in sys.path:  # so tests can `import s3_server
     sys.path.insert(0, str(Path(__file__).parent))
 
 import s3_servers  # noqa: E402
+from eval_fixtures import imo, imo_records  # noqa: E402, F401  (shared IMO grader fixtures)
 from model_fixtures import sao_cache, tiny_model_dir, warm_tool_model  # noqa: E402, F401  (shared model fixtures)
 
 from sao_core import storage  # noqa: E402

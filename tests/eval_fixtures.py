@@ -417,3 +417,21 @@ def judge_server():
                           "$2^{k}$": ["all powers of two"], "3": ["three"]})
     yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def imo():
+    """The IMO-AnswerBench rule grader with its math-verify workers (module-scoped)."""
+    from sao_core.envs.grading import MathGrader
+    from sao_core.eval.graders import ImoGrader
+
+    with MathGrader(max_workers=2, timeout_s=5) as grader:
+        yield ImoGrader(grader, timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def imo_records():
+    """The real IMO-AnswerBench v2 records (the bundled data set)."""
+    from sao_core.eval.benchmarks import get_benchmark, load_benchmark
+
+    return load_benchmark(get_benchmark("imo_answerbench")).records

@@ -414,23 +414,13 @@ def adapters(base_dir, tmp_path_factory):
     """LoRA adapters for the embedded model as the learner writes them (peft's folder format): "v1" and "v2"
     (rank 4 on q_proj / v_proj, B drawn as if trained) and "rank8" (rank 8); name -> (folder, peft model, the
     reference)."""
-    import torch
-
-    from sao_core.models import load_model
-    from sao_core.training.lora import adapter_state_dict, apply_lora, write_adapter
+    from lora_helpers import make_adapter
 
     out = {}
     for name, rank, seed in (("v1", 4, 1), ("v2", 4, 2), ("rank8", 8, 3)):
-        model = apply_lora(load_model(base_dir, base_dir), rank=rank, alpha=8.0, dropout=0.0,
-                           target_modules="q_proj,v_proj")
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "lora_B" in param_name:    # B starts at zero: a trained adapter has moved it
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
         folder = tmp_path_factory.mktemp(f"adapter-{name}")
-        write_adapter(model, adapter_state_dict(model, lambda m: m.state_dict()), folder)
-        out[name] = (str(folder), model.eval())
+        model = make_adapter(base_dir, base_dir, folder, seed=seed, rank=rank)
+        out[name] = (str(folder), model)
     return out
 
 

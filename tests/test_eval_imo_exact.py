@@ -12,22 +12,7 @@ from pathlib import Path
 import pytest
 from imo_variants import equivalent_forms, wrong_variants
 
-from sao_core.envs.grading import MathGrader
-from sao_core.eval.benchmarks import get_benchmark, load_benchmark
-from sao_core.eval.graders import ImoGrader
-
 DATA = Path(__file__).parent / "data" / "eval"
-
-
-@pytest.fixture(scope="module")
-def imo():
-    with MathGrader(max_workers=2, timeout_s=5) as grader:
-        yield ImoGrader(grader, timeout_s=5)
-
-
-@pytest.fixture(scope="module")
-def records():
-    return load_benchmark(get_benchmark("imo_answerbench")).records
 
 
 @pytest.mark.parametrize("gold,answer", [
@@ -67,8 +52,8 @@ def test_hand_written_traps_are_never_accepted(imo):
     assert accepted == []
 
 
-def test_generated_wrong_variants_are_never_accepted(imo, records):
-    variants = wrong_variants(records)
+def test_generated_wrong_variants_are_never_accepted(imo, imo_records):
+    variants = wrong_variants(imo_records)
     kinds = Counter(kind for _, _, kind in variants)
     assert len(variants) >= 1000 and len(kinds) >= 7, kinds
     grades: Counter[str] = Counter()
@@ -82,10 +67,10 @@ def test_generated_wrong_variants_are_never_accepted(imo, records):
     assert accepted == []
 
 
-def test_equivalent_forms_are_accepted_or_unsettled(imo, records):
+def test_equivalent_forms_are_accepted_or_unsettled(imo, imo_records):
     hand = [(e["gold"], e["answer"], e["how"]) for e in
             json.loads((DATA / "imo_equivalents.json").read_text())["equivalents"]]
-    forms = equivalent_forms(records) + hand
+    forms = equivalent_forms(imo_records) + hand
     assert len(forms) >= 1000
     grades: Counter[str] = Counter()
     rejected, unsettled = [], []

@@ -21,24 +21,10 @@ import pytest
 from imo_variants import structural_variants
 
 from sao_core.envs.exact import MATCH, MISMATCH, UNSETTLED, compare
-from sao_core.envs.grading import MathGrader
-from sao_core.eval.benchmarks import get_benchmark, load_benchmark
-from sao_core.eval.graders import ImoGrader
 
 DATA = Path(__file__).parent / "data" / "eval"
 RULES = ("relation-interval", "plus-minus", "solution-list", "named-tuple", "congruence-progression", "degrees",
          "factorial-identity", "prose-set")
-
-
-@pytest.fixture(scope="module")
-def imo():
-    with MathGrader(max_workers=2, timeout_s=5) as grader:
-        yield ImoGrader(grader, timeout_s=5)
-
-
-@pytest.fixture(scope="module")
-def records():
-    return load_benchmark(get_benchmark("imo_answerbench")).records
 
 
 def test_hand_written_true_forms_are_settled_equal_by_their_rule(imo):
@@ -82,8 +68,8 @@ def test_hand_written_wrong_forms_are_never_accepted(imo):
     assert grades["mismatch"] >= 0.9 * len(wrong)          # settled different, not merely left unsettled
 
 
-def test_generated_structural_variants(imo, records):
-    variants = structural_variants(records)
+def test_generated_structural_variants(imo, imo_records):
+    variants = structural_variants(imo_records)
     wrong = [v for v in variants if v[3]]
     right = [v for v in variants if not v[3]]
     assert len(wrong) >= 500 and len(right) >= 100, (len(wrong), len(right))

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from lora_helpers import make_adapter
 from test_learner_parts import _learner, _on_policy, _recorded_batch
 
 from sao_core.learner.errors import LearnerError
@@ -18,24 +19,9 @@ from sao_core.rollout.client import RolloutClient, RolloutRequestError
 from sao_core.rollout.engines.base import EngineError, SamplingParams
 from sao_core.rollout.engines.hf import HFEngine
 from sao_core.rollout.server import RolloutServer, ServeConfig
-from sao_core.training.lora import adapter_state_dict, apply_lora, write_adapter
 
 PROBE = [3, 17, 5, 42, 9, 11, 28, 7, 64, 2, 33, 19]
-
-
-def _adapter(model_dir, cache, out, seed: int, rank: int = 4):
-    """An adapter with random (trained-looking) B matrices written to `out`; the peft model, for reference."""
-    from sao_core.models import load_model
-
-    model = apply_lora(load_model(str(model_dir), str(cache)), rank=rank, alpha=8.0, dropout=0.0,
-                       target_modules="q_proj,v_proj,down_proj")
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
-    write_adapter(model, adapter_state_dict(model, lambda m: m.state_dict()), out)
-    return model.eval()
+TARGETS = "q_proj,v_proj,down_proj"
 
 
 def _reference(model, ids: list[int], start: int = 1) -> list[float]:
@@ -49,8 +35,8 @@ def _close(a: list[float], b: list[float]) -> float:
 
 
 def test_the_hf_engine_applies_adapters_version_by_version(tiny_model_dir, sao_cache, tmp_path):
-    ref1 = _adapter(tiny_model_dir, sao_cache, tmp_path / "v1", seed=1)
-    ref2 = _adapter(tiny_model_dir, sao_cache, tmp_path / "v2", seed=2)
+    ref1 = make_adapter(tiny_model_dir, sao_cache, tmp_path / "v1", seed=1, target_modules=TARGETS)
+    ref2 = make_adapter(tiny_model_dir, sao_cache, tmp_path / "v2", seed=2, target_modules=TARGETS)
     from sao_core.models import load_model
 
     base = load_model(str(tiny_model_dir), str(sao_cache)).eval()

@@ -16,34 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_helpers import make_adapter
 
 from sao_core import storage
 from sao_core.models import EMBEDDED_TINY, TinyModelSpec, build_tiny_model, load_model
 from sao_core.training.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
-    adapter_state_dict,
-    apply_lora,
-    write_adapter,
 )
 from sao_core.training.merge import MergeError, merge_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 BEYOND = Path(__file__).parent / "data" / "eval" / "beyond_aime_sample.jsonl"
 IDS = torch.tensor([[3, 17, 5, 42, 9, 11, 28, 7, 64, 2, 33, 19]])
-
-
-def _make_adapter(model_dir, cache, out: Path, seed: int = 0):
-    """A LoRA adapter (random, trained-looking B matrices) written to `out`; returns the peft model."""
-    model = apply_lora(load_model(str(model_dir), str(cache)), rank=4, alpha=8.0, dropout=0.0,
-                       target_modules="q_proj,v_proj")
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
-    write_adapter(model, adapter_state_dict(model, lambda m: m.state_dict()), out)
-    return model.eval()
 
 
 def _logits(model) -> torch.Tensor:
@@ -56,14 +41,14 @@ def adapters(tmp_path_factory, sao_cache, tiny_model_dir) -> dict:
     """sealed: an adapter of the embedded model with its manifest (what a LoRA run publishes); bare: the same
     files without one; other: a sealed adapter of a narrower tiny model; logits: the peft model's, the base's."""
     root = tmp_path_factory.mktemp("adapters")
-    peft_model = _make_adapter(tiny_model_dir, sao_cache, root / "sealed")
+    peft_model = make_adapter(tiny_model_dir, sao_cache, root / "sealed")
     storage.seal_checkpoint(root / "sealed", metadata={"kind": "lora_adapter", "base_model": EMBEDDED_TINY})
     (root / "bare").mkdir()
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         shutil.copy(root / "sealed" / name, root / "bare" / name)
     narrow = build_tiny_model(root / "narrow-model", TinyModelSpec(hidden_size=64, intermediate_size=128,
                                                                    corpus_lines=300))
-    _make_adapter(narrow, sao_cache, root / "other")
+    make_adapter(narrow, sao_cache, root / "other")
     storage.seal_checkpoint(root / "other", metadata={"kind": "lora_adapter", "base_model": str(narrow)})
     return {"sealed": str(root / "sealed"), "bare": str(root / "bare"), "other": str(root / "other"),
             "logits": _logits(peft_model), "base_logits": _logits(load_model(str(tiny_model_dir), str(sao_cache)))}

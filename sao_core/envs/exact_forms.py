@@ -11,7 +11,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sao_core.envs.exact_values import (
-    _RELS,
     MATCH,
     MISMATCH,
     UNSETTLED,
@@ -23,6 +22,7 @@ from sao_core.envs.exact_values import (
     clean,
     nodes,
     parse_expression,
+    relation_chain,
     tokenize,
 )
 
@@ -793,19 +793,7 @@ def _relation_piece(item: str) -> tuple[str, Any, bool] | None:
         tokens = tokenize(item)
     except ParseError:
         return None
-    chain: list[list[str]] = [[]]
-    ops: list[str] = []
-    depth = 0
-    for tok in tokens:
-        if tok in ("(", "[", "{", "\\{"):
-            depth += 1
-        elif tok in (")", "]", "}", "\\}"):
-            depth -= 1
-        if depth == 0 and tok in _RELS:
-            ops.append(_RELS[tok])
-            chain.append([])
-        else:
-            chain[-1].append(tok)
+    chain, ops = relation_chain(tokens)
     if not ops:
         return None
     try:

@@ -458,19 +458,7 @@ def _node(tokens: list[str]) -> Node:
     if tokens == ["\\ldots"]:
         return Node("opaque", "\\ldots")
     # relations
-    chain: list[list[str]] = [[]]
-    ops: list[str] = []
-    depth = 0
-    for tok in tokens:
-        if tok in ("(", "[", "{", "\\{"):
-            depth += 1
-        elif tok in (")", "]", "}", "\\}"):
-            depth -= 1
-        if depth == 0 and tok in _RELS:
-            ops.append(_RELS[tok])
-            chain.append([])
-        else:
-            chain[-1].append(tok)
+    chain, ops = relation_chain(tokens)
     if ops:
         if ops == ["="] and _is_label(chain[0]):
             return Node("label", text, (_text(chain[0]), _node(chain[1])))
@@ -485,6 +473,25 @@ def _node(tokens: list[str]) -> Node:
         return Node("opaque", text)
     except Exception:     # noqa: BLE001  sympy raises many kinds on odd input: not readable
         return Node("opaque", text)
+
+
+def relation_chain(tokens: list[str]) -> tuple[list[list[str]], list[str]]:
+    """`tokens` split at their top-level relation symbols (outside brackets): (the sides, the relations between
+    them, normalised by `_RELS`); no relation gives one side and no relations."""
+    chain: list[list[str]] = [[]]
+    ops: list[str] = []
+    depth = 0
+    for tok in tokens:
+        if tok in ("(", "[", "{", "\\{"):
+            depth += 1
+        elif tok in (")", "]", "}", "\\}"):
+            depth -= 1
+        if depth == 0 and tok in _RELS:
+            ops.append(_RELS[tok])
+            chain.append([])
+        else:
+            chain[-1].append(tok)
+    return chain, ops
 
 
 def _interval_shape(tokens: list[str]) -> bool:
