@@ -625,18 +625,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_config_arguments(p, EvalConfig, skip=("cache_dir",))
     p.set_defaults(func=cmd_evaluate)
 
+    from sao_core.eval.judge import JUDGE_APIS
+
+    judge_defaults = {f.name: f.default for f in dataclasses.fields(EvalConfig)}
     p = sub.add_parser("judge-agreement", help="run an LLM judge over a labelled set of IMO answer pairs (equal or "
                                                "not) and report its agreement and every disagreement")
     p.add_argument("--judge-url", required=True, help="an OpenAI-compatible API base (…/v1) or a rollout service")
     p.add_argument("--judge-model", default="judge", help="the model name sent (rollout: only a label) [default: judge]")
-    p.add_argument("--judge-api", choices=("openai", "rollout"), default="openai", help="[default: openai]")
-    p.add_argument("--judge-api-key-env", default="SAO_JUDGE_API_KEY",
-                   help="environment variable holding the judge's key / the service's token [default: SAO_JUDGE_API_KEY]")
+    p.add_argument("--judge-api", choices=JUDGE_APIS, default=judge_defaults["judge_api"],
+                   help=f"[default: {judge_defaults['judge_api']}]")
+    p.add_argument("--judge-api-key-env", default=judge_defaults["judge_api_key_env"],
+                   help="environment variable holding the judge's key / the service's token "
+                        f"[default: {judge_defaults['judge_api_key_env']}]")
     p.add_argument("--labelled", default=None, help="JSON lines of {reference, answer, equal, problem?, note?} "
                                                     "[default: the built-in set, sao_core/eval/judge_labelled.jsonl]")
     p.add_argument("--max-tokens", type=int, default=4096, help="reply length limit in tokens [default: 4096]")
-    p.add_argument("--timeout-s", type=float, default=120.0, help="one judge request, seconds [default: 120]")
-    p.add_argument("--concurrency", type=int, default=4, help="judge requests in flight [default: 4]")
+    p.add_argument("--timeout-s", type=float, default=judge_defaults["judge_timeout_s"],
+                   help=f"one judge request, seconds [default: {judge_defaults['judge_timeout_s']:g}]")
+    p.add_argument("--concurrency", type=int, default=judge_defaults["judge_concurrency"],
+                   help=f"judge requests in flight [default: {judge_defaults['judge_concurrency']}]")
     p.add_argument("--output", default=None, help="write the whole report (with the disagreements) here as JSON")
     p.set_defaults(func=cmd_judge_agreement)
 

@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sao_core.eval.judge import JUDGE_APIS
+
 #: Benchmark names, in the order a report lists them.
 BENCHMARK_NAMES: tuple[str, ...] = ("swe_verified", "beyond_aime", "imo_answerbench")
 ENGINES: tuple[str, ...] = ("hf", "vllm")
 SANDBOXES: tuple[str, ...] = ("local", "kubernetes")
 JUDGE_POLICIES: tuple[str, ...] = ("unsettled", "rejected")
-JUDGE_APIS: tuple[str, ...] = ("openai", "rollout")   # = sao_core.eval.judge.JUDGE_APIS (a test checks)
 
 DEFAULT_MATH_PROMPT = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 

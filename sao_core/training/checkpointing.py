@@ -188,19 +188,14 @@ def trainable_state_dict(model) -> dict[str, torch.Tensor]:
 def save_full_model(model, tokenizer, staging: Path, ctx: DistContext) -> bool:
     """Gather the full weights of a (possibly FSDP2-sharded) causal LM and write a Hugging Face directory
     (safetensors + tokenizer) at `staging` on rank 0. Collective; returns True on the rank that wrote."""
-    from transformers import AutoModelForCausalLM
-
-    from sao_core.training.lora import plain_state_dict
+    from sao_core.training.lora import plain_model
 
     # A LoRA model is written with its adapter merged (peft's merge), under the base model's names.
     gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not ctx.is_main:
         return False
-    full = plain_state_dict(model, lambda _: gathered)
+    plain = plain_model(model, gathered)
     shutil.rmtree(staging, ignore_errors=True)
-    dtype = next(model.parameters()).dtype
-    plain = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
-    plain.load_state_dict(full, strict=True)
     plain.save_pretrained(staging, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)

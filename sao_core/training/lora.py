@@ -111,23 +111,32 @@ def base_names(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for name, tensor in full.items() if ".lora_" not in name}
 
 
+def plain_model(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain causal LM (CPU) holding `full`, the gathered full state dict of `model`; for a LoRA model the
+    adapter is merged in by peft and the names are the base model's. Built from the weights, not from the
+    live model, so it works on sharded models too and leaves the live model as it was."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = next(model.parameters()).dtype   # the training weights' (float32 master weights)
+    if not is_lora(model):
+        plain = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+        plain.load_state_dict(full, strict=True)
+        return plain
+    from peft import get_peft_model_state_dict
+
+    adapter = get_peft_model_state_dict(model, state_dict=full)
+    plain = AutoModelForCausalLM.from_config(model.get_base_model().config, dtype=dtype)
+    plain.load_state_dict(base_names(full), strict=True)
+    return merge_adapter_into(plain, model.peft_config["default"], adapter)
+
+
 def plain_state_dict(model: torch.nn.Module, state_dict_fn) -> dict[str, torch.Tensor]:
-    """The model's full weights under the base model's names, the adapter merged in by peft for a LoRA model.
-    `state_dict_fn(model)` gathers the full state dict (the training core's, FSDP-aware: a collective). The
-    merge runs on a plain copy built from the gathered weights (CPU), so it works on sharded models too and
-    leaves the live model as it was."""
+    """The model's full weights under the base model's names, the adapter merged in by peft for a LoRA model
+    (`plain_model`). `state_dict_fn(model)` gathers the full state dict (FSDP-aware: a collective)."""
     full = state_dict_fn(model)
     if not is_lora(model):
         return full
-    from peft import get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
-
-    adapter = get_peft_model_state_dict(model, state_dict=full)
-    plain = AutoModelForCausalLM.from_config(model.get_base_model().config,
-                                             dtype=next(iter(full.values())).dtype)
-    plain.load_state_dict(base_names(full), strict=True)
-    merged = merge_adapter_into(plain, model.peft_config["default"], adapter)
-    return {name: tensor.detach() for name, tensor in merged.state_dict().items()}
+    return {name: tensor.detach() for name, tensor in plain_model(model, full).state_dict().items()}
 
 
 # ------------------------------------------------------------------------------------------ adapter folders
