@@ -373,7 +373,7 @@ def run_gen_only(s: Settings, model: str, data: str, tail: dict, out: Path) -> d
 
 def run_train_only(source_arm: dict, method: str, s: Settings, model: str) -> dict:
     """Replay the batches of a learner run (its journal) through a fresh learner of `method`."""
-    from sao_core.models import load_model_and_tokenizer, resolve_model
+    from sao_core.models import load_model_and_tokenizer, pad_token_id, resolve_model
     from sao_core.models.value import ValueModel
 
     cache = _setup.default_cache_dir()
@@ -381,7 +381,7 @@ def run_train_only(source_arm: dict, method: str, s: Settings, model: str) -> di
     load_before = _setup.conditions()
     torch.manual_seed(s.seed)
     policy, tokenizer = load_model_and_tokenizer(model, cache)
-    critic = ValueModel.from_pretrained(resolve_model(model, cache).path) if method == "sao" else None
+    critic = ValueModel.from_reference(resolve_model(model, cache)) if method == "sao" else None
     config = RLConfig(data="-", output="-", method=method, model=model, batch_size=s.batch_size,
                       group_size=s.group_size, policy_lr=s.policy_lr, critic_lr=s.critic_lr, critic_warmup_steps=0)
     updater = Updater(config, policy, critic)
@@ -390,7 +390,7 @@ def run_train_only(source_arm: dict, method: str, s: Settings, model: str) -> di
     try:
         for step, trajectories in enumerate(batches):
             began, cpu_began = time.perf_counter(), _setup.process_cpu_seconds()
-            batch = collate(trajectories, tokenizer.pad_token_id)
+            batch = collate(trajectories, pad_token_id(tokenizer))
             padded.append(int(batch.input_ids.numel()))
             updater.step(batch, step)
             staging = scratch / "weights"

@@ -86,14 +86,14 @@ def journal_trajectories(journal: Path, count: int) -> list[Trajectory]:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from sao_core.models import load_model_and_tokenizer, resolve_model
+    from sao_core.models import load_model_and_tokenizer, pad_token_id, resolve_model
     from sao_core.models.value import ValueModel
 
     _setup.configure_torch()
     torch.manual_seed(args.seed)
     cache = _setup.default_cache_dir()
     policy, tokenizer = load_model_and_tokenizer(args.model, cache)
-    critic = ValueModel.from_pretrained(resolve_model(args.model, cache).path)
+    critic = ValueModel.from_reference(resolve_model(args.model, cache))
     if args.journal:
         trajectories = journal_trajectories(Path(args.journal), args.batch_size)
     else:
@@ -104,7 +104,7 @@ def measure(args: argparse.Namespace) -> dict:
     updater = Updater(config, policy, critic)
     # Same models, own optimisers: the weights drift a little between arms, which does not matter for timing.
     micro_updater = Updater(dataclasses.replace(config, micro_batch_tokens=args.micro_batch_tokens), policy, critic)
-    batch = collate(trajectories, tokenizer.pad_token_id)
+    batch = collate(trajectories, pad_token_id(tokenizer))
     mask = batch.action_mask
     scratch = Path(tempfile.mkdtemp(prefix="bench-learner-step-"))
     critic_params = [p for p in critic.parameters() if p.requires_grad]
@@ -115,7 +115,7 @@ def measure(args: argparse.Namespace) -> dict:
         (-(logp * mask).sum() / mask.sum()).backward()
         policy.zero_grad(set_to_none=True)
 
-    rows = [collate([t], tokenizer.pad_token_id) for t in trajectories]
+    rows = [collate([t], pad_token_id(tokenizer)) for t in trajectories]
 
     def unpadded():
         """The bare passes on each trajectory alone (no padding at all): the floor a packed learner could reach."""
@@ -196,7 +196,7 @@ def measure(args: argparse.Namespace) -> dict:
         step_counter[0] += 1
 
     def do_collate():
-        collate(trajectories, tokenizer.pad_token_id)
+        collate(trajectories, pad_token_id(tokenizer))
 
     def journal():
         (scratch / "journal.json").write_text(json.dumps({"step": 1, "ids": [t.id for t in trajectories],

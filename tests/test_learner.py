@@ -280,7 +280,9 @@ def test_a_failed_delete_of_old_weights_only_warns(tmp_path, monkeypatch, caplog
 
 def test_an_s3_run_keeps_only_the_newest_weight_versions(moto_s3, rl_data, sao_cache, tiny_model_dir):
     """keep_weight_versions holds on s3:// (real S3 server on 127.0.0.1): after 5 versions only the newest 2
-    are left under weights/, both complete. metrics.jsonl is on S3 while the run runs: at step k it has k lines."""
+    are left under weights/, both complete (weights in memory to the colocated engine, every version also made
+    durable in the background: publish_every 1). metrics.jsonl is on S3 while the run runs: at step k it has k
+    lines."""
     out = moto_s3.uri("run")
     seen: dict[int, list[int]] = {}
 
@@ -288,7 +290,8 @@ def test_an_s3_run_keeps_only_the_newest_weight_versions(moto_s3, rl_data, sao_c
         seen[step] = [json.loads(x)["step"] for x in storage.read_text(f"{out}/metrics.jsonl").splitlines()]
 
     summary = train_rl(_config(rl_data, out, tiny_model_dir, sao_cache, steps=5, batch_size=8, critic_warmup_steps=0,
-                               keep_weight_versions=2, max_new_tokens_per_turn=12, max_total_tokens=80),
+                               keep_weight_versions=2, publish_every=1, max_new_tokens_per_turn=12,
+                               max_total_tokens=80),
                        progress=progress)
     assert summary["version"] == 5
     assert seen == {k: list(range(1, k + 1)) for k in range(1, 6)}

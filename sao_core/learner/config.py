@@ -99,6 +99,12 @@ class RLConfig(CoreConfig):
         "drop", "episodes ended by an engine/environment error or a timeout: drop them, or train them")
     failed_reward: float = setting(0.0, "the reward failed episodes are trained with when failed_episodes is train")
     keep_weight_versions: int = setting(3, "published weight versions kept (older ones deleted)", unit="versions")
+    weight_transport: Literal["auto", "files"] = setting(
+        "auto", "how new weights reach the services: auto (in memory to a colocated hf engine, through storage to "
+        "the others and to LoRA adapters), files (always through storage)")
+    publish_every: int = setting(
+        0, "in-memory pushes: also write every Nth version to storage in the background (0: only at checkpoints "
+        "and the end)", unit="versions")
     lora_publish: Literal["adapter", "merged"] = setting(
         "adapter", "with lora_rank: publish each version as the LoRA adapter alone (megabytes), or merged into "
         "the full model (for engines that cannot take adapters)")
@@ -161,7 +167,10 @@ class RLConfig(CoreConfig):
             raise ValueError(f"RLConfig.delivery_check_tokens must be 0 (off) or >= 2, got {self.delivery_check_tokens}")
         if not (math.isfinite(self.delivery_tolerance) and self.delivery_tolerance > 0):
             raise ValueError(f"RLConfig.delivery_tolerance must be > 0, got {self.delivery_tolerance}")
-        for key in ("max_staleness", "max_in_flight", "critic_warmup_steps", "value_clip", "micro_batch_tokens"):
+        if self.weight_transport not in ("auto", "files"):
+            raise ValueError(f"RLConfig.weight_transport must be auto or files, got {self.weight_transport!r}")
+        for key in ("max_staleness", "max_in_flight", "critic_warmup_steps", "value_clip", "micro_batch_tokens",
+                    "publish_every"):
             if getattr(self, key) < 0:
                 raise ValueError(f"RLConfig.{key} must be >= 0, got {getattr(self, key)}")
         if self.method in GROUP_METHODS and self.batch_size % self.group_size:

@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import shutil
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,12 +27,13 @@ from sao_core import storage
 from sao_core.learner import journal
 from sao_core.learner.batch import collate
 from sao_core.learner.config import RLConfig
-from sao_core.learner.delivery import Probe, learner_logprobs, probe_tokens
+from sao_core.learner.delivery import Probe, chat_probe, learner_logprobs
 from sao_core.learner.errors import LearnerError
 from sao_core.learner.lag import lag_record
 from sao_core.learner.pending import position_of
 from sao_core.learner.state import Replayed, RunState
 from sao_core.learner.updates import Updater
+from sao_core.models.loading import ResolvedModel, pad_token_id
 from sao_core.rollout.trajectory import Trajectory
 from sao_core.training.checkpointing import (
     STATE_FILE,
@@ -46,9 +48,10 @@ from sao_core.training.distributed import DistContext, all_reduce, broadcast_obj
 
 log = logging.getLogger(__name__)
 
-#: push(version, weights URI, its sha256, delivery probe or None): hands a published version to the rollout
-#: services, which must pass the probe (delivery.compare)
-Push = Callable[[int, str, str, "Probe | None"], None]
+#: push(version, weights URI or None, digest, delivery probe or None, WeightUpdate or None): hands a version to
+#: the rollout services, which must pass the probe (delivery.compare). With a WeightUpdate the weights travel in
+#: memory (the digest is the update's); the URI is None then (no durable copy of that version yet).
+Push = Callable[..., None]
 
 
 def on_rank0(ctx: DistContext, fetch: Callable[[], Any]) -> Any:
@@ -123,17 +126,23 @@ class Learner:
     """The policy (and SAO's critic), their updater, and the run state they stand at (see the module)."""
 
     def __init__(self, config: RLConfig, ctx: DistContext, scratch: Path, policy, tokenizer, critic=None,
-                 initial_dir: str = ""):
+                 initial: ResolvedModel | None = None):
         """`policy` and `critic` already prepared by the training core (`prepare_model`); `scratch` a local
-        folder for staged weights and checkpoints; `initial_dir` the initial model's folder (the critic's
-        config when it is saved)."""
+        folder for staged weights and checkpoints; `initial` the resolved initial model (the critic's config when
+        it is saved)."""
         self.config, self.ctx, self.scratch = config, ctx, scratch
-        self.policy, self.tokenizer, self.critic, self.initial_dir = policy, tokenizer, critic, initial_dir
+        self.policy, self.tokenizer, self.critic, self.initial = policy, tokenizer, critic, initial
         # The tokens that end a model turn (what the engines stop on): for the turn-end health metrics.
         self.end_of_turn_ids = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
         self.updater = Updater(config, policy, critic, ctx, end_of_turn_ids=self.end_of_turn_ids)
         self.state = RunState()
         self.lora: dict | None = None   # the LoRA summary (rank, alpha, targets, parameters) when the policy has one
+        # In-memory pushes (`use_memory_transport`): the engine's dtypes per weight name (rank 0), the background
+        # writer of durable versions, and the seconds the last step's durable write cost the learner.
+        self.memory_push = False
+        self.engine_dtypes: dict = {}
+        self.durable = None
+        self.durable_wait_s = 0.0
 
     @classmethod
     def load(cls, config: RLConfig, ctx: DistContext, scratch: Path) -> Learner:
@@ -148,7 +157,7 @@ class Learner:
         policy, tokenizer = load_model_and_tokenizer(initial, config.cache_dir)
         critic = None
         if config.method == "sao":
-            critic = ValueModel.from_pretrained(initial.path)
+            critic = ValueModel.from_reference(initial)
             if config.freeze_critic_attention:
                 critic.freeze_attention()
             try:
@@ -164,7 +173,7 @@ class Learner:
         policy = prepare_model(policy, ctx, config.gradient_checkpointing)
         if critic is not None:
             critic = prepare_model(critic, ctx, config.gradient_checkpointing)
-        learner = cls(config, ctx, scratch, policy, tokenizer, critic, initial.path)
+        learner = cls(config, ctx, scratch, policy, tokenizer, critic, initial)
         learner.lora = lora
         return learner
 
@@ -176,7 +185,7 @@ class Learner:
         the learner dropped those)."""
         state = self.state
         staleness = Counter(t.staleness(state.version) for t in trajectories)
-        batch = collate(trajectories, self.tokenizer.pad_token_id)
+        batch = collate(trajectories, pad_token_id(self.tokenizer))
         metrics, changed = self.updater.step(batch, state.step, allow_empty_rows=allow_empty_rows,
                                              version=state.version)
         metrics.update(lag_record(trajectories, state.version, self.config.max_staleness))
@@ -196,17 +205,26 @@ class Learner:
 
     def probe(self) -> Probe | None:
         """The delivery probe at the current weights (collective: every rank runs the forward); None when
-        `delivery_check_tokens` is 0."""
+        `delivery_check_tokens` is 0. The built-in chat exchange through the tokenizer's chat template, its
+        first `delivery_check_tokens` assistant tokens scored (`delivery.chat_probe`: the same ids on every
+        rank), under the learner's own autocast (the tolerance covers a bf16 engine: see `delivery`)."""
         from sao_core.training.core import autocast
 
         n = self.config.delivery_check_tokens
         if not n:
             return None
+        try:
+            ids, start = chat_probe(self.tokenizer, n)
+        except ValueError as err:
+            raise LearnerError(f"delivery check: cannot build the probe with this tokenizer: {err}; set "
+                               "delivery_check_tokens 0 to run without the check") from err
         vocab = min(len(self.tokenizer), self.policy.config.vocab_size)
-        ids = probe_tokens(vocab, n, self.config.seed)
-        logprobs = learner_logprobs(self.policy, ids, 1, autocast(self.config.precision, self.ctx.device),
+        if max(ids) >= vocab:
+            raise LearnerError(f"delivery check: the probe's token id {max(ids)} is outside the policy's "
+                               f"vocabulary of {vocab}; set delivery_check_tokens 0 to run without the check")
+        logprobs = learner_logprobs(self.policy, ids, start, autocast(self.config.precision, self.ctx.device),
                                     self.ctx.device)
-        return Probe(ids, 1, logprobs, self.state.version, self.config.delivery_tolerance)
+        return Probe(ids, start, logprobs, self.state.version, self.config.delivery_tolerance)
 
     def _stage_weights(self, staging: Path) -> bool:
         """Write the version to publish at `staging` (collective; True on the rank that wrote): the LoRA
@@ -223,16 +241,87 @@ class Learner:
         write_adapter(self.policy, adapter, staging)
         return True
 
+    def use_memory_transport(self, engine_dtypes: dict) -> None:
+        """Push full weights in memory from now on (every rank calls it; `engine_dtypes`, name -> dtype of the
+        colocated engine's weights, matters on rank 0): durable versions are written in the background every
+        `publish_every` versions and at checkpoints (`learner/durable.py`)."""
+        from sao_core.learner.durable import DurableWeights
+        from sao_core.training.checkpointing import write_full_weights
+        from sao_core.training.lora import is_lora
+
+        self.memory_push, self.engine_dtypes = True, dict(engine_dtypes)
+        if self.ctx.is_main:
+            base = self.policy.get_base_model() if is_lora(self.policy) else self.policy
+            weights = storage.join(self.config.output, "weights")
+            self.durable = DurableWeights(
+                weights, self.scratch / "durable",
+                write=lambda state, staging: write_full_weights(base.config, state, self.tokenizer, staging),
+                prune=lambda uri, newest: prune_weight_versions(uri, newest, self.config.keep_weight_versions))
+
+    def _full_weights(self) -> dict | None:
+        """The policy's full weights under the plain causal LM's names (a LoRA adapter merged in): the live
+        parameters themselves in one process, gathered copies under torchrun (a collective; None off rank 0)."""
+        from sao_core.training.lora import plain_state_dict
+
+        if not self.ctx.distributed:
+            return plain_state_dict(self.policy, lambda m: m.state_dict())
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = plain_state_dict(self.policy, lambda m: get_model_state_dict(m, options=options))
+        return state if self.ctx.is_main else None
+
+    def make_durable(self, state: dict | None = None) -> float:
+        """Write the current version to storage in the background unless it was already submitted (collective
+        when `state` is not given: it gathers the weights). Returns the seconds the learner waited (snapshot and
+        the previous write). In-memory pushes only; a no-op otherwise."""
+        if not self.memory_push:
+            return 0.0
+        version = self.state.version
+        if self.durable is not None and self.durable.last_version == version:
+            return 0.0
+        if state is None:
+            state = self._full_weights()
+        if not self.ctx.is_main:
+            return 0.0
+        from sao_core.learner.durable import snapshot
+
+        began = time.monotonic()
+        copy = snapshot(state)
+        self.durable.submit(version, copy, {"version": version, "step": self.state.step})
+        return time.monotonic() - began
+
+    def flush_durable(self) -> None:
+        """Wait for the durable write in progress; LearnerError when it failed (rank 0; no-op elsewhere)."""
+        if self.durable is not None:
+            self.durable.wait()
+
+    def _publish_in_memory(self, push: Push | None, probe) -> None:
+        """The memory path of `publish`: build the update in the engine's dtypes, push it, and every
+        `publish_every` versions hand a snapshot to the durable writer."""
+        from sao_core.rollout.weights import WeightUpdate
+
+        state = self._full_weights()
+        if not self.ctx.is_main:
+            return
+        version = self.state.version
+        update = WeightUpdate.build(version, state, self.engine_dtypes)
+        if push is not None:
+            push(version, None, update.digest, probe, update)
+        every = self.config.publish_every
+        self.durable_wait_s = self.make_durable(state) if every and version % every == 0 else 0.0
+
     def publish(self, push: Push | None = None) -> float:
         """Gather the policy (collective); rank 0 publishes it as version `state.version` under
         ``<output>/weights/vNNNNNN`` (with `lora_rank` and `lora_publish` adapter: the adapter alone, which the
         services apply to their base model), calls `push(version, uri, sha256, probe)` (which returns once every
         live service verified, loaded it and passed the delivery probe) and then deletes the versions older than
         the newest `keep_weight_versions`. Returns the seconds it took (0 on the other ranks)."""
-        import time
-
         began = time.monotonic()
         probe = self.probe()
+        if self.memory_push:
+            self._publish_in_memory(push, probe)
+            return time.monotonic() - began if self.ctx.is_main else 0.0
         if not self._stage_weights(self.scratch / "weights"):
             return 0.0
         version, weights = self.state.version, storage.join(self.config.output, "weights")
@@ -257,6 +346,7 @@ class Learner:
         `more_dropped` / `more_requeued`: drops and re-queues this process counted outside the run state."""
         checkpoints = storage.join(self.config.output, "checkpoints")
         config = json.loads(json.dumps(asdict(self.config), default=list))
+        self.make_durable()   # in-memory pushes: the checkpoint's version on storage too (in the background)
         learner_state = self.state.to_checkpoint(self.config.method, self.updater.extra_state(), config,
                                                  more_dropped, more_requeued)
         uri = save_training_checkpoint(self.scratch / "checkpoint", storage.join(checkpoints, step_name(self.state.step)),
@@ -349,12 +439,12 @@ class Learner:
         critic_uri = None
         if self.critic is not None:
             critic_uri = storage.join(config.output, "critic")
-            if _save_critic(self.critic, self.initial_dir, self.scratch / "critic", self.ctx, self.config):
+            if _save_critic(self.critic, self.initial, self.scratch / "critic", self.ctx, self.config):
                 storage.publish_checkpoint(self.scratch / "critic", critic_uri, metadata={"step": state.step})
         return model_uri, critic_uri
 
 
-def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext, config: RLConfig) -> bool:
+def _save_critic(critic, initial: ResolvedModel, staging: Path, ctx: DistContext, config: RLConfig) -> bool:
     """Gather the critic (collective) and write it on rank 0 (a LoRA body merged); True on the rank that wrote."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -364,5 +454,5 @@ def _save_critic(critic, initial_dir: str, staging: Path, ctx: DistContext, conf
     if not ctx.is_main:
         return False
     shutil.rmtree(staging, ignore_errors=True)
-    merged_critic(critic, full, initial_dir, config).save_pretrained(staging)
+    merged_critic(critic, full, initial, config).save_pretrained(staging)
     return True

@@ -67,6 +67,13 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def in_memory(config: RLConfig, server, learner: Learner) -> bool:
+    """Whether the run hands its weights to `server` (the colocated service, None when there is none) in
+    memory: `weight_transport` auto, full weights (not a LoRA adapter) and an engine that can take them."""
+    return (server is not None and config.weight_transport == "auto" and not learner.publishes_adapter
+            and server.takes_weights_in_memory())
+
+
 def colocated_serve_config(config: RLConfig):
     """The ServeConfig of the rollout service a run starts in its own process (no `services` given):
     GPU split on one machine is `rollout_options={"gpu_memory_utilization": ...}` with the vllm engine.
@@ -206,10 +213,13 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
         services = ServiceSet(urls, consumer, plan, config.service_retry_s,
                               plan_for=lambda index, n: state.ledger.plan_fields(index, n),
                               on_restart=lambda index: service_restarted(index, len(urls)), token=token,
-                              on_plan=plan_sent)
+                              on_plan=plan_sent, local={0: server} if in_memory(config, server, learner) else {})
+    # Every rank must know: the weights are then gathered for the push instead of written to storage.
+    if on_rank0(ctx, lambda: bool(services and services.local)):
+        learner.use_memory_transport(server.weight_dtypes() if ctx.is_main else {})
 
-    def push(version: int, uri: str, digest: str, probe=None) -> None:
-        services.push(version, uri, digest, probe)
+    def push(version: int, uri: str | None, digest: str, probe=None, update=None) -> None:
+        services.push(version, uri, digest, probe, update)
 
     def checkpoint() -> str:
         return learner.checkpoint(pending.dropped_by_reason, pending.requeued)
@@ -364,6 +374,7 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                           "stream_low_water_mark": state.ledger.low_water_mark, **pending.bias.step_record(),
                           "learner_wait_s": waited,
                           "update_s": time.monotonic() - step_began, "weight_push_s": push_seconds,
+                          **({"durable_wait_s": learner.durable_wait_s} if learner.memory_push else {}),
                           "trajectories_per_s": trained_trajectories / elapsed,
                           "tokens_per_s": trained_tokens / elapsed, "seconds": elapsed,
                           "world_size": ctx.world_size}
@@ -387,6 +398,7 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                     progress(state.step, record)
         last_checkpoint = checkpoint()
         model_uri, critic_uri = learner.save_final()
+        learner.flush_durable()   # the last version's durable copy (written in the background) is complete
         if ctx.is_main:
             counters = state.counters
             summary = {
@@ -415,6 +427,8 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                 storage.write_text(storage.join(config.output, "summary.json"), json.dumps(summary, indent=2))
             write_training_report(config.output, metrics=metrics_path, config=config, summary=summary)
     finally:
+        if learner.durable is not None and learner.durable._thread is not None:
+            learner.durable._thread.join()   # a failing run still leaves no write running behind it
         if services is not None:
             services.stop(shutdown=config.shutdown_services)
         if server is not None:

@@ -14,6 +14,7 @@ from typing import Any
 from sao_core.learner.delivery import Probe, compare
 from sao_core.learner.errors import LearnerError
 from sao_core.rollout.client import RolloutAuthError, RolloutClient, RolloutRequestError, RolloutUnavailable
+from sao_core.rollout.manager import RolloutError
 from sao_core.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,12 @@ class ServiceSet:
     def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float, probe_s: float = 2.0,
                  plan_for: Callable[[int, int], dict] | None = None,
                  on_restart: Callable[[int], None] | None = None, token: str | None = None,
-                 on_plan: Callable[[int, int, dict], None] | None = None):
+                 on_plan: Callable[[int, int, dict], None] | None = None, local: dict[int, Any] | None = None):
         self.clients = [RolloutClient(url, consumer=consumer, token=token) for url in urls]
+        # index -> the service object of a service running in this process (`RolloutServer`): full weights are
+        # handed to it in memory (`update_in_memory`) instead of through files and HTTP.
+        self.local = dict(local or {})
+        self.update = None                                 # the WeightUpdate of `weights` when pushed in memory
         self.holds: dict[int, int] = {}                     # index -> weights version verified on that service
         self.plan = plan
         self.plan_for = plan_for
@@ -78,6 +83,20 @@ class ServiceSet:
     def _push_one(self, index: int, version: int, uri: str, digest: str, resync: bool) -> None:
         """Push `version` to service `index` and check its answer (LearnerError unless it now serves it)."""
         client = self.clients[index]
+        if index in self.local and self.update is not None and self.update.version == version:
+            try:
+                answer = self.local[index].update_in_memory(self.update, resync=resync)
+            except RolloutError as err:
+                raise LearnerError(f"rollout service {client.url} (in this process) refused weights version "
+                                   f"{version} handed over in memory: {err}; stopping rather than training on "
+                                   "another policy's trajectories") from err
+            self._check_answer(client.url, answer, version, digest)
+            self._check_delivery(index, version)
+            self.holds[index] = version
+            return
+        if uri is None:
+            raise LearnerError(f"rollout service {client.url} needs weights version {version} from storage, but that "
+                               "version was handed over in memory only (weight_transport); no durable copy exists")
         try:
             answer = client.push_weights(version, uri, digest, resync=resync)
         except RolloutAuthError as err:
@@ -87,12 +106,17 @@ class ServiceSet:
             raise LearnerError(f"rollout service {client.url} refused weights version {version} of this learner: "
                                f"{err}. Its weights are not the learner's (was it given weights by someone else?); "
                                "stopping rather than training on another policy's trajectories") from err
-        if answer.get("version") != version or answer.get("sha256", digest) != digest:
-            raise LearnerError(f"rollout service {client.url} answered weights version {answer.get('version')} "
-                               f"(digest {answer.get('sha256')}) to the learner's push of version {version} "
-                               f"(digest {digest}); its weights are not the learner's, stopping")
+        self._check_answer(client.url, answer, version, digest)
         self._check_delivery(index, version)
         self.holds[index] = version
+
+    @staticmethod
+    def _check_answer(url: str, answer: dict, version: int, digest: str) -> None:
+        """LearnerError unless a service answered a push with the version and digest pushed."""
+        if answer.get("version") != version or answer.get("sha256", digest) != digest:
+            raise LearnerError(f"rollout service {url} answered weights version {answer.get('version')} "
+                               f"(digest {answer.get('sha256')}) to the learner's push of version {version} "
+                               f"(digest {digest}); its weights are not the learner's, stopping")
 
     def _check_delivery(self, index: int, version: int) -> None:
         """The service's log-probs of the probe equal the learner's at `version` (LearnerError naming it)."""
@@ -242,10 +266,13 @@ class ServiceSet:
                 oldest.append(status["oldest_unfinished_version"])
         return True, min(oldest, default=None)
 
-    def push(self, version: int, uri: str, digest: str, probe: Probe | None = None) -> None:
+    def push(self, version: int, uri: str | None, digest: str, probe: Probe | None = None, update=None) -> None:
         """Every live service loads `version`, confirms it and passes the delivery `probe` (LearnerError naming a
-        service that does not)."""
+        service that does not). `update` (a `WeightUpdate`, digest `digest`): the weights in memory, handed to the
+        services in this process (`local`); `uri` (None when there is no durable copy): where the others load
+        them from."""
         self.weights = (version, uri, digest)
+        self.update = update
         self.probe = probe
         self.delivery = {}
         def push_one(index: int) -> None:

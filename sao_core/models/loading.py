@@ -138,6 +138,21 @@ def _hub_error(resolved: ResolvedModel, err: Exception) -> ModelLoadError:
     )
 
 
+def pad_token_id(tokenizer) -> int:
+    """The token id that pads a batch built with `tokenizer`: its pad token; else its end-of-sequence token (the
+    first, when it has several); else 0. Many tokenizers have no pad token (Llama 3, Mistral, most base models;
+    SmolLM2's GGUF under transformers 5.17): every batch is padded with this id instead of
+    ``tokenizer.pad_token_id``, which is then None. Padded positions are masked (attention mask 0, no loss or
+    action mask), so the value never reaches a loss: any id in the vocabulary serves. The tokenizer is left
+    as it is (no pad token is set on it)."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(candidate, list | tuple):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
 def load_tokenizer(reference: ModelRef, cache_dir: str | Path, unverified: bool = False):
     """Load the tokenizer of a model reference (a `transformers` tokenizer)."""
     from transformers import AutoTokenizer

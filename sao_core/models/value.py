@@ -7,16 +7,22 @@ token share an index.
 
 On disk a critic is a Hugging Face directory of the backbone (``config.json`` and weights, loadable with
 ``transformers.AutoModel``) plus ``value_head.safetensors`` and ``sao_value_model.json``. A plain causal-LM
-directory (the policy's initial checkpoint) also loads: the backbone comes from it, the head is fresh.
+directory (the policy's initial checkpoint) also loads: the backbone comes from it, the head is fresh; so does
+a GGUF file in a directory (`gguf_file`). `ValueModel.from_reference` builds the critic from any model reference
+(`sao_core.models.resolve_model`: embedded, GGUF, local, s3://, Hugging Face id).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from sao_core.models.loading import ResolvedModel
 
 HEAD_FILE = "value_head.safetensors"
 META_FILE = "sao_value_model.json"
@@ -102,31 +108,53 @@ class ValueModel(nn.Module):
         return path
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | str = torch.float32) -> ValueModel:
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | str = torch.float32,
+                        gguf_file: str | None = None) -> ValueModel:
         """Load a saved critic, or a plain causal-LM directory with a fresh zero head.
 
         Args:
             directory: a directory written by `save_pretrained`, or a Hugging Face causal-LM directory.
             dtype: backbone dtype (a torch dtype or its name, e.g. "bfloat16"); the head stays float32.
+            gguf_file: the name of a GGUF file in `directory` to take the backbone from (config and weights,
+                dequantised by transformers); the directory then needs no config.json.
 
         Raises:
             ValueError: the directory is missing, is neither kind, or its value head does not fit.
         """
+        return cls._load(str(directory), dtype, gguf_file, local=True)
+
+    @classmethod
+    def from_reference(cls, model: ResolvedModel, dtype: torch.dtype | str = torch.float32) -> ValueModel:
+        """SAO's initial critic from a resolved model reference (`sao_core.models.resolve_model`): the body of
+        the causal LM it names with a fresh zero head (or a saved critic), whatever the source: the embedded
+        tiny model, SmolLM2's GGUF (its `gguf_file`), a local or an ``s3://`` checkpoint (fetched into the cache
+        by `resolve_model`), a Hugging Face id (resolved by transformers: its local cache or the hub). The same
+        files the policy is loaded from (`load_model`), so the critic's body starts equal to the policy's.
+
+        Raises:
+            ValueError: as `from_pretrained`; for a hub id also when transformers cannot get it.
+        """
+        return cls._load(model.path, dtype, model.gguf_file, local=model.source != "huggingface")
+
+    @classmethod
+    def _load(cls, location: str, dtype: torch.dtype | str, gguf_file: str | None, local: bool) -> ValueModel:
+        """The one loader: `location` a local directory (`local`) or a Hugging Face id."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
         from transformers import AutoModel
 
-        path = Path(directory)
+        path = Path(location)
         if isinstance(dtype, str):
             resolved = getattr(torch, dtype, None)
             if not isinstance(resolved, torch.dtype):
                 raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
             dtype = resolved
         meta_path = path / META_FILE
-        is_critic = meta_path.is_file()
-        if not path.is_dir() or not (is_critic or (path / "config.json").is_file()):
+        is_critic = local and meta_path.is_file()
+        weights = gguf_file or "config.json"
+        if local and (not path.is_dir() or not (is_critic or (path / weights).is_file())):
             raise ValueError(f"{path} is neither a saved ValueModel directory ({META_FILE}) nor a Hugging Face "
-                             "causal-LM directory (config.json)")
+                             f"causal-LM directory ({weights})")
         meta = None
         if is_critic:
             try:
@@ -136,10 +164,12 @@ class ValueModel(nn.Module):
             if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
                 raise ValueError(f"{meta_path}: unsupported value-model format {meta!r} (expected format "
                                  f"{FORMAT_VERSION})")
+        kwargs = {"dtype": dtype, **({"gguf_file": gguf_file} if gguf_file else {})}
         try:
-            backbone = AutoModel.from_pretrained(str(path), dtype=dtype)
+            backbone = AutoModel.from_pretrained(location, **kwargs)
         except (OSError, ValueError, KeyError) as err:
-            raise ValueError(f"cannot load a backbone from {path}: {err}") from err
+            source = f"{gguf_file} in {location}" if gguf_file else location
+            raise ValueError(f"cannot load a backbone from {source}: {err}") from err
         model = cls(backbone)
         if meta is not None:
             if meta.get("hidden_size") != model.hidden_size:

@@ -478,14 +478,8 @@ class RolloutManager:
             if resolved is None:
                 raise outside()
             current = self.engine.version
-            if resync and version == current and sha256 == self.weights_sha256:
+            if self._check_next_version(version, sha256, resync):
                 return {"version": current, "sha256": self.weights_sha256, "seconds": 0.0, "unchanged": True}
-            if not resync and version <= current:
-                raise ConflictError(f"version {version} is not newer than the current version {current}; "
-                                    f"the service takes only version {current + 1} next (or a resync)")
-            if not resync and version != current + 1:
-                raise ConflictError(f"version {version} skips versions: the service is at version {current} and "
-                                    f"takes only version {current + 1} next (a learner re-syncing sends resync=true)")
             started = time.monotonic()
             try:
                 actual = await asyncio.to_thread(storage.checkpoint_digest, resolved)
@@ -508,6 +502,44 @@ class RolloutManager:
             self.weights_sha256 = sha256
             self.last_weight_load_seconds = time.monotonic() - started
             return {"version": self.engine.version, "sha256": sha256, "seconds": self.last_weight_load_seconds}
+
+    def _check_next_version(self, version: int, digest: str, resync: bool) -> bool:
+        """True when the update is the weights already in use (a resync of the same version and digest: a
+        no-op); ConflictError unless `version` is the next one (current + 1) or `resync`."""
+        current = self.engine.version
+        if resync and version == current and digest == self.weights_sha256:
+            return True
+        if not resync and version <= current:
+            raise ConflictError(f"version {version} is not newer than the current version {current}; "
+                                f"the service takes only version {current + 1} next (or a resync)")
+        if not resync and version != current + 1:
+            raise ConflictError(f"version {version} skips versions: the service is at version {current} and "
+                                f"takes only version {current + 1} next (a learner re-syncing sends resync=true)")
+        return False
+
+    async def update_in_memory(self, update, resync: bool = False) -> dict:
+        """Full weights from a learner in this process (`sao_core.rollout.weights.WeightUpdate`): the same version
+        rules as `update_weights`, under the same lock; the engine copies the tensors into its model and checks
+        their digest (`HFEngine.update_in_memory`). RolloutError when the engine cannot take weights this way or
+        refuses them (the message says why)."""
+        if not hasattr(self.engine, "update_in_memory"):
+            raise RolloutError(f"the {type(self.engine).__name__} engine takes weights only from files")
+        async with self._weights_lock:
+            current = self.engine.version
+            if self._check_next_version(update.version, update.digest, resync):
+                return {"version": current, "sha256": self.weights_sha256, "seconds": 0.0, "unchanged": True}
+            started = time.monotonic()
+            try:
+                received = await self.engine.update_in_memory(update)
+            except EngineError as err:
+                raise RolloutError(f"cannot take weights version {update.version} in memory: {err}") from err
+            self.weights_sha256 = received
+            self.last_weight_load_seconds = time.monotonic() - started
+            return {"version": self.engine.version, "sha256": received, "seconds": self.last_weight_load_seconds}
+
+    def weight_dtypes(self) -> dict:
+        """name -> dtype of the engine's weights (what an in-memory update must be sent in)."""
+        return self.engine.weight_dtypes()
 
     async def score(self, token_ids: list[int], start: int) -> dict:
         """{"logprobs": of token_ids[start:], "version"}: scored under the weights lock, so the version is the

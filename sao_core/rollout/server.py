@@ -150,6 +150,7 @@ class RolloutServer:
         self._thread: threading.Thread | None = None
         self._server: uvicorn.Server | None = None
         self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.manager: RolloutManager | None = None
 
     def _build(self) -> tuple[RolloutManager, object]:
@@ -176,6 +177,7 @@ class RolloutServer:
 
     async def serve_async(self) -> None:
         """Serve until shutdown (foreground use)."""
+        self._loop = asyncio.get_running_loop()
         self.manager, app = self._build()
         if self.plan is not None:
             self.manager.start(self.plan)
@@ -208,6 +210,24 @@ class RolloutServer:
                 return self
             time.sleep(0.05)
         raise TimeoutError(f"rollout service did not start within {timeout_s} s")
+
+    # ------------------------------------------------------------------ colocated learner (same process)
+    def takes_weights_in_memory(self) -> bool:
+        """Whether this service's engine can take weights handed over in memory (the HF engine)."""
+        return self.manager is not None and hasattr(self.manager.engine, "update_in_memory")
+
+    def weight_dtypes(self) -> dict:
+        """name -> dtype of the engine's weights: what `update_in_memory` must be sent in."""
+        return self.manager.weight_dtypes()
+
+    def update_in_memory(self, update, resync: bool = False, timeout_s: float = 600.0) -> dict:
+        """Hand the engine a `WeightUpdate` from this process (no HTTP, no files): the manager's version rules and
+        lock, the engine's copy and digest check. Blocks until the engine serves it; returns the manager's answer
+        ({"version", "sha256": the digest the engine recomputed, "seconds"}); RolloutError when refused."""
+        if self._loop is None or self.manager is None:
+            raise RuntimeError("the rollout service is not running")
+        future = asyncio.run_coroutine_threadsafe(self.manager.update_in_memory(update, resync), self._loop)
+        return future.result(timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._request_exit()

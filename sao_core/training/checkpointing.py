@@ -202,6 +202,21 @@ def save_full_model(model, tokenizer, staging: Path, ctx: DistContext) -> bool:
     return True
 
 
+def write_full_weights(config, state: dict, tokenizer, staging: Path) -> None:
+    """Write a Hugging Face folder (safetensors, config, tokenizer) of the full weights `state` (plain causal-LM
+    names, e.g. `lora.plain_state_dict`) of a model of `config` at `staging`, without building a model that
+    is randomly initialised first (`lora.model_holding`)."""
+    import torch
+
+    from sao_core.training.lora import model_holding
+
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    shutil.rmtree(staging, ignore_errors=True)
+    model_holding(config, state, dtype).save_pretrained(staging, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staging)
+
+
 def export_hf_model(model, tokenizer, staging: Path, dest_uri: str, metadata: dict[str, Any],
                     ctx: DistContext) -> str | None:
     """Gather the full weights and publish a Hugging Face model (safetensors + tokenizer) at `dest_uri`.

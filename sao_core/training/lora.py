@@ -87,12 +87,13 @@ def apply_critic_lora(critic, config):
     return critic
 
 
-def merged_critic(critic, full: dict[str, torch.Tensor], initial_dir: str, config):
+def merged_critic(critic, full: dict[str, torch.Tensor], initial, config):
     """A plain critic (no LoRA layers) holding the gathered weights `full` of `critic`, its body's adapter merged
-    in by peft: what `ValueModel.save_pretrained` writes."""
+    in by peft: what `ValueModel.save_pretrained` writes. `initial`: the resolved model the critic was built from
+    (`ValueModel.from_reference`)."""
     from sao_core.models.value import ValueModel
 
-    plain = apply_critic_lora(ValueModel.from_pretrained(initial_dir), config)
+    plain = apply_critic_lora(ValueModel.from_reference(initial), config)
     plain.load_state_dict(full, strict=True)
     if config.critic_lora_rank:
         plain.backbone = plain.backbone.merge_and_unload()
@@ -115,19 +116,30 @@ def plain_model(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> torch.
     """A plain causal LM (CPU) holding `full`, the gathered full state dict of `model`; for a LoRA model the
     adapter is merged in by peft and the names are the base model's. Built from the weights, not from the
     live model, so it works on sharded models too and leaves the live model as it was."""
-    from transformers import AutoModelForCausalLM
-
     dtype = next(model.parameters()).dtype   # the training weights' (float32 master weights)
     if not is_lora(model):
-        plain = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
-        plain.load_state_dict(full, strict=True)
-        return plain
+        return model_holding(model.config, full, dtype)
     from peft import get_peft_model_state_dict
 
     adapter = get_peft_model_state_dict(model, state_dict=full)
-    plain = AutoModelForCausalLM.from_config(model.get_base_model().config, dtype=dtype)
-    plain.load_state_dict(base_names(full), strict=True)
+    plain = model_holding(model.get_base_model().config, base_names(full), dtype)
     return merge_adapter_into(plain, model.peft_config["default"], adapter)
+
+
+def model_holding(config, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.nn.Module:
+    """A causal LM of `config` whose weights are the tensors of `state` (assigned, not copied; those not in
+    `dtype` converted). Built on the meta device: no random initialisation of weights that are replaced at
+    once (at the Qwen3-1.7B shape that took 40 s of an 87 s push). For saving and merging: its non-persistent
+    buffers (e.g. rotary frequencies) stay unallocated, so it cannot run a forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plain.load_state_dict({k: v if v.dtype == dtype or not v.is_floating_point() else v.to(dtype)
+                           for k, v in state.items()}, strict=True, assign=True)
+    if getattr(plain.config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    return plain.eval()
 
 
 def plain_state_dict(model: torch.nn.Module, state_dict_fn) -> dict[str, torch.Tensor]:

@@ -269,7 +269,7 @@ class HFEngine:
     def __init__(self, model: str, cache_dir: str, max_batch: int = 32, device: str = "cpu",
                  dtype: str = "auto", seed: int = 0, kv_cache: bool = True, prefix_cache_entries: int = 0,
                  recompute_kv_on_update: bool = False, unverified: bool = False):
-        from sao_core.models import context_length_of, load_model_and_tokenizer, resolve_dtype
+        from sao_core.models import context_length_of, load_model_and_tokenizer, pad_token_id, resolve_dtype
 
         if max_batch < 1:
             raise EngineError(f"max_batch must be >= 1, got {max_batch}")
@@ -299,7 +299,7 @@ class HFEngine:
         # its keys / values left-aligned in positions [0, kv_len). See _step_cached.
         self._slots: torch.Tensor | None = None
         self._rows: list[_Request] = []
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.pad_id = pad_token_id(self.tokenizer)
         self.eos_token_ids = tuple(t for t in {self.tokenizer.eos_token_id} if t is not None)
         self.version = 0
         self._seed = seed
@@ -309,6 +309,7 @@ class HFEngine:
         self._swap: tuple | None = None
         self._calls: queue.Queue = queue.Queue()   # (fn, loop, future): run in the engine thread between steps
         self._model_is_base = True                 # the live model is the base (+ an adapter): adapters apply to it
+        self._broken: str | None = None            # why the live weights must not be served (a corrupt update)
         self.lora_mode: str | None = None          # "adapter" once a LoRA adapter is in use
         self._paused = threading.Event()
         self._stop = threading.Event()
@@ -330,6 +331,8 @@ class HFEngine:
             raise EngineError("empty prompt")
         if self._stop.is_set():
             raise EngineError("engine is closed")
+        if self._broken is not None:
+            raise EngineError(f"the engine's weights are unusable ({self._broken})")
         loop = asyncio.get_running_loop()
         self._counter += 1
         seed = params.seed if params.seed is not None else (self._seed * 1_000_003 + self._counter) % SEED_LIMIT
@@ -375,6 +378,38 @@ class HFEngine:
         self._model_is_base = False
         self.lora_mode = None
 
+    async def update_in_memory(self, update) -> str:
+        """Full weights handed over in memory (`sao_core.rollout.weights.WeightUpdate`, a colocated learner):
+        copied into the live model's parameters in the engine thread between two steps (no files, no new model
+        object), then the digest of what the model holds is recomputed and must equal the sender's. Returns
+        that digest; tokens sampled afterwards carry `update.version`. A bad update (names, shapes, dtypes, a
+        skipped tensor) is refused before anything changes (EngineError); a digest mismatch after the copy
+        leaves the engine refusing to serve until a good update arrives."""
+        from sao_core.rollout.weights import WeightUpdateError, apply_update
+
+        def run() -> str:
+            if self.lora_mode is not None:
+                raise EngineError("in-memory full weights cannot replace a model carrying a LoRA adapter; "
+                                  f"the current weights (version {self.version}) stay")
+            try:
+                digest = apply_update(self.model, update)
+            except WeightUpdateError as err:
+                if "did not arrive intact" in str(err):
+                    self._broken = str(err)
+                raise EngineError(f"{err}; the current weights (version {self.version}) stay"
+                                  if self._broken is None else str(err)) from err
+            self._broken = None
+            self.version = update.version
+            self._model_is_base = False
+            self._after_weight_change(False)
+            return digest
+
+        return await self._in_engine_thread(run)
+
+    def weight_dtypes(self) -> dict:
+        """name -> dtype of every state entry of the live model (what an in-memory update must be sent in)."""
+        return {name: tensor.dtype for name, tensor in self.model.state_dict(keep_vars=True).items()}
+
     async def score(self, token_ids: list[int], start: int) -> list[float]:
         """Log-probs of `token_ids[start:]` under the weights in use (raw distribution), computed in the
         engine thread between two steps, so never across a weight swap."""
@@ -382,6 +417,8 @@ class HFEngine:
             raise EngineError(f"score: start must be in [1, {len(token_ids) - 1}], got {start}")
 
         def run() -> list[float]:
+            if self._broken is not None:
+                raise EngineError(f"the engine's weights are unusable ({self._broken})")
             ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
             logits = self.model(input_ids=ids, use_cache=False).logits[0, start - 1:-1].float()
             logp = torch.log_softmax(logits, dim=-1)
@@ -448,6 +485,9 @@ class HFEngine:
             if self._swap is not None:
                 self._apply_swap()
             self._run_calls()
+            if self._broken is not None:   # never sample from weights that did not arrive intact
+                for request in list(self._active):
+                    self._finish(request, error=EngineError(f"the engine's weights are unusable ({self._broken})"))
             for request in [r for r in self._active if r.future.cancelled()]:
                 self._active.remove(request)
                 self._leave_row(request)
@@ -506,6 +546,7 @@ class HFEngine:
         dtype_changed = self._slots is not None and self._slots.dtype != new_model.dtype
         self.model = new_model
         self.version = version
+        self._broken = None
         self._after_weight_change(dtype_changed)
         loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 

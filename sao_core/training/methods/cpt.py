@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sao_core.models.loading import pad_token_id
 from sao_core.training.chat_batch import EncodedChat
 from sao_core.training.methods.base import Method, row_error
 from sao_core.training.methods.sft import token_nll
@@ -27,4 +28,4 @@ class CPTMethod(Method):
         return [EncodedChat(ids, [0] + [1] * (len(ids) - 1)) for ids in blocks if len(ids) >= 2]
 
     def loss(self, model, batch, step, training=True, micro=0):
-        return token_nll(model, batch, self.tokenizer.pad_token_id, self.ctx.device)
+        return token_nll(model, batch, pad_token_id(self.tokenizer), self.ctx.device)

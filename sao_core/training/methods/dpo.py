@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sao_core.models.loading import pad_token_id
 from sao_core.objectives.dpo import dpo_loss, sequence_logprobs
 from sao_core.training.chat_batch import EncodedChat, as_messages, encode_response, pad_batch
 from sao_core.training.forward import model_logprobs
@@ -42,7 +43,7 @@ class DPOMethod(Method):
         return examples
 
     def _sequence_logprobs(self, model, encoded: list[EncodedChat]) -> torch.Tensor:
-        tensors = {k: v.to(self.ctx.device) for k, v in pad_batch(encoded, self.tokenizer.pad_token_id).items()}
+        tensors = {k: v.to(self.ctx.device) for k, v in pad_batch(encoded, pad_token_id(self.tokenizer)).items()}
         logp, _ = model_logprobs(model, tensors["input_ids"], tensors["attention_mask"], positions=tensors["loss_mask"])
         return sequence_logprobs(logp, tensors["loss_mask"])
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sao_core.models.loading import pad_token_id
 from sao_core.training.chat_batch import EncodedChat, encode_response, pad_batch
 from sao_core.training.forward import model_distillation_divergence
 from sao_core.training.methods.base import Method, row_error, row_messages
@@ -59,13 +60,13 @@ class GKDMethod(Method):
         if training and self._on_policy(step, micro):
             g = torch.Generator().manual_seed(self.config.seed * 7_919 + step * 104_729 + micro * 31 + self.ctx.rank)
             sampled = sample_continuations(model, [e.prompt_ids for e in batch], self.config.max_new_tokens,
-                                           self.config.temperature, self.tokenizer.pad_token_id,
+                                           self.config.temperature, pad_token_id(self.tokenizer),
                                            self.tokenizer.eos_token_id, g, self.ctx.device)
             encoded = [EncodedChat(e.prompt_ids + s, [0] * len(e.prompt_ids) + [1] * len(s))
                        for e, s in zip(batch, sampled, strict=True) if s]
         else:
             encoded = [e.offline for e in batch]
-        tensors = {k: v.to(self.ctx.device) for k, v in pad_batch(encoded, self.tokenizer.pad_token_id).items()}
+        tensors = {k: v.to(self.ctx.device) for k, v in pad_batch(encoded, pad_token_id(self.tokenizer)).items()}
         # Logits at position t predict token t + 1: learn where the next token is a response token.
         mask = torch.zeros_like(tensors["loss_mask"])
         mask[:, :-1] = tensors["loss_mask"][:, 1:]

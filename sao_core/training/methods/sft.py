@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sao_core.models.loading import pad_token_id
 from sao_core.objectives.sft import sft_loss
 from sao_core.training.chat_batch import encode_chat, pad_batch
 from sao_core.training.forward import model_logprobs
@@ -30,4 +31,4 @@ class SFTMethod(Method):
         return examples
 
     def loss(self, model, batch, step, training=True, micro=0):
-        return token_nll(model, batch, self.tokenizer.pad_token_id, self.ctx.device)
+        return token_nll(model, batch, pad_token_id(self.tokenizer), self.ctx.device)

@@ -1,0 +1,283 @@
+"""Weight transports side by side, at real model shapes: seconds per update from a learner to a rollout engine
+in the learner's own process (the default single-pod placement), next to the limits of moving the same bytes.
+
+Per shape (random weights from the real config: SmolLM2-135M, Qwen3-1.7B) and engine dtype (float32, bfloat16),
+in one run, interleaved push by push:
+
+- memory   what `Learner.publish` does with `weight_transport` auto: `WeightUpdate.build` (tensors in the
+           engine's dtype, xxh3-128 digest) + `RolloutServer.update_in_memory` (the manager's version rules and
+           lock, the copy into the live HF engine's parameters between two engine steps, the engine's digest of
+           what it holds) — the whole update, until the engine serves the new version
+- files    the file transport (`weight_transport` files; what every push did before): `save_full_model` to a
+           staging folder, `publish_checkpoint` (copy + sha256 manifest), the service's digest check, verified
+           fetch and `from_pretrained` of a new model, swapped in between two steps
+- copy     the limit in one process: `copy_` of the learner's parameters into a same-shaped model in the
+           engine's dtype (the bytes moved, nothing checked)
+- gloo     the limit between processes: a torch.distributed gloo broadcast of the same tensors (engine dtype)
+           from this process to a second one on loopback
+- durable  the learner's cost of a durable version under the memory transport: the snapshot it hands to the
+           background writer (`learner/durable.py`)
+- step     one learner update of the same model for scale: forward + backward + AdamW on 4 x 128 tokens
+
+    .venv/bin/python bench/weight_transport.py --output local_outputs/bench/weight_transport
+    .venv/bin/python bench/weight_transport.py --shapes qwen3-1.7b --dtypes bfloat16 --reps 3 --files-reps 1
+    .venv/bin/python bench/weight_transport.py --quick        # the embedded tiny shape, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _setup  # noqa: E402  (sets the thread environment before torch is imported)
+import torch  # noqa: E402
+
+from sao_core import storage  # noqa: E402
+
+SHAPES = {
+    "tiny": ("llama", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                                   max_position_embeddings=8192, rope_theta=100000.0)),
+    "qwen3-1.7b": ("qwen3", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                                 max_position_embeddings=40960, rope_theta=1000000.0)),
+}
+
+
+def _config(shape: str):
+    from transformers import LlamaConfig, Qwen3Config
+
+    kind, fields = SHAPES[shape]
+    return (LlamaConfig if kind == "llama" else Qwen3Config)(**fields)
+
+
+def _model(shape: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(_config(shape), dtype=dtype).eval()
+
+
+def _engine_folder(shape: str, dtype: str, root: Path, tokenizer_from: str) -> Path:
+    """A model folder of the shape for the engine to start from (random weights in its dtype, the embedded
+    tokenizer: the engine reads only its special ids)."""
+    folder = root / f"{shape}-{dtype}"
+    if not (folder / "config.json").exists():
+        _model(shape, getattr(torch, dtype), seed=1).save_pretrained(folder, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (Path(tokenizer_from) / name).exists():
+                shutil.copy(Path(tokenizer_from) / name, folder / name)
+    return folder
+
+
+def _gloo_peer(rank: int, port: int, shapes: list, dtype: str, reps: int) -> None:
+    """The receiving process of the gloo limit: takes `reps` broadcasts into preallocated tensors."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buffers = [torch.empty(s, dtype=getattr(torch, dtype)) for s in shapes]
+    for _ in range(reps):
+        dist.barrier()
+        for b in buffers:
+            dist.broadcast(b, src=0)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def gloo_broadcast(tensors: list[torch.Tensor], reps: int) -> list[float]:
+    """Seconds of each of `reps` broadcasts of `tensors` to a second process over gloo on loopback."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    port = _setup._free_port()
+    context = mp.get_context("spawn")
+    peer = context.Process(target=_gloo_peer, args=(1, port, [tuple(t.shape) for t in tensors],
+                                                    str(tensors[0].dtype).removeprefix("torch."), reps))
+    peer.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    seconds = []
+    try:
+        for _ in range(reps):
+            dist.barrier()
+            began = time.perf_counter()
+            for t in tensors:
+                dist.broadcast(t, src=0)
+            dist.barrier()
+            seconds.append(time.perf_counter() - began)
+    finally:
+        dist.destroy_process_group()
+        peer.join(60)
+    return seconds
+
+
+def learner_step_seconds(model, reps: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.randint(0, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    out = []
+    model.train()
+    for _ in range(reps):
+        began = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(time.perf_counter() - began)
+    model.eval()
+    del opt
+    return out
+
+
+def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step: bool, scratch: Path,
+            cache: str) -> dict:
+    from sao_core.learner.durable import snapshot
+    from sao_core.models import EMBEDDED_TINY, resolve_model
+    from sao_core.rollout.server import RolloutServer, ServeConfig
+    from sao_core.rollout.weights import WeightUpdate
+    from sao_core.training.checkpointing import save_full_model
+    from sao_core.training.distributed import DistContext
+
+    engine_dtype = getattr(torch, dtype)
+    tokenizer_dir = resolve_model(EMBEDDED_TINY, cache).path
+    folder = _engine_folder(shape, dtype, scratch / "models", tokenizer_dir)
+    store = scratch / "store"
+    server = RolloutServer(ServeConfig(model=str(folder), port=0, cache_dir=cache, unverified=True,
+                                       allowed_weight_roots=[str(store)],
+                                       engine_options={"dtype": dtype, "unverified": True})).start()
+    learner = _model(shape, torch.float32, seed=2)
+    twin = _model(shape, engine_dtype, seed=3)       # the copy limit's target
+    params = sum(p.numel() for p in learner.parameters())
+    samples: dict[str, list[float]] = {"memory": [], "files": [], "copy": [], "durable": []}
+    version = 0
+    try:
+        dtypes = server.weight_dtypes()
+        for rep in range(reps + 1):                   # the first round warms up and is not kept
+            with torch.no_grad():
+                for p in learner.parameters():
+                    p.add_(1e-4)
+            version += 1
+            began = time.perf_counter()
+            update = WeightUpdate.build(version, learner.state_dict(), dtypes)
+            answer = server.update_in_memory(update)
+            memory_s = time.perf_counter() - began
+            assert answer["version"] == version and answer["sha256"] == update.digest
+            began = time.perf_counter()
+            with torch.no_grad():
+                for (_, target), (_, source) in zip(twin.state_dict().items(), learner.state_dict().items(),
+                                                    strict=True):
+                    target.copy_(source)
+            copy_s = time.perf_counter() - began
+            began = time.perf_counter()
+            held = snapshot(learner.state_dict())
+            durable_s = time.perf_counter() - began
+            del held
+            if rep:
+                samples["memory"].append(memory_s)
+                samples["copy"].append(copy_s)
+                samples["durable"].append(durable_s)
+            if rep < files_reps + 1 and files_reps:
+                version += 1
+                with torch.no_grad():
+                    for p in learner.parameters():
+                        p.add_(1e-4)
+                began = time.perf_counter()
+                staging = scratch / "staging"
+                save_full_model(learner, None, staging, DistContext())
+                uri = str(store / f"v{version:06d}")
+                storage.publish_checkpoint(staging, uri, metadata={"version": version})
+                digest = storage.checkpoint_digest(uri)
+                future = asyncio.run_coroutine_threadsafe(server.manager.update_weights(version, uri, digest),
+                                                          server._loop)
+                future.result(3600)
+                files_s = time.perf_counter() - began
+                shutil.rmtree(uri, ignore_errors=True)
+                if rep:
+                    samples["files"].append(files_s)
+        nbytes = update.nbytes
+        if gloo:
+            samples["gloo"] = gloo_broadcast([t.contiguous() for _, t in update.tensors], reps)
+        del update
+        if step:
+            samples["step"] = learner_step_seconds(learner, max(2, min(reps, 3)))
+    finally:
+        server.stop()
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
+    return {"shape": shape, "engine_dtype": dtype, "parameters": params, "bytes": nbytes, "median_s": med,
+            "samples_s": samples,
+            "memory_over_copy": med["memory"] / med["copy"],
+            "memory_over_gloo": med["memory"] / med["gloo"] if "gloo" in med else None,
+            "files_over_memory": med["files"] / med["memory"] if "files" in med else None,
+            "memory_over_step": med["memory"] / med["step"] if "step" in med else None}
+
+
+def report(result: dict) -> str:
+    s = result["settings"]
+    lines = [f"weight transports, colocated: medians of {s['reps']} updates (files: {s['files_reps']}), load "
+             f"{result['conditions']['before']['loadavg_1_5_15']} -> {result['conditions']['after']['loadavg_1_5_15']},"
+             f" {result['conditions']['before']['cpu_count']} cores, one torch thread", ""]
+    cols = [("shape", "shape", ""), ("dtype", "engine", ""), ("mb", "MB sent", ".0f"), ("memory", "memory s", ".3f"),
+            ("copy", "copy s", ".3f"), ("gloo", "gloo s", ".3f"), ("files", "files s", ".2f"),
+            ("durable", "durable snapshot s", ".3f"), ("step", "learner step s", ".2f"),
+            ("mc", "memory/copy", ".2f"), ("mg", "memory/gloo", ".2f"), ("fm", "files/memory", ".1f")]
+    rows = []
+    for case in result["cases"]:
+        m = case["median_s"]
+        rows.append({"shape": case["shape"], "dtype": case["engine_dtype"], "mb": case["bytes"] / 1e6, **m,
+                     "mc": case["memory_over_copy"], "mg": case["memory_over_gloo"],
+                     "fm": case["files_over_memory"]})
+    lines.append(_setup.fmt_table(rows, cols))
+    lines += ["", "memory = build (dtype, xxh3 digest) + the engine's copy and digest check, until it serves the "
+                  "version; copy / gloo = the same tensors copied in-process / broadcast to a second process"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="smollm2-135m", help=f"comma list of {', '.join(SHAPES)}")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="engine dtypes, comma list")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--files-reps", type=int, default=3, help="updates through files per case (0: none)")
+    parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--no-step", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="the tiny shape, 2 updates")
+    parser.add_argument("--output", default="local_outputs/bench/weight_transport")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes, args.reps, args.files_reps = "tiny", 2, 1
+    _setup.configure_torch()
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-weight-transport-", dir=out))
+    cache = os.environ.get("SAO_CACHE_DIR") or _setup.default_cache_dir()
+    result = {"settings": vars(args), "conditions": {"before": _setup.conditions()}, "cases": []}
+    try:
+        for shape in args.shapes.split(","):
+            for dtype in args.dtypes.split(","):
+                case = measure(shape, dtype, args.reps, args.files_reps, not args.no_gloo, not args.no_step,
+                               scratch, cache)
+                print(f"{shape} {dtype}: memory {case['median_s']['memory']:.3f} s, copy "
+                      f"{case['median_s']['copy']:.3f} s ({case['memory_over_copy']:.2f}x)", flush=True)
+                result["cases"].append(case)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    result["conditions"]["after"] = _setup.conditions()
+    (out / "weight_transport.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = report(result)
+    (out / "weight_transport.txt").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
