@@ -78,7 +78,8 @@ def load_learner(name: str, args):
         return model, tokenizer, {"shape": shape, "weights": f"random init (torch seed {args.seed})",
                                   "probe_tokenizer": "SmolLM2-135M-Instruct's"}
     model, tokenizer = load_model_and_tokenizer(REFERENCES[name], args.cache_dir)
-    return model.float().eval(), tokenizer, {"reference": REFERENCES[name]}
+    assert all(p.dtype == torch.float32 for p in model.parameters())   # (.float() refuses a GGUF-loaded model)
+    return model.eval(), tokenizer, {"reference": REFERENCES[name]}
 
 
 def bf16_model(like):
@@ -146,7 +147,7 @@ def random_batch(vocab: int, rows: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (rows, length), generator=generator)
 
 
-def adamw_step(model, optimizer, vocab: int, seed: int, rows: int = 4, length: int = 64) -> float:
+def adamw_step(model, optimizer, vocab: int, seed: int, rows: int, length: int) -> float:
     batch = random_batch(vocab, rows, length, seed)
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
@@ -206,7 +207,7 @@ def run_model(name: str, args) -> dict:
         t0 = time.monotonic()
         if optimizer is not None:
             learner.train()
-            adamw_step(learner, optimizer, vocab, seed=args.seed * 100_003 + version)
+            adamw_step(learner, optimizer, vocab, args.seed * 100_003 + version, args.batch_rows, args.batch_len)
             learner.eval()
         else:
             perturb_step(learner, args.lr, seed=args.seed * 100_003 + version)
@@ -257,7 +258,7 @@ def run_model(name: str, args) -> dict:
     gc.collect()
     lora = run_lora(learner, engine, probes, vocab, rec, args) if args.lora_lrs else None
     result = {**about, "parameters": parameter_count(learner), "pushes": args.pushes,
-              "update": (f"AdamW lr {args.lr:g} on a random batch (4 x 64 token ids) per push"
+              "update": (f"AdamW lr {args.lr:g} on a random batch ({args.batch_rows} x {args.batch_len} token ids) per push"
                          if args.update == "adamw" else f"every weight += lr * sign(randn), lr {args.lr:g}"),
               "probes": {"chat": {"ids": len(chat_ids), "start": chat_start, "scored": len(chat_ids) - chat_start,
                                   "text": tokenizer.decode(chat_ids)},
@@ -282,7 +283,7 @@ def run_lora(learner, engine, probes: dict, vocab: int, rec: Recorder, args) -> 
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
         for step in range(1, args.lora_steps + 1):
             policy.train()
-            adamw_step(policy, optimizer, vocab, seed=args.seed * 7_919 + step)
+            adamw_step(policy, optimizer, vocab, args.seed * 7_919 + step, args.batch_rows, args.batch_len)
             policy.eval()
             if step not in steps:
                 continue
@@ -305,7 +306,8 @@ def run_lora(learner, engine, probes: dict, vocab: int, rec: Recorder, args) -> 
         gc.collect()
     del merged
     return {**LORA, "steps": args.lora_steps, "measured_at_steps": steps, "lrs": args.lora_lrs,
-            "update": "AdamW on a random batch (4 x 64 token ids) per step, adapter parameters only"}
+            "update": f"AdamW on a random batch ({args.batch_rows} x {args.batch_len} token ids) per step, adapter "
+                      "parameters only"}
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -323,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pushes", type=int, default=100)
     parser.add_argument("--update", choices=("adamw", "perturb"), default="adamw")
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--batch-rows", type=int, default=2, help="rows of the random training batch")
+    parser.add_argument("--batch-len", type=int, default=32, help="token ids per row of the random training batch")
     parser.add_argument("--tokens", type=int, default=32, help="scored tokens per probe (delivery_check_tokens)")
     parser.add_argument("--layers", type=int, default=28, help="qwen3-1.7b-shape: layers (28 in Qwen3-1.7B)")
     parser.add_argument("--fault-every", type=int, default=10)

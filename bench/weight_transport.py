@@ -206,7 +206,8 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
                     samples["files"].append(files_s)
         nbytes = update.nbytes
         if gloo:
-            samples["gloo"] = gloo_broadcast([t.contiguous() for _, t in update.tensors], reps)
+            samples["gloo"] = gloo_broadcast([t.to(d).contiguous() for (_, t), d in zip(update.tensors, update.dtypes,
+                                                                                         strict=True)], reps)
         del update
         if step:
             samples["step"] = learner_step_seconds(learner, max(2, min(reps, 3)))

@@ -561,7 +561,9 @@ def test_replay_after_a_crash_reproduces_the_published_weights(rl_data, tmp_path
 
     out = tmp_path / "run"
     # The early-stopped SFT model earns rewards (~0.25), so every step moves the weights.
-    common = dict(steps=7, batch_size=8, critic_warmup_steps=0, checkpoint_every=3, keep_weight_versions=10)
+    # weight_transport files: every version is published (and pruned) on the learner's path, where the kill falls.
+    common = dict(steps=7, batch_size=8, critic_warmup_steps=0, checkpoint_every=3, keep_weight_versions=10,
+                  weight_transport="files")
     prune = learner_parts.prune_weight_versions
 
     def fail_at_5(weights_uri, newest, keep):        # runs after the journal write and the publish of v5

@@ -94,7 +94,9 @@ def served(tiny_model_dir, sao_cache, tmp_path):
 
 def test_the_learner_pushes_its_adapter_and_the_delivery_check_passes_then_catches_an_ignored_one(
         served, tmp_path, sao_cache, monkeypatch):
-    learner = _learner(tmp_path, sao_cache, lora_rank=4, lora_target_modules="all-linear", policy_lr=5e-2)
+    with torch.random.fork_rng():   # the adapter's A matrices: the same draw whichever tests ran before
+        torch.manual_seed(0)
+        learner = _learner(tmp_path, sao_cache, lora_rank=4, lora_target_modules="all-linear", policy_lr=5e-2)
     services = ServiceSet([served.url], consumer="learner", plan={}, retry_s=5.0)
     learner.step(_on_policy(learner, _recorded_batch()))
     learner.publish(services.push)
@@ -113,6 +115,54 @@ def test_the_learner_pushes_its_adapter_and_the_delivery_check_passes_then_catch
     with pytest.raises(LearnerError, match=rf"delivery check: rollout service {served.url} does not serve the "
                                            r"learner's weights version 3: .* nats per token"):
         learner.publish(services.push)
+
+
+def _another_base(tiny_model_dir, sao_cache, out) -> str:
+    """A published model of the embedded model's shape with other (random) weights: another base."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sao_core import storage
+
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    model.save_pretrained(out / "staging")
+    storage.publish_checkpoint(out / "staging", str(out / "other"), metadata={"version": 0})
+    return str(out / "other")
+
+
+def test_a_bf16_engine_passes_the_check_of_the_float32_learner_and_one_on_another_base_stops_the_run(
+        tiny_model_dir, sao_cache, tmp_path, monkeypatch):
+    """Issue 37: a bf16 engine that loaded the pushed adapter scores the chat probe within bf16 noise of the
+    float32 learner (no false alarm); one that loads another base model instead stops the run, naming it."""
+    server = RolloutServer(ServeConfig(model=str(tiny_model_dir), port=0, cache_dir=str(sao_cache), max_batch=4,
+                                       allowed_weight_roots=[str(tmp_path)],
+                                       engine_options={"dtype": "bfloat16"})).start()
+    try:
+        engine = server.manager.engine
+        assert engine.model.dtype == torch.bfloat16
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            learner = _learner(tmp_path, sao_cache, lora_rank=4, lora_target_modules="all-linear", policy_lr=5e-2)
+        services = ServiceSet([server.url], consumer="learner", plan={}, retry_s=5.0)
+        for version in (0, 1):
+            learner.step(_on_policy(learner, _recorded_batch(version=version)))
+            learner.publish(services.push)
+            assert services.holds == {0: version + 1}
+            assert 0 < services.delivery["mean"] < learner.config.delivery_tolerance / 10, services.delivery
+
+        other, load = _another_base(tiny_model_dir, sao_cache, tmp_path), engine.load_weights
+
+        async def loads_another_base(model_dir: str, version: int) -> None:
+            await load(other, version)
+
+        monkeypatch.setattr(engine, "load_weights", loads_another_base)
+        learner.step(_on_policy(learner, _recorded_batch(version=2)))
+        with pytest.raises(LearnerError, match=rf"delivery check: rollout service {server.url} does not serve the "
+                                               r"learner's weights version 3: .* nats per token"):
+            learner.publish(services.push)
+    finally:
+        server.stop()
 
 
 def test_the_score_endpoint_refuses_bad_requests_with_4xx(served):

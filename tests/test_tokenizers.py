@@ -269,7 +269,7 @@ def test_every_training_method_trains_a_step(family, family_dirs, method, tmp_pa
         if method == "gkd" else {}
     config = getattr(training_config, METHOD_CONFIG[method])(
         data=str(data), output=str(tmp_path / "run"), model=str(model_dir), steps=1, batch_size=4, lr=1e-2,
-        warmup_steps=0, schedule="constant", max_tokens=96 if name == "qwen" else 48, cache_dir=str(sao_cache),
+        warmup_steps=0, schedule="constant", max_tokens=192 if name == "qwen" else 64, cache_dir=str(sao_cache),
         log_every=1, report_every=0, **extra)
     summary = train(method, config)
     assert summary["steps"] == 1 and summary["last_train_loss"] == summary["last_train_loss"]   # not NaN
@@ -281,17 +281,18 @@ def test_every_training_method_trains_a_step(family, family_dirs, method, tmp_pa
 
 
 def _trajectories(tokenizer, count: int = 4):
-    """`count` chat-template trajectories of different lengths (so the batch is padded), two prompts, rewards 0/1."""
+    """`count` chat-template trajectories of different lengths (so the batch is padded): groups of two per prompt,
+    rewards 0 and 1 in each group."""
     from sao_core.rollout.trajectory import Trajectory
 
     rows = []
     for i in range(count):
-        prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": f"Compute {i % 2} + 4"}],
+        prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": f"Compute {i // 2} + 4"}],
                                                     tokenize=True, add_generation_prompt=True,
                                                     return_dict=True)["input_ids"])
         action = tokenizer.encode(f"The answer is {4 + i}" + " then" * i, add_special_tokens=False)
         action.append(tokenizer.eos_token_id)
-        rows.append(Trajectory(id=f"t{i}", prompt_id=f"p{i % 2}", env="tool_arith", token_ids=prompt + action,
+        rows.append(Trajectory(id=f"t{i}", prompt_id=f"p{i // 2}", env="tool_arith", token_ids=prompt + action,
                                action_mask=[0] * len(prompt) + [1] * len(action),
                                rollout_logprobs=[0.0] * len(prompt) + [-6.0] * len(action),
                                versions=[-1] * len(prompt) + [0] * len(action), reward=float(i % 2), num_turns=1,
@@ -303,6 +304,7 @@ def _trajectories(tokenizer, count: int = 4):
 def test_the_rl_learner_steps(family, method, tmp_path, sao_cache):
     from sao_core.learner.config import RLConfig
     from sao_core.learner.learner import Learner
+    from sao_core.objectives.common import token_logprobs
     from sao_core.training.distributed import DistContext
 
     name, model_dir, tokenizer = family
@@ -315,6 +317,11 @@ def test_the_rl_learner_steps(family, method, tmp_path, sao_cache):
     assert (learner.critic is not None) == (method == "sao")
     batch = _trajectories(tokenizer)
     assert len({len(t.token_ids) for t in batch}) > 1, "the batch must need padding"
+    for t in batch:   # the policy's own log-probs (an engine at version 0): every ratio is 1, so the step learns
+        ids = torch.tensor([t.token_ids])
+        with torch.no_grad():
+            logprobs = token_logprobs(learner.policy(ids).logits, ids)[0]
+        t.rollout_logprobs = [float(lp) if m else 0.0 for m, lp in zip(t.action_mask, logprobs, strict=True)]
     before = [p.detach().clone() for p in learner.policy.parameters()]
     result = learner.step(batch)
     assert result.changed and result.tokens == sum(sum(t.action_mask) for t in batch)

@@ -43,6 +43,10 @@ def _moved(model: torch.nn.Module, seed: int = 1) -> dict[str, torch.Tensor]:
 
 def test_digest_covers_names_dtypes_shapes_and_bytes():
     a = torch.arange(6, dtype=torch.float32)
+    big = torch.randn(3 * weights_mod.CHUNK + 5)
+    # Chunked conversion to the wire dtype hashes the bytes the whole converted tensor has.
+    assert tensors_digest([("b", big)], [torch.bfloat16]) == tensors_digest([("b", big.to(torch.bfloat16))])
+    assert WeightUpdate(1, [("b", big)], [torch.bfloat16]).digest == tensors_digest([("b", big.to(torch.bfloat16))])
     base = tensors_digest([("w", a)])
     assert base.startswith("xxh3-128:") and base == tensors_digest([("w", a.clone())])
     assert base != tensors_digest([("v", a)])
@@ -60,7 +64,7 @@ def test_an_update_lands_in_place_in_the_engine_dtype(tiny_model_dir, sao_cache)
     state = _moved(learner)
     dtypes = {n: t.dtype for n, t in engine.state_dict().items()}
     update = WeightUpdate.build(7, state, dtypes)
-    assert {t.dtype for _, t in update.tensors} == {torch.bfloat16}
+    assert set(update.dtypes) == {torch.bfloat16} and update.nbytes == sum(p.numel() * 2 for p in engine.parameters())
     assert apply_update(engine, update) == update.digest
     assert {n: p.data_ptr() for n, p in engine.named_parameters()} == params_before   # same tensors, new values
     for name, tensor in engine.state_dict().items():
@@ -89,15 +93,15 @@ def test_faults_in_an_update_are_refused_before_anything_changes(tiny_model_dir,
     update = WeightUpdate.build(1, _moved(engine), dtypes)
     first = update.tensors[0][0]
 
-    skipped = WeightUpdate(1, update.tensors[1:], tensors_digest(update.tensors[1:]))   # a bucket never sent
+    skipped = WeightUpdate(1, update.tensors[1:])                     # a bucket never sent
     with pytest.raises(WeightUpdateError, match=f"lacks 1 of the model's tensors \\(first: {first}\\)"):
         apply_update(engine, skipped)
-    foreign = WeightUpdate(1, update.tensors + (("extra.weight", torch.zeros(2)),), "x")
+    foreign = WeightUpdate(1, update.tensors + (("extra.weight", torch.zeros(2)),), digest="x")
     with pytest.raises(WeightUpdateError, match="does not have \\(first: extra.weight\\)"):
         apply_update(engine, foreign)
-    half = tuple((n, t.to(torch.bfloat16)) for n, t in update.tensors)
+    half = WeightUpdate(1, update.tensors, [torch.bfloat16] * len(update.tensors))
     with pytest.raises(WeightUpdateError, match=f"{first} is .* torch.bfloat16, the model's is .* torch.float32"):
-        apply_update(engine, WeightUpdate(1, half, tensors_digest(half)))
+        apply_update(engine, half)
     for name, tensor in engine.state_dict().items():
         assert torch.equal(tensor, before[name]), name
 
@@ -105,7 +109,8 @@ def test_faults_in_an_update_are_refused_before_anything_changes(tiny_model_dir,
 def test_a_tensor_changed_in_transit_is_caught_by_the_receiver(tiny_model_dir, sao_cache):
     engine = load_model(tiny_model_dir, sao_cache, "float32")
     update = WeightUpdate.build(1, _moved(engine), {n: t.dtype for n, t in engine.state_dict().items()})
-    update.tensors[3][1].view(-1)[0] += 1.0          # after the sender's digest: the bytes changed on the way
+    assert update.digest                              # the sender's digest is taken ...
+    update.tensors[3][1].view(-1)[0] += 1.0          # ... then the bytes change on the way
     with pytest.raises(WeightUpdateError, match="did not arrive intact"):
         apply_update(engine, update)
 
@@ -123,13 +128,14 @@ def test_the_hf_engine_takes_an_update_between_steps_and_refuses_corrupt_ones(ti
         generation = asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3, seed=1)))
         assert set(generation.versions) == {1}
         # A skipped tensor: refused, the engine still serves version 1.
-        bad = WeightUpdate(2, update.tensors[1:], tensors_digest(update.tensors[1:]))
+        bad = WeightUpdate(2, update.tensors[1:])
         with pytest.raises(EngineError, match="lacks 1 .* the current weights \\(version 1\\) stay"):
             asyncio.run(engine.update_in_memory(bad))
         assert engine.version == 1
         asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2, seed=1)))
         # Changed on the way: the engine refuses to serve until good weights arrive.
         corrupt = WeightUpdate.build(2, _moved(engine.model, seed=2), engine.weight_dtypes())
+        assert corrupt.digest
         corrupt.tensors[0][1].view(-1)[0] += 1.0
         with pytest.raises(EngineError, match="did not arrive intact"):
             asyncio.run(engine.update_in_memory(corrupt))
@@ -167,6 +173,7 @@ def test_the_service_in_this_process_keeps_the_version_rules(tiny_model_dir, sao
         assert status["version"] == 3 and status["weights_sha256"] == v3.digest
         with pytest.raises(RolloutError, match="did not arrive intact"):
             bad = WeightUpdate.build(4, _moved(model, seed=5), server.weight_dtypes())
+            assert bad.digest
             bad.tensors[1][1].view(-1)[0] += 1.0
             server.update_in_memory(bad)
     finally:
@@ -215,9 +222,10 @@ def test_a_tensor_corrupted_in_a_push_stops_the_run_naming_the_service(rl_data, 
 
     def corrupting(cls, version, state, dtypes):
         update = build(cls, version, state, dtypes)
-        if version == 2:
+        if version == 2:   # the sender's digest of the true tensors, then one tensor changed on the way
             name, tensor = update.tensors[-1]
-            update = WeightUpdate(version, update.tensors[:-1] + ((name, tensor.clone() + 1.0),), update.digest)
+            update = WeightUpdate(version, update.tensors[:-1] + ((name, tensor.clone() + 1.0),), update.dtypes,
+                                  digest=update.digest)
         return update
 
     monkeypatch.setattr(weights_mod.WeightUpdate, "build", classmethod(corrupting))
@@ -232,7 +240,7 @@ def test_a_skipped_tensor_stops_the_run_naming_the_service(rl_data, tmp_path, sa
 
     def skipping(cls, version, state, dtypes):
         update = build(cls, version, state, dtypes)
-        return WeightUpdate(version, update.tensors[1:], tensors_digest(update.tensors[1:]))
+        return WeightUpdate(version, update.tensors[1:], update.dtypes[1:])
 
     monkeypatch.setattr(weights_mod.WeightUpdate, "build", classmethod(skipping))
     with pytest.raises(LearnerError, match="refused weights version 1 handed over in memory: .*lacks 1 of the "

@@ -170,6 +170,8 @@ class ValueModel(nn.Module):
         except (OSError, ValueError, KeyError) as err:
             source = f"{gguf_file} in {location}" if gguf_file else location
             raise ValueError(f"cannot load a backbone from {source}: {err}") from err
+        if gguf_file:
+            backbone = _dense(backbone, dtype, f"{gguf_file} in {location}")
         model = cls(backbone)
         if meta is not None:
             if meta.get("hidden_size") != model.hidden_size:
@@ -181,3 +183,32 @@ class ValueModel(nn.Module):
             except (OSError, RuntimeError, SafetensorError) as err:
                 raise ValueError(f"{path}: cannot load {HEAD_FILE}: {err}") from err
         return model
+
+
+def _dense(model: nn.Module, dtype: torch.dtype, source: str) -> nn.Module:
+    """`model`, loaded from a GGUF file, as a plain model of its architecture holding the same tensors. transformers
+    5.19 marks a model it loaded from a GGUF file as quantised (`hf_quantizer`, `config.quantization_config`) even
+    when it dequantised every weight, and then refuses to save it; the critic is trained and saved, so it must be a
+    plain model. Built on the meta device and given `model`'s tensors (no random initialisation of weights that are
+    replaced at once). Raises ValueError when the weights are not dense (left in GGUF blocks)."""
+    import copy
+    from itertools import chain
+
+    from transformers import AutoModel
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    with torch.device("meta"):
+        plain = AutoModel.from_config(config, dtype=dtype)
+    try:
+        plain.load_state_dict(model.state_dict(), strict=True, assign=True)
+    except RuntimeError as err:
+        raise ValueError(f"the weights of {source} did not load as dense weights, which the critic trains: {err}") \
+            from err
+    for name, buffer in model.named_buffers():   # the non-persistent ones (rotary frequencies) are not in the state dict
+        owner, _, leaf = name.rpartition(".")
+        setattr(plain.get_submodule(owner), leaf, buffer)
+    if any(t.is_meta for t in chain(plain.parameters(), plain.buffers())):
+        raise ValueError(f"{source}: the critic's body has tensors that {type(model).__name__} did not provide")
+    return plain.train(model.training)

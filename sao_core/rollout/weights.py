@@ -15,13 +15,15 @@ on storage keep their sha256 manifests (`sao_core.storage`).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 #: digest scheme, written in front of every digest so a reader can tell it from a sha256 manifest digest
 DIGEST_SCHEME = "xxh3-128"
+#: elements per chunk of the streaming digest: the chunk just copied is hashed while it is in the CPU's cache
+CHUNK = 1 << 18
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
@@ -30,25 +32,35 @@ class WeightUpdateError(ValueError):
     """An in-memory update does not fit the receiving model or did not arrive intact; the message says how."""
 
 
-def _bytes_of(tensor: torch.Tensor):
-    """A zero-copy byte view of a tensor on the CPU (a copy for one on another device)."""
-    flat = tensor.detach()
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    flat = flat.contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return b""
-    return flat.view(torch.uint8).numpy()
+def _header(name: str, dtype: torch.dtype, shape) -> bytes:
+    return f"{name}\0{str(dtype).removeprefix('torch.')}\0{tuple(shape)}\0".encode()
 
 
-def tensors_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """xxh3-128 over each tensor's name, dtype, shape and bytes, in the given order: ``xxh3-128:<32 hex>``."""
+def _host_bytes(chunk: torch.Tensor):
+    """The bytes of a contiguous 1-D chunk as a buffer on the CPU (a copy only for a device tensor)."""
+    if chunk.device.type != "cpu":
+        chunk = chunk.cpu()
+    return chunk.view(torch.uint8).numpy()
+
+
+def tensors_digest(named: Iterable[tuple[str, torch.Tensor]], dtypes: Sequence[torch.dtype] | None = None) -> str:
+    """xxh3-128 over each tensor's name, dtype, shape and bytes, in the given order: ``xxh3-128:<32 hex>``.
+    With `dtypes` (one per tensor), the bytes are those of the tensor converted to that dtype (converted chunk by
+    chunk into a small buffer, never as a whole copy)."""
     import xxhash
 
     hasher = xxhash.xxh3_128()
-    for name, tensor in named:
-        hasher.update(f"{name}\0{str(tensor.dtype).removeprefix('torch.')}\0{tuple(tensor.shape)}\0".encode())
-        hasher.update(_bytes_of(tensor))
+    scratch: dict[torch.dtype, torch.Tensor] = {}
+    for index, (name, tensor) in enumerate(named):
+        dtype = tensor.dtype if dtypes is None else dtypes[index]
+        hasher.update(_header(name, dtype, tensor.shape))
+        flat = tensor.detach().contiguous().reshape(-1)
+        for begin in range(0, flat.numel(), CHUNK):
+            chunk = flat[begin:begin + CHUNK]
+            if chunk.dtype != dtype:
+                buffer = scratch.setdefault(dtype, torch.empty(CHUNK, dtype=dtype, device=flat.device))
+                chunk = buffer[:chunk.numel()].copy_(chunk)
+            hasher.update(_host_bytes(chunk))
     return f"{DIGEST_SCHEME}:{hasher.hexdigest()}"
 
 
@@ -66,42 +78,72 @@ def unique_named_tensors(state: dict[str, torch.Tensor]) -> list[tuple[str, torc
     return out
 
 
-@dataclass(frozen=True)
 class WeightUpdate:
-    """Version `version` of the policy as `tensors` (name, tensor) in the engine's dtype, and their `digest`
-    (`tensors_digest`). The tensors may be the learner's own parameters (no copy, when dtype and device already
-    match): the receiver copies them before the learner trains again."""
+    """Version `version` of the policy: `tensors` (name, tensor) to be received in `dtypes` (one per tensor; the
+    bytes sent are each tensor converted to its dtype), and `digest`, xxh3-128 of those bytes in order
+    (`tensors_digest`).
 
-    version: int
-    tensors: tuple[tuple[str, torch.Tensor], ...]
-    digest: str
+    The digest is computed by the sender on a thread of its own, started here, while the receiver copies (the
+    hash releases the interpreter lock): reading it (`digest`) waits for it. The tensors may be the learner's own
+    parameters (no copy is made): the learner must not change them until the receiver answered. `digest` given:
+    that value (e.g. what a sender announced)."""
+
+    def __init__(self, version: int, tensors: NamedTensors, dtypes: Sequence[torch.dtype] | None = None,
+                 digest: str | None = None):
+        self.version = version
+        self.tensors = tuple((name, t.detach()) for name, t in tensors)
+        self.dtypes = tuple(dtypes) if dtypes is not None else tuple(t.dtype for _, t in self.tensors)
+        if len(self.dtypes) != len(self.tensors):
+            raise ValueError(f"{len(self.dtypes)} dtypes for {len(self.tensors)} tensors")
+        self._digest = digest
+        self._done = threading.Event()
+        if digest is not None:
+            self._done.set()
+        else:
+            threading.Thread(target=self._hash, name=f"weights-digest-v{version}", daemon=True).start()
+
+    def _hash(self) -> None:
+        try:
+            self._digest = tensors_digest(self.tensors, self.dtypes)
+        except BaseException as err:   # handed to whoever reads the digest
+            self._digest = err
+        finally:
+            self._done.set()
+
+    @property
+    def digest(self) -> str:
+        self._done.wait()
+        if isinstance(self._digest, BaseException):
+            raise WeightUpdateError(f"weight update v{self.version}: the sender's digest failed: "
+                                    f"{self._digest}") from self._digest
+        return self._digest
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+        """Bytes on the wire: every tensor in its wire dtype."""
+        return sum(t.numel() * d.itemsize for (_, t), d in zip(self.tensors, self.dtypes, strict=True))
 
     @classmethod
     def build(cls, version: int, state: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> WeightUpdate:
-        """The update of `state` (a full state dict under the engine's names), each tensor in the engine's dtype
-        for it (`dtypes`, name -> dtype; a name the engine lacks keeps its own, and the engine refuses it):
-        tensors already in it are sent as they are (no copy), the others converted once."""
-        def wire(name: str, t: torch.Tensor) -> torch.Tensor:
-            dtype = dtypes.get(name, t.dtype)
-            return t.detach() if t.dtype == dtype else t.detach().to(dtype)
-
-        tensors = tuple((name, wire(name, t)) for name, t in unique_named_tensors(state))
-        return cls(version, tensors, tensors_digest(tensors))
+        """The update of `state` (a full state dict under the engine's names), each tensor received in the
+        engine's dtype for it (`dtypes`, name -> dtype; a name the engine lacks keeps its own, and the engine
+        refuses it). Nothing is copied or converted here: the receiver converts while it copies."""
+        named = unique_named_tensors(state)
+        return cls(version, named, [dtypes.get(name, t.dtype) for name, t in named])
 
 
 def apply_update(model: torch.nn.Module, update: WeightUpdate) -> str:
-    """Copy `update` into `model`'s existing parameters and buffers (in place, in their dtype and device) and
-    return the digest of what the model now holds, recomputed in the update's order.
+    """Copy `update` into `model`'s existing parameters and buffers (in place, converting to their dtype, on their
+    device) and return the digest of what the model now holds, computed chunk by chunk right after each chunk
+    is copied (while it is in the CPU's cache), in the update's order.
 
     Checked before anything is copied: every name is one of the model's state entries, every tensor has its
-    shape and dtype, and every storage of the model is covered (a missing tensor would leave old weights in a
-    model that claims the new version). WeightUpdateError otherwise, the model untouched. A digest that differs
-    after the copy means the bytes changed on the way: WeightUpdateError, and the model holds a mixture (the
-    caller must not serve it)."""
+    shape and its wire dtype is the model's, and every storage of the model is covered (a missing tensor would
+    leave old weights in a model that claims the new version). WeightUpdateError otherwise, the model untouched.
+    A digest that differs from the sender's after the copy means the bytes changed on the way:
+    WeightUpdateError, and the model holds a mixture (the caller must not serve it)."""
+    import xxhash
+
     own = model.state_dict(keep_vars=True)
     sent = dict(update.tensors)
     if len(sent) != len(update.tensors):
@@ -110,21 +152,28 @@ def apply_update(model: torch.nn.Module, update: WeightUpdate) -> str:
     if unknown:
         raise WeightUpdateError(f"weight update v{update.version} holds {len(unknown)} tensors this model does not "
                                 f"have (first: {unknown[0]}); is it another architecture?")
-    for name, tensor in update.tensors:
+    for (name, tensor), dtype in zip(update.tensors, update.dtypes, strict=True):
         target = own[name]
-        if tuple(target.shape) != tuple(tensor.shape) or target.dtype != tensor.dtype:
+        if tuple(target.shape) != tuple(tensor.shape) or target.dtype != dtype:
             raise WeightUpdateError(f"weight update v{update.version}: {name} is {tuple(tensor.shape)} "
-                                    f"{tensor.dtype}, the model's is {tuple(target.shape)} {target.dtype}")
+                                    f"{dtype}, the model's is {tuple(target.shape)} {target.dtype}")
     covered = {(own[n].untyped_storage().data_ptr(), own[n].storage_offset()) for n in sent}
     missing = [name for name, target in unique_named_tensors(own)
                if (target.untyped_storage().data_ptr(), target.storage_offset()) not in covered]
     if missing:
         raise WeightUpdateError(f"weight update v{update.version} lacks {len(missing)} of the model's tensors "
                                 f"(first: {missing[0]}): a bucket was skipped; the weights were not changed")
+    hasher = xxhash.xxh3_128()
     with torch.no_grad():
         for name, tensor in update.tensors:
-            own[name].data.copy_(tensor)
-    received = tensors_digest((name, own[name]) for name, _ in update.tensors)
+            target = own[name].data
+            hasher.update(_header(name, target.dtype, target.shape))
+            source, flat = tensor.contiguous().reshape(-1), target.view(-1)
+            for begin in range(0, flat.numel(), CHUNK):
+                chunk = flat[begin:begin + CHUNK]
+                chunk.copy_(source[begin:begin + CHUNK])
+                hasher.update(_host_bytes(chunk))
+    received = f"{DIGEST_SCHEME}:{hasher.hexdigest()}"
     if received != update.digest:
         raise WeightUpdateError(f"weight update v{update.version} did not arrive intact: the sender's digest is "
                                 f"{update.digest}, the tensors received hash to {received}")

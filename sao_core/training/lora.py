@@ -122,13 +122,14 @@ def plain_model(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> torch.
     from peft import get_peft_model_state_dict
 
     adapter = get_peft_model_state_dict(model, state_dict=full)
-    plain = model_holding(model.get_base_model().config, base_names(full), dtype)
+    # Copies: the merge writes into the base weights, and `full` may hold the live model's own tensors.
+    plain = model_holding(model.get_base_model().config, {k: v.clone() for k, v in base_names(full).items()}, dtype)
     return merge_adapter_into(plain, model.peft_config["default"], adapter)
 
 
 def model_holding(config, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.nn.Module:
-    """A causal LM of `config` whose weights are the tensors of `state` (assigned, not copied; those not in
-    `dtype` converted). Built on the meta device: no random initialisation of weights that are replaced at
+    """A causal LM of `config` whose weights are the tensors of `state` (assigned, not copied: the model shares
+    them with `state`; those not in `dtype` converted). Built on the meta device: no random initialisation of weights that are replaced at
     once (at the Qwen3-1.7B shape that took 40 s of an 87 s push). For saving and merging: its non-persistent
     buffers (e.g. rotary frequencies) stay unallocated, so it cannot run a forward pass."""
     from transformers import AutoModelForCausalLM
