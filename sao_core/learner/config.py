@@ -99,9 +99,10 @@ class RLConfig(CoreConfig):
         "drop", "episodes ended by an engine/environment error or a timeout: drop them, or train them")
     failed_reward: float = setting(0.0, "the reward failed episodes are trained with when failed_episodes is train")
     keep_weight_versions: int = setting(3, "published weight versions kept (older ones deleted)", unit="versions")
-    weight_transport: Literal["auto", "files"] = setting(
+    weight_transport: Literal["auto", "files", "collective"] = setting(
         "auto", "how new weights reach the services: auto (in memory to a colocated hf engine, through storage to "
-        "the others and to LoRA adapters), files (always through storage)")
+        "the others and to LoRA adapters), files (always through storage), collective: a gloo/NCCL group to "
+        "external services (hf engines; full weights)")
     publish_every: int = setting(
         0, "in-memory pushes: also write every Nth version to storage in the background (0: only at checkpoints "
         "and the end)", unit="versions")
@@ -167,8 +168,12 @@ class RLConfig(CoreConfig):
             raise ValueError(f"RLConfig.delivery_check_tokens must be 0 (off) or >= 2, got {self.delivery_check_tokens}")
         if not (math.isfinite(self.delivery_tolerance) and self.delivery_tolerance > 0):
             raise ValueError(f"RLConfig.delivery_tolerance must be > 0, got {self.delivery_tolerance}")
-        if self.weight_transport not in ("auto", "files"):
-            raise ValueError(f"RLConfig.weight_transport must be auto or files, got {self.weight_transport!r}")
+        if self.weight_transport not in ("auto", "files", "collective"):
+            raise ValueError(f"RLConfig.weight_transport must be auto, files or collective, got "
+                             f"{self.weight_transport!r}")
+        if self.weight_transport == "collective" and self.rollout_lora_rank():
+            raise ValueError("RLConfig.weight_transport collective sends full weights: with lora_rank set "
+                             "lora_publish merged")
         for key in ("max_staleness", "max_in_flight", "critic_warmup_steps", "value_clip", "micro_batch_tokens",
                     "publish_every"):
             if getattr(self, key) < 0:

@@ -69,8 +69,9 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
 
 def in_memory(config: RLConfig, server, learner: Learner) -> bool:
     """Whether the run hands its weights to `server` (the colocated service, None when there is none) in
-    memory: `weight_transport` auto, full weights (not a LoRA adapter) and an engine that can take them."""
-    return (server is not None and config.weight_transport == "auto" and not learner.publishes_adapter
+    memory: `weight_transport` auto (or collective, which has no group to form with a service in this process),
+    full weights (not a LoRA adapter) and an engine that can take them."""
+    return (server is not None and config.weight_transport in ("auto", "collective") and not learner.publishes_adapter
             and server.takes_weights_in_memory())
 
 
@@ -213,10 +214,19 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
         services = ServiceSet(urls, consumer, plan, config.service_retry_s,
                               plan_for=lambda index, n: state.ledger.plan_fields(index, n),
                               on_restart=lambda index: service_restarted(index, len(urls)), token=token,
-                              on_plan=plan_sent, local={0: server} if in_memory(config, server, learner) else {})
+                              on_plan=plan_sent, local={0: server} if in_memory(config, server, learner) else {},
+                              channel=config.weight_transport == "collective" and server is None)
+
+    def memory_dtypes() -> dict | None:
+        """The engine dtypes of an in-memory transport (colocated service or collective channel), else None."""
+        if services.local:
+            return server.weight_dtypes()
+        return services.channel_dtypes() if services.channel else None
+
     # Every rank must know: the weights are then gathered for the push instead of written to storage.
-    if on_rank0(ctx, lambda: bool(services and services.local)):
-        learner.use_memory_transport(server.weight_dtypes() if ctx.is_main else {})
+    dtypes = on_rank0(ctx, memory_dtypes)
+    if dtypes is not None:
+        learner.use_memory_transport(dtypes if ctx.is_main else {})
 
     def push(version: int, uri: str | None, digest: str, probe=None, update=None) -> None:
         services.push(version, uri, digest, probe, update)

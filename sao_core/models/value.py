@@ -187,10 +187,11 @@ class ValueModel(nn.Module):
 
 def _dense(model: nn.Module, dtype: torch.dtype, source: str) -> nn.Module:
     """`model`, loaded from a GGUF file, as a plain model of its architecture holding the same tensors. transformers
-    5.19 marks a model it loaded from a GGUF file as quantised (`hf_quantizer`, `config.quantization_config`) even
-    when it dequantised every weight, and then refuses to save it; the critic is trained and saved, so it must be a
-    plain model. Built on the meta device and given `model`'s tensors (no random initialisation of weights that are
-    replaced at once). Raises ValueError when the weights are not dense (left in GGUF blocks)."""
+    5.18 and 5.19 mark a model they loaded from a GGUF file as quantised (`hf_quantizer`,
+    `config.quantization_config`) even when every weight was dequantised, and then refuse to save it (5.16 and
+    5.17 do not); the critic is trained and saved, so it must be a plain model. Built on the meta device and given
+    `model`'s tensors (no random initialisation of weights that are replaced at once). Raises ValueError when the
+    weights are not dense (left in GGUF blocks)."""
     import copy
     from itertools import chain
 

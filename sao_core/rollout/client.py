@@ -79,6 +79,30 @@ class RolloutClient:
             body["resync"] = True
         return self._call("POST", "/v1/weights", timeout_s=600.0, json=body)
 
+    def weight_spec(self) -> dict:
+        """{"tensors": [[name, shape, dtype], ...]} of the engine's weights (the weight channel's layout)."""
+        return self._call("GET", "/v1/weights/spec")
+
+    def join_channel(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0) -> dict:
+        """Have the service join a weight channel (sao_core/rollout/channel.py); returns once the group formed."""
+        return self._call("POST", "/v1/weights/channel", timeout_s=timeout_s + 30.0,
+                          json={"host": host, "port": port, "rank": rank, "world_size": world_size,
+                                "timeout_s": timeout_s})
+
+    def receive_weights(self, version: int, digest: str, tensors: list, resync: bool = False,
+                        bucket_bytes: int | None = None) -> dict:
+        """Announce `version` ([name, shape, dtype] per tensor, the sender's digest): {"ready": true} once the
+        service checked it and waits for the broadcast; RolloutRequestError (nothing to broadcast) otherwise."""
+        body = {"version": version, "digest": digest, "resync": resync, "tensors": tensors}
+        if bucket_bytes is not None:
+            body["bucket_bytes"] = bucket_bytes
+        return self._call("POST", "/v1/weights/receive", json=body)
+
+    def commit_weights(self, version: int) -> dict:
+        """Apply the `version` received over the channel; answers like `push_weights` (the digest the engine
+        recomputed)."""
+        return self._call("POST", "/v1/weights/commit", timeout_s=600.0, json={"version": version})
+
     def score(self, token_ids: list[int], start: int) -> dict:
         """{"logprobs": of token_ids[start:] under the service's weights in use, "version", "sha256"}."""
         return self._call("POST", "/v1/score", timeout_s=120.0, json={"token_ids": token_ids, "start": start})

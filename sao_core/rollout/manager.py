@@ -541,6 +541,16 @@ class RolloutManager:
         """name -> dtype of the engine's weights (what an in-memory update must be sent in)."""
         return self.engine.weight_dtypes()
 
+    def weight_model(self):
+        """The engine's live model, which in-memory updates are copied into (the weight channel checks a spec
+        against it); RolloutError when the engine takes weights only from files or carries a LoRA adapter."""
+        model = getattr(self.engine, "model", None)
+        if not hasattr(self.engine, "update_in_memory") or model is None:
+            raise RolloutError(f"the {type(self.engine).__name__} engine takes weights only from files")
+        if getattr(self.engine, "lora_mode", None) is not None:
+            raise RolloutError("this engine carries a LoRA adapter: in-memory full weights cannot replace it")
+        return model
+
     async def score(self, token_ids: list[int], start: int) -> dict:
         """{"logprobs": of token_ids[start:], "version"}: scored under the weights lock, so the version is the
         one the log-probs were computed with."""

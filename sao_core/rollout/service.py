@@ -5,6 +5,10 @@
     GET  /v1/trajectories        long-poll: take up to `max` finished trajectories (leased to `consumer`)
     POST /v1/trajectories/ack    acknowledge (or drop) taken trajectories
     POST /v1/weights             load new weights {version, uri, sha256} (a full model or a LoRA adapter)
+    GET  /v1/weights/spec        the engine's weights: [[name, shape, dtype], ...] (the weight channel's layout)
+    POST /v1/weights/channel     join a learner's weight channel {host, port, rank, world_size} (rollout/channel.py)
+    POST /v1/weights/receive     get ready for weights over the channel {version, digest, resync, tensors}
+    POST /v1/weights/commit      apply what the channel delivered {version}; answers like POST /v1/weights
     POST /v1/score               log-probs of given tokens under the weights in use {token_ids, start}
     POST /v1/pause | /v1/resume  pause or resume generation
     POST /v1/shutdown            graceful shutdown
@@ -132,6 +136,32 @@ class WeightsRequest(_Strict):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the checkpoint's manifest.json")
     resync: bool = Field(False, description="a learner re-syncing this service (e.g. after its own resume): any "
                                             "version is taken; without it only the current version + 1")
+
+
+class ChannelRequest(_Strict):
+    host: str = Field(min_length=1, max_length=253, description="the learner's address (the channel's TCPStore)")
+    port: int = Field(ge=1, le=65535)
+    rank: int = Field(ge=1, le=65535, description="this service's rank in the group (the learner is rank 0)")
+    world_size: int = Field(ge=2, le=65536)
+    timeout_s: float = Field(300.0, gt=0, le=3600, description="to join, and per broadcast bucket")
+
+
+WireTensor = tuple[Annotated[str, Field(min_length=1, max_length=1000)],
+                   Annotated[list[Annotated[int, Field(ge=0, le=2**40)]], Field(max_length=8)],
+                   Annotated[str, Field(min_length=1, max_length=32)]]
+
+
+class ReceiveRequest(_Strict):
+    version: int = Field(ge=0)
+    digest: str = Field(pattern=r"^xxh3-128:[0-9a-f]{32}$", description="the sender's digest of the tensors")
+    resync: bool = False
+    tensors: list[WireTensor] = Field(min_length=1, max_length=100_000,
+                                      description="[name, shape, dtype] of each tensor, in send order")
+    bucket_bytes: int = Field(64 << 20, ge=1, le=1 << 34, description="the sender's bucket size (bytes)")
+
+
+class CommitRequest(_Strict):
+    version: int = Field(ge=0)
 
 
 class ShutdownRequest(_Strict):
@@ -358,6 +388,66 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
     @app.post("/v1/weights", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **FORBIDDEN, **CONFLICT, **TOO_LARGE})
     async def weights(body: WeightsRequest) -> dict:
         return await manager.update_weights(body.version, body.uri, body.sha256, resync=body.resync)
+
+    from sao_core.rollout.channel import ChannelError, ServiceChannel, check_spec, dtype_name, parse_dtype
+
+    channel = ServiceChannel()
+
+    @app.get("/v1/weights/spec", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED})
+    async def weights_spec() -> dict:
+        model = manager.weight_model()
+        return {"tensors": [[name, list(t.shape), dtype_name(t.dtype)]
+                            for name, t in model.state_dict(keep_vars=True).items()],
+                "version": manager.engine.version}
+
+    @app.post("/v1/weights/channel", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
+    async def weights_channel(body: ChannelRequest) -> dict:
+        """Join a learner's weight channel (leaving any earlier one); answers once the whole group is formed."""
+        manager.weight_model()
+        if body.rank >= body.world_size:
+            raise RolloutError(f"rank {body.rank} is outside a group of {body.world_size}")
+        if channel.receiving() or channel.joining:
+            raise ConflictError("a weight receive over the current channel, or a join, is in progress")
+        channel.joining = True
+        try:
+            return await asyncio.to_thread(channel.join, body.host, body.port, body.rank, body.world_size,
+                                           body.timeout_s)
+        except ChannelError as err:
+            raise RolloutError(str(err)) from err
+        finally:
+            channel.joining = False
+
+    @app.post("/v1/weights/receive", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
+    async def weights_receive(body: ReceiveRequest) -> dict:
+        """Check an announced update against the engine and the version rules, then start receiving it: the
+        learner broadcasts only after every service answered ready."""
+        model = manager.weight_model()
+        if channel.receiver is None or channel.joining:
+            raise ConflictError("this service has joined no weight channel (POST /v1/weights/channel first)")
+        if channel.receiving():
+            raise ConflictError("a weight receive is already in progress")
+        try:
+            spec = [(name, tuple(shape), parse_dtype(dtype)) for name, shape, dtype in body.tensors]
+            check_spec(model, spec)
+        except ValueError as err:
+            raise RolloutError(f"weights version {body.version} do not fit this engine: {err}; nothing was "
+                               "received") from err
+        manager._check_next_version(body.version, body.digest, body.resync)
+        channel.start(body.version, body.resync, spec, body.digest, body.bucket_bytes)
+        return {"ready": True, "version": body.version}
+
+    @app.post("/v1/weights/commit", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
+    async def weights_commit(body: CommitRequest) -> dict:
+        """Wait for the receive of `version` and apply it (the manager's version rules and lock, the engine's
+        digest check); answers like POST /v1/weights with the digest the engine recomputed."""
+        try:
+            resync, thread, outcome = channel.take(body.version)
+        except LookupError as err:
+            raise ConflictError(str(err)) from err
+        await asyncio.to_thread(thread.join)
+        if "error" in outcome:
+            raise RolloutError(f"{outcome['error']}; the current weights (version {manager.engine.version}) stay")
+        return await manager.update_in_memory(outcome["update"], resync)
 
     @app.post("/v1/pause", **guarded, responses={**UNAUTHORIZED})
     async def pause() -> dict:
