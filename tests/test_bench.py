@@ -195,3 +195,26 @@ def test_learning_runs_smoke_and_bad_arguments(tmp_path, sao_cache, capsys):
     assert result["summary"]["settings"]["critic_warmup"] == 2 and "seed   3:" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         learning_runs.main(["--method", "ppo", "--output", str(tmp_path / "x")])
+
+
+def test_gpu_real_loop_smoke(tmp_path):
+    """The GPU real-loop script's CPU smoke run: SAO through train_rl, in-memory pushes, every figure recorded."""
+    import gpu_real_loop
+
+    out = tmp_path / "loop.json"
+    assert gpu_real_loop.main(["--smoke", "--out", str(out), "--workdir", str(tmp_path / "work")]) == 0
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["pushes"] == 2 and report["delivery_logp_diff_mean"]["max"] < 1e-4
+    assert 0 < report["push_share_of_step"]["median"] < 1 and report["durable_wait_s"]["n"] == 2
+
+
+def test_weight_transport_smoke(tmp_path, sao_cache, monkeypatch):
+    """bench/weight_transport.py at the tiny shape: memory, files, copy, gloo and durable figures, side by side."""
+    monkeypatch.setenv("SAO_CACHE_DIR", str(sao_cache))
+    import weight_transport
+
+    assert weight_transport.main(["--quick", "--no-step", "--output", str(tmp_path)]) == 0
+    cases = json.loads((tmp_path / "weight_transport.json").read_text())["cases"]
+    assert [c["engine_dtype"] for c in cases] == ["float32", "bfloat16"]
+    for case in cases:
+        assert {"memory", "files", "copy", "gloo", "durable"} <= set(case["median_s"]) and case["memory_over_copy"] > 0
