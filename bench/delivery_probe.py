@@ -247,9 +247,10 @@ def run_model(name: str, args) -> dict:
             rec.add("never_updated", p, engine_logprobs(base, ids, s), mine[p], version=args.pushes)
     del base, optimizer
     gc.collect()
-    if lag is not None:   # another base: a random-initialised model of the same shape
-        del lag
-        gc.collect()
+    lag = None            # another base: a random-initialised model of the same shape (in the freed memory)
+    if not args.lora_lrs:
+        engine = None
+    gc.collect()
     torch.manual_seed(args.seed + 1)
     other = bf16_model(learner)
     for p, (ids, s) in probes.items():
@@ -258,8 +259,8 @@ def run_model(name: str, args) -> dict:
     gc.collect()
     lora = run_lora(learner, engine, probes, vocab, rec, args) if args.lora_lrs else None
     result = {**about, "parameters": parameter_count(learner), "pushes": args.pushes,
-              "update": (f"AdamW lr {args.lr:g} on a random batch ({args.batch_rows} x {args.batch_len} token ids) per push"
-                         if args.update == "adamw" else f"every weight += lr * sign(randn), lr {args.lr:g}"),
+              "update": (f"AdamW lr {args.lr:g} on a random batch ({args.batch_rows} x {args.batch_len} token ids) "
+                         "per push" if args.update == "adamw" else f"every weight += lr * sign(randn), lr {args.lr:g}"),
               "probes": {"chat": {"ids": len(chat_ids), "start": chat_start, "scored": len(chat_ids) - chat_start,
                                   "text": tokenizer.decode(chat_ids)},
                          "random": {"ids": len(random_ids), "start": 1, "scored": len(random_ids) - 1,

@@ -180,7 +180,7 @@ def learner_step_seconds(model, reps: int) -> list[float]:
 
 
 def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step: bool, scratch: Path,
-            cache: str, external: bool = False) -> dict:
+            cache: str, durable: bool = True, external: bool = False) -> dict:
     from sao_core.learner.durable import snapshot
     from sao_core.models import EMBEDDED_TINY, resolve_model
     from sao_core.rollout.server import RolloutServer, ServeConfig
@@ -218,14 +218,17 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
                                                     strict=True):
                     target.copy_(source)
             copy_s = time.perf_counter() - began
-            began = time.perf_counter()
-            held = snapshot(learner.state_dict())
-            durable_s = time.perf_counter() - began
-            del held
+            durable_s = None
+            if durable:
+                began = time.perf_counter()
+                held = snapshot(learner.state_dict())
+                durable_s = time.perf_counter() - began
+                del held
             if rep:
                 samples["memory"].append(memory_s)
                 samples["copy"].append(copy_s)
-                samples["durable"].append(durable_s)
+                if durable_s is not None:
+                    samples["durable"].append(durable_s)
             if rep < files_reps + 1 and files_reps:
                 version += 1
                 with torch.no_grad():
@@ -298,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files-reps", type=int, default=3, help="updates through files per case (0: none)")
     parser.add_argument("--no-gloo", action="store_true")
     parser.add_argument("--no-step", action="store_true")
+    parser.add_argument("--no-durable", action="store_true",
+                        help="skip the durable snapshot (a float32 copy of the model: memory at the 1.7B shape)")
     parser.add_argument("--quick", action="store_true", help="the tiny shape, 2 updates")
     parser.add_argument("--external", action="store_true", help="also the collective weight channel to a "
                         "`sao rollout serve` process (weight_transport collective)")
@@ -315,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes.split(","):
             for dtype in args.dtypes.split(","):
                 case = measure(shape, dtype, args.reps, args.files_reps, not args.no_gloo, not args.no_step,
-                               scratch, cache, args.external)
+                               scratch, cache, durable=not args.no_durable, external=args.external)
                 print(f"{shape} {dtype}: memory {case['median_s']['memory']:.3f} s, copy "
                       f"{case['median_s']['copy']:.3f} s ({case['memory_over_copy']:.2f}x)", flush=True)
                 result["cases"].append(case)

@@ -70,7 +70,7 @@ def test_the_learner_scores_the_chat_probe_and_the_check_names_a_service_that_di
     off = [x + (probe.tolerance * 1.5 if i % 2 else 0.0) for i, x in enumerate(probe.logprobs)]   # mean 0.75 tol
     assert compare({"version": 0, "logprobs": off}, probe, "http://a:1")["max"] == pytest.approx(probe.tolerance * 1.5)
     far = [x - 3 * probe.tolerance for x in probe.logprobs]
-    with pytest.raises(LearnerError, match=r"rollout service http://b:2 does not serve the learner's weights version 0"):
+    with pytest.raises(LearnerError, match=r"service http://b:2 does not serve the learner's weights version 0"):
         compare({"version": 0, "logprobs": far}, probe, "http://b:2")
     with pytest.raises(LearnerError, match=r"rollout service http://b:2 scored the probe at version 1"):
         compare({"version": 1, "logprobs": probe.logprobs}, probe, "http://b:2")

@@ -143,6 +143,7 @@ class Learner:
         self.engine_dtypes: dict = {}
         self.durable = None
         self.durable_wait_s = 0.0
+        self.probe_s = 0.0              # seconds the learner's side of the last delivery probe took
 
     @classmethod
     def load(cls, config: RLConfig, ctx: DistContext, scratch: Path) -> Learner:
@@ -319,6 +320,7 @@ class Learner:
         the newest `keep_weight_versions`. Returns the seconds it took (0 on the other ranks)."""
         began = time.monotonic()
         probe = self.probe()
+        self.probe_s = time.monotonic() - began
         if self.memory_push:
             self._publish_in_memory(push, probe)
             return time.monotonic() - began if self.ctx.is_main else 0.0

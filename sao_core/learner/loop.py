@@ -388,9 +388,10 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
                           "trajectories_per_s": trained_trajectories / elapsed,
                           "tokens_per_s": trained_tokens / elapsed, "seconds": elapsed,
                           "world_size": ctx.world_size}
-                if services is not None and services.delivery:   # the last push's delivery check (rank 0)
+                if services is not None and services.delivery and push_seconds:   # the push's delivery check (rank 0)
                     record.update(delivery_logp_diff_mean=services.delivery["mean"],
-                                  delivery_logp_diff_max=services.delivery["max"])
+                                  delivery_logp_diff_max=services.delivery["max"],
+                                  delivery_check_s=learner.probe_s + services.delivery_seconds)
                 evaluated = evaluator is not None and evaluator.due(state.step)
                 if evaluated:   # after the push of the version, before the next step: the current weights
                     record.update(evaluate_now())

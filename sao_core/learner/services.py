@@ -78,6 +78,7 @@ class ServiceSet:
         self.weights: tuple[int, str, str] | None = None   # version, uri, digest currently wanted
         self.probe: Probe | None = None                    # the delivery probe of that version
         self.delivery: dict[str, float] = {}               # worst {"mean", "max"} difference of the last push
+        self.delivery_seconds = 0.0                        # seconds the services took to score the last push's probe
         self.reconnecting: set[int] = set()
         self.unacked: dict[int, tuple[list[str], list[str], list[str]]] = {}  # acks that failed (service down)
         self._next = 0
@@ -139,11 +140,13 @@ class ServiceSet:
         if probe is None or probe.version != version:
             return
         client = self.clients[index]
+        began = time.monotonic()
         try:
             answer = client.score(probe.token_ids, probe.start)
         except RolloutRequestError as err:
             raise LearnerError(f"delivery check: rollout service {client.url} could not score the probe: {err}") from err
         found = compare(answer, probe, client.url)
+        self.delivery_seconds += time.monotonic() - began
         for key, value in found.items():
             self.delivery[key] = max(self.delivery.get(key, 0.0), value)
 
@@ -419,6 +422,7 @@ class ServiceSet:
         self.update = update
         self.probe = probe
         self.delivery = {}
+        self.delivery_seconds = 0.0
         if self.channel and update is not None:
             self._channel_push(version, digest, update)
             return
