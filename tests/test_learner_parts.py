@@ -245,7 +245,7 @@ def test_a_lora_learner_trains_only_the_adapter_and_publishes_the_adapter_alone(
     assert adapter and all(".lora_" in k for k in adapter)
     assert sum(v.numel() for v in adapter.values()) == sum(p.numel() for p in learner.policy.parameters()
                                                             if p.requires_grad)
-    assert probe.version == learner.state.version == 2 and len(probe.logprobs) == 31
+    assert probe.version == learner.state.version == 2 and len(probe.logprobs) == 32
     uri = learner.checkpoint()
     again = _learner(tmp_path, sao_cache, lora_rank=4, lora_target_modules="all-linear")
     again.resume(uri)
