@@ -31,7 +31,9 @@ its peak GPU memory (`torch.cuda.max_memory_allocated`, reset per phase):
    (twice: the first push injects the LoRA layers into the engine, the second only copies weights) and the
    merged full model — each staged, sealed with a manifest, verified as a rollout service verifies it,
    loaded by the HF engine (bf16) and checked with the learner's delivery probe (32 tokens): bytes, seconds
-   of each stage, and mean / max |engine − learner| probe log-prob, as full / adapter ratios in one run.
+   of each stage, and mean / max |engine − learner| probe log-prob, as full / adapter ratios in one run; then
+   the merged weights once more in memory (`memory`: `WeightUpdate` + `HFEngine.update_in_memory`, issue 37)
+   with the ratio files / memory.
 
 MFU = model FLOPs of the step / seconds / peak (`--peak-tflops`, default 989: H200 dense bf16). Model FLOPs:
 forward FLOPs per token = 2 × non-embedding parameters + 2 × layers × sequence length × query width
@@ -523,6 +525,30 @@ class Kit:
                       optimizer_state_elements=sum(t.numel() for st in optimizer.state.values()
                                                    for t in st.values() if torch.is_tensor(t) and t.dim()))
 
+    async def _push_in_memory(self, policy, engine, version: int, ids: list[int], mine: list[float]) -> dict:
+        """The merged policy handed to the engine in memory (`WeightUpdate` + `HFEngine.update_in_memory`: the
+        colocated transport of issue 37), timed by stage and delivery-checked like the file pushes."""
+        from sao_core.rollout.weights import WeightUpdate
+        from sao_core.training.lora import plain_state_dict
+
+        self.sync()
+        t0 = time.monotonic()
+        state = plain_state_dict(policy, lambda m: m.state_dict())
+        t1 = time.monotonic()
+        update = WeightUpdate.build(version, state, engine.weight_dtypes())
+        await engine.update_in_memory(update)
+        self.sync()
+        t2 = time.monotonic()
+        theirs = await engine.score(ids, 1)
+        t3 = time.monotonic()
+        diffs = [abs(a - b) for a, b in zip(theirs, mine, strict=True)]
+        times = {"merge": t1 - t0, "update": t2 - t1, "probe": t3 - t2}
+        self.log(f"push: memory {update.nbytes / 2**20:.1f} MiB in {sum(times.values()):.2f} s "
+                 f"({ {k: round(v, 2) for k, v in times.items()} })")
+        return {"bytes": update.nbytes, "seconds": {k: round(v, 3) for k, v in times.items()},
+                "total_seconds": round(sum(times.values()), 3), "probe_diff_mean": sum(diffs) / len(diffs),
+                "probe_diff_max": max(diffs)}
+
     def push(self, record: dict) -> None:
         """The trained LoRA policy pushed as an adapter (twice) and as the merged full model to a bf16 HF engine,
         each delivery-checked (see the module docstring)."""
@@ -571,6 +597,8 @@ class Kit:
                     t3 = time.monotonic()
                     theirs = await engine.score(ids, 1)
                     times["probe"] = time.monotonic() - t3
+                    if mode == "full":   # issue 37: the same merged weights again, in memory (no files)
+                        record["memory"] = await self._push_in_memory(policy, engine, version + 1, ids, mine)
                     diffs = [abs(a - b) for a, b in zip(theirs, mine, strict=True)]
                     size = sum(f.stat().st_size for f in Path(uri).iterdir() if f.is_file())
                     record[mode] = {"bytes": size, "digest": digest[:12],
@@ -584,6 +612,10 @@ class Kit:
                 await engine.close()
 
         asyncio.run(go())
+        memory = record.get("memory", {})
+        if "total_seconds" in memory and "total_seconds" in record.get("full", {}):
+            self.report["ratios"]["push_seconds_files_over_memory"] = record["full"]["total_seconds"] / \
+                memory["total_seconds"]
         full, adapter = record.get("full", {}), record.get("adapter_again", {})
         if "bytes" in full and "bytes" in adapter:
             self.report["ratios"]["push_bytes_full_over_adapter"] = full["bytes"] / adapter["bytes"]

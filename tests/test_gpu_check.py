@@ -29,7 +29,7 @@ PHASE_KEYS = ("ok", "skipped", "seconds", "tokens", "tokens_per_s", "peak_gpu_gb
 # and importlib.util.find_spec reports them missing (transformers' optional-package checks).
 NOT_ON_THE_GPU_MACHINE = ("kfp", "kubernetes", "boto3", "botocore", "datasets", "pyarrow", "math_verify", "fastapi",
                           "uvicorn", "starlette", "prometheus_client", "httpx", "vllm", "gguf", "moto",
-                          "jsonschema")
+                          "jsonschema", "xxhash")
 
 
 def _env() -> dict[str, str]:
@@ -74,10 +74,10 @@ def _check_smoke_report(report: dict) -> None:
         assert phase["losses"][-1] < phase["losses"][0]
     assert report["phases"]["sft_lora"]["optimizer_state_elements"] < report["phases"]["sft"]["optimizer_state_elements"] / 4
     push = report["phases"]["push"]
-    for mode in ("adapter", "adapter_again", "full"):
+    for mode in ("adapter", "adapter_again", "full", "memory"):
         assert push[mode]["probe_diff_mean"] < 1e-5 and push[mode]["bytes"] > 0, (mode, push[mode])
     ratios = report["ratios"]
-    assert ratios["push_bytes_full_over_adapter"] > 5
+    assert ratios["push_bytes_full_over_adapter"] > 5 and ratios["push_seconds_files_over_memory"] > 0
     assert {"step_seconds_learner_over_learner_lora", "step_seconds_sft_over_sft_lora",
             "step_seconds_learner_lora_over_learner_lora_critic"} <= set(ratios)
     assert report["phases"]["learner_lora_critic"]["critic_trainable_parameters"] > 0

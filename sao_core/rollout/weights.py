@@ -22,6 +22,20 @@ import torch
 
 #: digest scheme, written in front of every digest so a reader can tell it from a sha256 manifest digest
 DIGEST_SCHEME = "xxh3-128"
+#: the scheme where the xxhash package is missing (a bare GPU machine running bench/gpu_check.py): both sides
+#: of an update in one process hash the same way; two processes with different schemes disagree, by name
+FALLBACK_SCHEME = "blake2b-128"
+
+
+def _hasher():
+    """(a new streaming hasher, its scheme name)."""
+    try:
+        import xxhash
+    except ImportError:
+        import hashlib
+
+        return hashlib.blake2b(digest_size=16), FALLBACK_SCHEME
+    return xxhash.xxh3_128(), DIGEST_SCHEME
 #: elements per chunk of the streaming digest: the chunk just copied is hashed while it is in the CPU's cache
 CHUNK = 1 << 18
 
@@ -47,9 +61,7 @@ def tensors_digest(named: Iterable[tuple[str, torch.Tensor]], dtypes: Sequence[t
     """xxh3-128 over each tensor's name, dtype, shape and bytes, in the given order: ``xxh3-128:<32 hex>``.
     With `dtypes` (one per tensor), the bytes are those of the tensor converted to that dtype (converted chunk by
     chunk into a small buffer, never as a whole copy)."""
-    import xxhash
-
-    hasher = xxhash.xxh3_128()
+    hasher, scheme = _hasher()
     scratch: dict[torch.dtype, torch.Tensor] = {}
     for index, (name, tensor) in enumerate(named):
         dtype = tensor.dtype if dtypes is None else dtypes[index]
@@ -61,7 +73,7 @@ def tensors_digest(named: Iterable[tuple[str, torch.Tensor]], dtypes: Sequence[t
                 buffer = scratch.setdefault(dtype, torch.empty(CHUNK, dtype=dtype, device=flat.device))
                 chunk = buffer[:chunk.numel()].copy_(chunk)
             hasher.update(_host_bytes(chunk))
-    return f"{DIGEST_SCHEME}:{hasher.hexdigest()}"
+    return f"{scheme}:{hasher.hexdigest()}"
 
 
 def unique_named_tensors(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -142,8 +154,6 @@ def apply_update(model: torch.nn.Module, update: WeightUpdate) -> str:
     leave old weights in a model that claims the new version). WeightUpdateError otherwise, the model untouched.
     A digest that differs from the sender's after the copy means the bytes changed on the way:
     WeightUpdateError, and the model holds a mixture (the caller must not serve it)."""
-    import xxhash
-
     own = model.state_dict(keep_vars=True)
     sent = dict(update.tensors)
     if len(sent) != len(update.tensors):
@@ -163,7 +173,7 @@ def apply_update(model: torch.nn.Module, update: WeightUpdate) -> str:
     if missing:
         raise WeightUpdateError(f"weight update v{update.version} lacks {len(missing)} of the model's tensors "
                                 f"(first: {missing[0]}): a bucket was skipped; the weights were not changed")
-    hasher = xxhash.xxh3_128()
+    hasher, scheme = _hasher()
     with torch.no_grad():
         for name, tensor in update.tensors:
             target = own[name].data
@@ -173,7 +183,7 @@ def apply_update(model: torch.nn.Module, update: WeightUpdate) -> str:
                 chunk = flat[begin:begin + CHUNK]
                 chunk.copy_(source[begin:begin + CHUNK])
                 hasher.update(_host_bytes(chunk))
-    received = f"{DIGEST_SCHEME}:{hasher.hexdigest()}"
+    received = f"{scheme}:{hasher.hexdigest()}"
     if received != update.digest:
         raise WeightUpdateError(f"weight update v{update.version} did not arrive intact: the sender's digest is "
                                 f"{update.digest}, the tensors received hash to {received}")
