@@ -200,7 +200,10 @@ def test_smollm2_gguf_loads_and_answers(tmp_path):
     import torch
 
     model, tokenizer = load_model_and_tokenizer(EMBEDDED_SMOLLM2, tmp_path)
-    assert resolved.gguf_file and model.config.model_type == "llama"
+    # The GGUF is de-quantised once into a verified float32 folder (issue 37): eos / pad from the GGUF's metadata.
+    assert not resolved.gguf_file and storage.is_complete_checkpoint(resolved.path)
+    assert model.config.model_type == "llama" and tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id == 2
+    assert resolve_model(EMBEDDED_SMOLLM2, tmp_path).path == resolved.path          # reused, not exported again
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3? Answer briefly."}],
                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():

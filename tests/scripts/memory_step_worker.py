@@ -26,6 +26,15 @@ SCORED = 256        # of each 1,024-token row: loss / action tokens (the output 
 
 
 def rss_mb() -> float:
+    """Peak resident memory of this process's own address space (VmHWM, MB). Not getrusage's ru_maxrss: that is
+    preserved across execve, so a worker started from a large pytest process (e.g. after a test that loaded a real
+    model) would report the parent's size from its first line."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024   # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
