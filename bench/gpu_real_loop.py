@@ -16,19 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-for _key, _value in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                     "OMP_WAIT_POLICY": "PASSIVE", "TQDM_DISABLE": "1"}.items():
-    os.environ.setdefault(_key, _value)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _setup  # noqa: E402, F401  (the offline and thread environment, the repository on sys.path)
 
 
 def _stats(values: list[float]) -> dict | None:

@@ -106,15 +106,20 @@ class ServiceSet:
                 raise LearnerError(f"rollout service {client.url} (in this process) refused weights version "
                                    f"{version} handed over in memory: {err}; stopping rather than training on "
                                    "another policy's trajectories") from err
-            self._check_answer(client.url, answer, version, digest)
-            self._check_delivery(index, version)
-            self.holds[index] = version
-            return
+        else:
+            answer = self._push_files(index, version, uri, digest, resync)
+        self._check_answer(client.url, answer, version, digest)
+        self._check_delivery(index, version)
+        self.holds[index] = version
+
+    def _push_files(self, index: int, version: int, uri: str | None, digest: str, resync: bool) -> dict:
+        """POST /v1/weights of the published version at `uri` to service `index`: its answer."""
+        client = self.clients[index]
         if uri is None:
             raise LearnerError(f"rollout service {client.url} needs weights version {version} from storage, but that "
                                "version was handed over in memory only (weight_transport); no durable copy exists")
         try:
-            answer = client.push_weights(version, uri, digest, resync=resync)
+            return client.push_weights(version, uri, digest, resync=resync)
         except RolloutAuthError as err:
             raise LearnerError(f"rollout service {client.url} refused the learner's token ({err}); give the run's "
                                "token (service_token_file, $SAO_ROLLOUT_TOKEN or $SAO_ROLLOUT_TOKEN_FILE)") from err
@@ -122,9 +127,6 @@ class ServiceSet:
             raise LearnerError(f"rollout service {client.url} refused weights version {version} of this learner: "
                                f"{err}. Its weights are not the learner's (was it given weights by someone else?); "
                                "stopping rather than training on another policy's trajectories") from err
-        self._check_answer(client.url, answer, version, digest)
-        self._check_delivery(index, version)
-        self.holds[index] = version
 
     @staticmethod
     def _check_answer(url: str, answer: dict, version: int, digest: str) -> None:

@@ -46,6 +46,10 @@ class WeightUpdateError(ValueError):
     """An in-memory update does not fit the receiving model or did not arrive intact; the message says how."""
 
 
+class WeightsCorrupted(WeightUpdateError):
+    """The tensors received hash differently from the sender's digest: the model now holds a mixture."""
+
+
 def _header(name: str, dtype: torch.dtype, shape) -> bytes:
     return f"{name}\0{str(dtype).removeprefix('torch.')}\0{tuple(shape)}\0".encode()
 
@@ -185,6 +189,6 @@ def apply_update(model: torch.nn.Module, update: WeightUpdate) -> str:
                 hasher.update(_host_bytes(chunk))
     received = f"{scheme}:{hasher.hexdigest()}"
     if received != update.digest:
-        raise WeightUpdateError(f"weight update v{update.version} did not arrive intact: the sender's digest is "
+        raise WeightsCorrupted(f"weight update v{update.version} did not arrive intact: the sender's digest is "
                                 f"{update.digest}, the tensors received hash to {received}")
     return received

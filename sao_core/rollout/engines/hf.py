@@ -385,7 +385,7 @@ class HFEngine:
         that digest; tokens sampled afterwards carry `update.version`. A bad update (names, shapes, dtypes, a
         skipped tensor) is refused before anything changes (EngineError); a digest mismatch after the copy
         leaves the engine refusing to serve until a good update arrives."""
-        from sao_core.rollout.weights import WeightUpdateError, apply_update
+        from sao_core.rollout.weights import WeightsCorrupted, WeightUpdateError, apply_update
 
         def run() -> str:
             if self.lora_mode is not None:
@@ -394,7 +394,7 @@ class HFEngine:
             try:
                 digest = apply_update(self.model, update)
             except WeightUpdateError as err:
-                if "did not arrive intact" in str(err):
+                if isinstance(err, WeightsCorrupted):
                     self._broken = str(err)
                 raise EngineError(f"{err}; the current weights (version {self.version}) stay"
                                   if self._broken is None else str(err)) from err
