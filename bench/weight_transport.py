@@ -184,7 +184,7 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
     from sao_core.learner.durable import snapshot
     from sao_core.models import EMBEDDED_TINY, resolve_model
     from sao_core.rollout.server import RolloutServer, ServeConfig
-    from sao_core.rollout.weights import WeightUpdate
+    from sao_core.rollout.weights import WeightUpdate, unique_named_tensors
     from sao_core.training.checkpointing import save_full_model
     from sao_core.training.distributed import DistContext
 
@@ -213,9 +213,9 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
             memory_s = time.perf_counter() - began
             assert answer["version"] == version and answer["sha256"] == update.digest
             began = time.perf_counter()
-            with torch.no_grad():
-                for (_, target), (_, source) in zip(twin.state_dict().items(), learner.state_dict().items(),
-                                                    strict=True):
+            with torch.no_grad():   # the same bytes as the update: a tied weight once
+                for (_, target), (_, source) in zip(unique_named_tensors(twin.state_dict()),
+                                                    unique_named_tensors(learner.state_dict()), strict=True):
                     target.copy_(source)
             copy_s = time.perf_counter() - began
             durable_s = None

@@ -93,11 +93,22 @@ class ServiceSet:
             self._wait_for_any()
         return [self.clients[i].url for i in self.live]
 
-    def _push_one(self, index: int, version: int, uri: str, digest: str, resync: bool) -> None:
-        """Push `version` to service `index` and check its answer (LearnerError unless it now serves it)."""
+    def _digest(self, version: int, digest: str | None) -> str:
+        """`digest`, or (None) the digest of the in-memory update of `version`, which waits for the sender's
+        hash: read it only where it is needed, so the hash runs while a local engine copies."""
+        if digest is not None:
+            return digest
+        if self.update is None or self.update.version != version:
+            raise LearnerError(f"weights version {version} has no digest: neither a published manifest nor an "
+                               "in-memory update of that version")
+        return self.update.digest
+
+    def _push_one(self, index: int, version: int, uri: str, digest: str | None, resync: bool) -> None:
+        """Push `version` to service `index` and check its answer (LearnerError unless it now serves it).
+        `digest` None: that of the in-memory update (`_digest`)."""
         client = self.clients[index]
         if self.channel and self.update is not None and self.update.version == version:
-            self._channel_push(version, digest, self.update)   # a group: every service takes part
+            self._channel_push(version, self._digest(version, digest), self.update)   # a group: all take part
             return
         if index in self.local and self.update is not None and self.update.version == version:
             try:
@@ -107,8 +118,8 @@ class ServiceSet:
                                    f"{version} handed over in memory: {err}; stopping rather than training on "
                                    "another policy's trajectories") from err
         else:
-            answer = self._push_files(index, version, uri, digest, resync)
-        self._check_answer(client.url, answer, version, digest)
+            answer = self._push_files(index, version, uri, self._digest(version, digest), resync)
+        self._check_answer(client.url, answer, version, self._digest(version, digest))
         self._check_delivery(index, version)
         self.holds[index] = version
 
@@ -162,6 +173,7 @@ class ServiceSet:
                                "token (service_token_file, $SAO_ROLLOUT_TOKEN or $SAO_ROLLOUT_TOKEN_FILE)") from err
         if self.weights is not None:
             version, uri, digest = self.weights
+            digest = self._digest(version, digest)
             if status["version"] != version or status.get("weights_sha256", digest) != digest:
                 self._push_one(index, version, uri, digest, resync=True)
             else:
@@ -415,18 +427,20 @@ class ServiceSet:
                 oldest.append(status["oldest_unfinished_version"])
         return True, min(oldest, default=None)
 
-    def push(self, version: int, uri: str | None, digest: str, probe: Probe | None = None, update=None) -> None:
+    def push(self, version: int, uri: str | None, digest: str | None, probe: Probe | None = None,
+             update=None) -> None:
         """Every live service loads `version`, confirms it and passes the delivery `probe` (LearnerError naming a
-        service that does not). `update` (a `WeightUpdate`, digest `digest`): the weights in memory, handed to the
-        services in this process (`local`); `uri` (None when there is no durable copy): where the others load
-        them from."""
+        service that does not). `update` (a `WeightUpdate`): the weights in memory, handed to the services in
+        this process (`local`); its digest is `digest`, or with None read from it once needed (after a local
+        engine's copy, which runs while the sender hashes); `uri` (None when there is no durable copy): where
+        the others load them from."""
         self.weights = (version, uri, digest)
         self.update = update
         self.probe = probe
         self.delivery = {}
         self.delivery_seconds = 0.0
         if self.channel and update is not None:
-            self._channel_push(version, digest, update)
+            self._channel_push(version, self._digest(version, digest), update)
             return
         def push_one(index: int) -> None:
             held = self.holds.get(index)

@@ -526,7 +526,10 @@ class RolloutManager:
             raise RolloutError(f"the {type(self.engine).__name__} engine takes weights only from files")
         async with self._weights_lock:
             current = self.engine.version
-            if self._check_next_version(update.version, update.digest, resync):
+            # The sender's digest is read only where it decides something (a resync of the current version):
+            # reading it waits for the sender's hash, which otherwise runs while the engine copies.
+            digest = update.digest if resync and update.version == current else None
+            if self._check_next_version(update.version, digest, resync):
                 return {"version": current, "sha256": self.weights_sha256, "seconds": 0.0, "unchanged": True}
             started = time.monotonic()
             try:
