@@ -1,4 +1,5 @@
-"""The evaluation report: one self-contained HTML file with inline SVG charts (no scripts, no network).
+"""The evaluation report: one self-contained HTML file with inline SVG charts (no scripts, no network;
+every value of the summary and the samples is escaped, see :mod:`sao_core.reporting.html`).
 
 :func:`write_report` is the public entry point (the evaluation KFP component calls it). The report
 shows the run's settings, an overview table, the score per benchmark, pass@k curves, the score per
@@ -12,15 +13,16 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from html import escape
 from typing import Any
 
 from sao_core import storage
 from sao_core.eval.metrics import compare, pass_k_values
 from sao_core.reporting import plots
-from sao_core.reporting.html import CSS as _CSS
 from sao_core.reporting.html import Raw as _Raw
+from sao_core.reporting.html import esc as _esc
+from sao_core.reporting.html import page as _page
 from sao_core.reporting.html import pct as _pct
+from sao_core.reporting.html import slug as _slug
 from sao_core.reporting.html import table as _table
 from sao_core.reporting.training import TRAINING_CSS, ReportError, TrainingSection, training_section
 
@@ -90,13 +92,13 @@ def _groups_section(name: str, b: Mapping[str, Any]) -> str:
         rows = [[v, values[v]["problems"], _pct(values[v].get(f"avg@{k}")), _pct(values[v].get("pass@1")),
                  _pct(values[v].get(f"pass@{k}")), _pct(values[v].get(f"maj@{k}"))] for v in labels]
         table = _table([level, "problems", f"avg@{k}", "pass@1", f"pass@{k}", f"maj@{k}"], rows, numeric=range(1, 6))
-        parts.append(f"<details><summary>{escape(level)} table ({len(labels)})</summary>{table}</details>")
+        parts.append(f"<details><summary>{_esc(level)} table ({len(labels)})</summary>{table}</details>")
     return "\n".join(parts)
 
 
 def _dataset_table(b: Mapping[str, Any]) -> str:
     d = b.get("dataset") or {}
-    rows = [["source", d.get("source")], ["split", d.get("split")], ["version", _Raw(f"<code>{escape(str(d.get('version')))}</code>")],
+    rows = [["source", d.get("source")], ["split", d.get("split")], ["version", _Raw(f"<code>{_esc(str(d.get('version')))}</code>")],
             ["rows read", d.get("rows_read")], ["rows rejected", d.get("rows_rejected")],
             ["rows repaired", d.get("repaired")], ["problems evaluated", f"{d.get('problems_used')} of {d.get('problems_available')}"],
             ["licence", d.get("license")], ["cite", d.get("citation")]]
@@ -159,7 +161,7 @@ def _listing(title: str, items: Sequence[Mapping[str, Any]], total: int, keys: S
         return ""
     rows = [[str(item.get(key, ""))[:300] for key in keys] for item in items]
     more = f" (first {len(items)} of {total})" if total > len(items) else ""
-    return f"<details><summary>{escape(title)}: {total}{more}</summary>{_table(list(keys), rows)}</details>"
+    return f"<details><summary>{_esc(title)}: {total}{more}</summary>{_table(list(keys), rows)}</details>"
 
 
 def _comparison(summary: Mapping[str, Any], previous: Mapping[str, Any] | None) -> str:
@@ -173,8 +175,8 @@ def _comparison(summary: Mapping[str, Any], previous: Mapping[str, Any] | None) 
         when = summary["comparison"].get("finished_at")
     else:
         return ""
-    html = [f"<h2>Comparison with the previous run</h2><p>Previous run: model <code>{escape(str(who))}</code>, "
-            f"finished {escape(str(when))}. Deltas are current − previous.</p>"]
+    html = [f"<h2>Comparison with the previous run</h2><p>Previous run: model <code>{_esc(str(who))}</code>, "
+            f"finished {_esc(str(when))}. Deltas are current − previous.</p>"]
     if not table:
         html.append('<p class="muted">The two runs have no metric in common.</p>')
         return "\n".join(html)
@@ -200,10 +202,10 @@ def _comparison(summary: Mapping[str, Any], previous: Mapping[str, Any] | None) 
 
 def _intro(name: str, b: Mapping[str, Any], samples: Sequence[Mapping[str, Any]] = ()) -> str:
     k = int(b["k"])
-    text = (f"<p>{b['problems']} problems × {k} samples; graded by <code>{escape(str(b.get('grader')))}</code>")
+    text = (f"<p>{_esc(b['problems'])} problems × {k} samples; graded by <code>{_esc(b.get('grader'))}</code>")
     versions = b.get("library_versions") or {}
     if versions:
-        text += " with " + ", ".join(f"<code>{escape(str(lib))} {escape(str(v) if v else '(not installed)')}</code>"
+        text += " with " + ", ".join(f"<code>{_esc(str(lib))} {_esc(str(v) if v else '(not installed)')}</code>"
                                      for lib, v in versions.items())
     text += "."
     if b.get("grader") == "swe_tests":
@@ -211,11 +213,11 @@ def _intro(name: str, b: Mapping[str, Any], samples: Sequence[Mapping[str, Any]]
                  "get_eval_report</code> on the captured test log).")
         ran = Counter((s.get("harness") or {}).get("test_command") for s in samples if s.get("harness"))
         if ran:
-            text += (f" Tests run by the record's own eval script (<code>make_test_spec</code>): {ran['harness']} "
-                     f"sample(s); by our fallback commands: {ran['fallback']}.")
+            text += (f" Tests run by the record's own eval script (<code>make_test_spec</code>): {_esc(ran['harness'])} "
+                     f"sample(s); by our fallback commands: {_esc(ran['fallback'])}.")
     if name == "swe_verified":
         rate = (b.get("scores") or {}).get(f"avg@{k}")
-        text += f" Resolved rate over all {b['problems']} instances (avg@{k}): <b>{_pct(rate)}</b>."
+        text += f" Resolved rate over all {_esc(b['problems'])} instances (avg@{k}): <b>{_esc(_pct(rate))}</b>."
     return text + "</p>"
 
 
@@ -245,15 +247,13 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
                           f"seed {config.get('seed')}"],
              ["LLM judge", f"{config.get('judge_model')} at {config.get('judge_url')} ({config.get('judge_policy')})"
               if config.get("judge_url") else "none (answers rules cannot settle count as wrong and are listed)"]]
-    html = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-            f"<title>{escape(title)}</title><style>{_CSS}{TRAINING_CSS if training else ''}</style></head><body>",
-            f"<h1>{escape(title)}</h1>", _table(["run", ""], meta)]
+    html = [f"<h1>{_esc(title)}</h1>", _table(["run", ""], meta)]
     if training:
         if training.headline:
-            html.append(f'<p class="headline"><b>Training: {escape(training.headline)}.</b></p>')
+            html.append(f'<p class="headline"><b>Training: {_esc(training.headline)}.</b></p>')
         html.append('<p class="contents">Contents: <a href="#training">the training run</a> (curves, health, '
                     'checkpoints), then the evaluation: '
-                    + ", ".join(f'<a href="#{escape(n)}">{escape(b.get("title", n))}</a>' for n, b in benchmarks.items())
+                    + ", ".join(f'<a href="#{_slug(n)}">{_esc(b.get("title", n))}</a>' for n, b in benchmarks.items())
                     + ".</p>")
     if benchmarks:
         html += ["<h2>Overview</h2>", _overview(benchmarks), _score_chart(benchmarks), _pass_curve(benchmarks)]
@@ -264,7 +264,7 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
         html.append(training.html)
     for name, b in benchmarks.items():
         mine = by_bench.get(name, [])
-        html += [f'<h2 id="{escape(name)}">{escape(b.get("title", name))}</h2>',
+        html += [f'<h2 id="{_slug(name)}">{_esc(b.get("title", name))}</h2>',
                  _intro(name, b, mine),
                  _groups_section(name, b), _length_histogram(b.get("title", name), mine),
                  "<h3>Who decided</h3>", _graders_table(b, mine),
@@ -275,8 +275,9 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
                           int(b.get("errors_total", 0)), ("id", "sample", "detail")),
                  "<h3>Data set</h3>", _dataset_table(b), _problem_table(b, mine)]
     html.append('<p class="muted">IMO-AnswerBench: Google DeepMind, CC-BY-4.0 (Luong et al., "Towards Robust '
-                'Mathematical Reasoning", EMNLP 2025). Generated by sao_core.eval.</p></body></html>')
-    return "\n".join(part for part in html if part)
+                'Mathematical Reasoning", EMNLP 2025). Generated by sao_core.eval.</p>')
+    # The shared frame: the same Content-Security-Policy and style sheet as the training report.
+    return _page(title, html, extra_css=TRAINING_CSS if training else "")
 
 
 def write_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any]], output: str,
@@ -300,7 +301,7 @@ def write_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any]
             training = training_section(training_run)
         except ReportError as err:
             training = TrainingSection(f'<section id="training"><h2>Training run</h2><p class="muted">No training '
-                                       f'report: {escape(str(err))}</p></section>', "")
+                                       f'report: {_esc(str(err))}</p></section>', "")
     text = render_report(summary, samples, previous, training)
     target = storage.join(output, REPORT_FILE)
     if not storage.is_s3_uri(output):

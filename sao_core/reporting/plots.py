@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from html import escape
+
+from sao_core.reporting.html import esc, slug
 
 PALETTE = ("#3b6fb6", "#e08a2c", "#4c9a5b", "#b8474d", "#7d5bb0", "#8c6d46", "#cc6fb0", "#6f7b86")
 FONT = "font-family=\"system-ui, sans-serif\""
@@ -38,7 +39,7 @@ def _nice_max(value: float) -> float:
 
 
 def _open(width: int, height: int, title: str) -> list[str]:
-    t = escape(title)
+    t = esc(title)
     return [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" role="img" aria-label="{t}" '
             f'viewBox="0 0 {width} {height}" width="{width}" height="{height}">',
             f"<title>{t}</title>",
@@ -51,7 +52,7 @@ def _legend(names: Sequence[str], x: float, y: float) -> list[str]:
     for i, name in enumerate(names):
         yy = y + 16 * i
         out.append(f'<rect x="{x:.1f}" y="{yy - 9:.1f}" width="10" height="10" fill="{PALETTE[i % len(PALETTE)]}"/>')
-        out.append(f'<text x="{x + 14:.1f}" y="{yy:.1f}" font-size="11" {FONT}>{escape(name)}</text>')
+        out.append(f'<text x="{x + 14:.1f}" y="{yy:.1f}" font-size="11" {FONT}>{esc(name)}</text>')
     return out
 
 
@@ -71,7 +72,7 @@ def bar_chart(title: str, labels: Sequence[str], series: Mapping[str, Sequence[f
         out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="10" {FONT}>{_fmt(v, percent)}</text>')
     if y_label:
         out.append(f'<text x="14" y="{top_pad + plot_h / 2:.1f}" font-size="11" {FONT} '
-                   f'transform="rotate(-90 14 {top_pad + plot_h / 2:.1f})" text-anchor="middle">{escape(y_label)}</text>')
+                   f'transform="rotate(-90 14 {top_pad + plot_h / 2:.1f})" text-anchor="middle">{esc(y_label)}</text>')
     group_w = plot_w / max(1, len(labels))
     bar_w = min(48.0, 0.8 * group_w / max(1, len(names)))
     for g, label in enumerate(labels):
@@ -84,12 +85,12 @@ def bar_chart(title: str, labels: Sequence[str], series: Mapping[str, Sequence[f
             x, y = x0 + s * bar_w, top_pad + plot_h - h
             colour = PALETTE[s % len(PALETTE)]
             out.append(f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{bar_w - 2:.1f}" height="{h:.1f}" '
-                       f'fill="{colour}" data-series="{escape(name)}" data-label="{escape(label)}" '
-                       f'data-value="{value:.6g}"><title>{escape(name)} {escape(label)}: {_fmt(value, percent)}</title></rect>')
+                       f'fill="{colour}" data-series="{esc(name)}" data-label="{esc(label)}" '
+                       f'data-value="{value:.6g}"><title>{esc(name)} {esc(label)}: {_fmt(value, percent)}</title></rect>')
             out.append(f'<text x="{x + (bar_w - 2) / 2:.1f}" y="{y - 3:.1f}" text-anchor="middle" font-size="9" '
                        f'{FONT}>{_fmt(value, percent)}</text>')
         out.append(f'<text x="{left + g * group_w + group_w / 2:.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" '
-                   f'font-size="11" {FONT}>{escape(_short(label, int(group_w / 6) or 4))}</text>')
+                   f'font-size="11" {FONT}>{esc(_short(label, int(group_w / 6) or 4))}</text>')
     out.append(f'<line x1="{left}" y1="{top_pad + plot_h}" x2="{left + plot_w}" y2="{top_pad + plot_h}" stroke="#333"/>')
     if len(names) > 1:
         out += _legend(names, left + plot_w + 16, top_pad + 10)
@@ -114,10 +115,10 @@ def hbar_chart(title: str, labels: Sequence[str], values: Sequence[float], *, co
         y = top_pad + i * row
         w = plot_w * max(0.0, min(value, top)) / top
         shown = f"{label} ({counts[i]})" if counts is not None else label
-        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end" font-size="11" {FONT}>{escape(_short(shown, 34))}</text>')
+        out.append(f'<text x="{left - 6}" y="{y + 13}" text-anchor="end" font-size="11" {FONT}>{esc(_short(shown, 34))}</text>')
         out.append(f'<rect class="bar" x="{left}" y="{y + 3}" width="{w:.1f}" height="{row - 6}" fill="{PALETTE[0]}" '
-                   f'data-series="score" data-label="{escape(label)}" data-value="{value:.6g}">'
-                   f'<title>{escape(shown)}: {_fmt(value, percent)}</title></rect>')
+                   f'data-series="score" data-label="{esc(label)}" data-value="{value:.6g}">'
+                   f'<title>{esc(shown)}: {_fmt(value, percent)}</title></rect>')
         out.append(f'<text x="{left + w + 4:.1f}" y="{y + 13}" font-size="10" {FONT}>{_fmt(value, percent)}</text>')
     out.append("</svg>")
     return "\n".join(out)
@@ -149,18 +150,18 @@ def line_chart(title: str, series: Mapping[str, Sequence[tuple[float, float]]], 
     for x in xs:
         out.append(f'<text x="{tx(x):.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" font-size="10" {FONT}>{x:g}</text>')
     if x_label:
-        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{escape(x_label)}</text>')
+        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{esc(x_label)}</text>')
     for s, (name, pts) in enumerate(series.items()):
         colour = PALETTE[s % len(PALETTE)]
         pts = sorted(pts)
         if len(pts) > 1:
             path = " ".join(f"{'M' if i == 0 else 'L'}{tx(x):.1f},{ty(y):.1f}" for i, (x, y) in enumerate(pts))
             out.append(f'<path class="line" d="{path}" fill="none" stroke="{colour}" stroke-width="2" '
-                       f'data-series="{escape(name)}"/>')
+                       f'data-series="{esc(name)}"/>')
         for x, y in pts:
             out.append(f'<circle class="point" cx="{tx(x):.1f}" cy="{ty(y):.1f}" r="3.5" fill="{colour}" '
-                       f'data-series="{escape(name)}" data-label="{x:g}" data-value="{y:.6g}">'
-                       f'<title>{escape(name)} @{x:g}: {_fmt(y, percent)}</title></circle>')
+                       f'data-series="{esc(name)}" data-label="{x:g}" data-value="{y:.6g}">'
+                       f'<title>{esc(name)} @{x:g}: {_fmt(y, percent)}</title></circle>')
     out += _legend(list(series), left + plot_w + 16, top_pad + 10)
     out.append("</svg>")
     return "\n".join(out)
@@ -196,8 +197,8 @@ def _stacked_bars(columns: Sequence[tuple[str, Sequence[float]]], names: Sequenc
             h = plot_h * c / top
             y = top_pad + plot_h - plot_h * (base + c) / top
             out.append(f'<rect class="bar" x="{left + b * bar_w:.1f}" y="{y:.1f}" width="{max(bar_w - 1, 0.5):.1f}" '
-                       f'height="{h:.1f}" fill="{PALETTE[s % len(PALETTE)]}" data-series="{escape(name)}" '
-                       f'data-label="{label}" data-value="{c:g}"><title>{escape(tooltip(name, label, c))}</title></rect>')
+                       f'height="{h:.1f}" fill="{PALETTE[s % len(PALETTE)]}" data-series="{esc(name)}" '
+                       f'data-label="{esc(label)}" data-value="{c:g}"><title>{esc(tooltip(name, label, c))}</title></rect>')
             base += c
     return out
 
@@ -226,7 +227,7 @@ def histogram(title: str, series: Mapping[str, Sequence[float]], *, bins: int = 
         out.append(f'<text x="{left + i * bar_w:.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" font-size="10" '
                    f'{FONT}>{edges[i]:.0f}</text>')
     if x_label:
-        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{escape(x_label)}</text>')
+        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{esc(x_label)}</text>')
     out += _legend(list(series), left + plot_w + 16, top_pad + 10)
     out.append("</svg>")
     return "\n".join(out)
@@ -286,8 +287,8 @@ def step_chart(title: str, x: Sequence[float], series: Mapping[str, Sequence[flo
         return top_pad + plot_h - plot_h * (v - y0) / ((y1 - y0) or 1.0)
 
     out = _open(width, height, title)
-    if chart_id:
-        out[0] = out[0].replace('<svg ', f'<svg id="{escape(chart_id)}" ', 1)
+    if chart_id:   # an id holds no odd character, whatever the caller's key (slug)
+        out[0] = out[0].replace('<svg ', f'<svg id="{slug(chart_id)}" ', 1)
     for v in yt:
         y = ty(v)
         out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#ddd"/>')
@@ -297,7 +298,7 @@ def step_chart(title: str, x: Sequence[float], series: Mapping[str, Sequence[flo
             out.append(f'<text x="{tx(v):.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" font-size="10" '
                        f'{FONT}>{v:g}</text>')
     if x_label:
-        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{escape(x_label)}</text>')
+        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{esc(x_label)}</text>')
     names = list(series)
     legend = []
     for s, name in enumerate(names):
@@ -310,8 +311,8 @@ def step_chart(title: str, x: Sequence[float], series: Mapping[str, Sequence[flo
                 if yv is None:
                     continue
                 out.append(f'<circle class="point" cx="{tx(xv):.1f}" cy="{ty(yv):.1f}" r="{2 if has_smooth else 3}" '
-                           f'fill="{colour}" data-series="{escape(name)}" data-label="{xv:g}" data-value="{yv:.6g}">'
-                           f'<title>{escape(name)} @ step {xv:g}: {_fmt(yv, percent)}</title></circle>')
+                           f'fill="{colour}" data-series="{esc(name)}" data-label="{xv:g}" data-value="{yv:.6g}">'
+                           f'<title>{esc(name)} @ step {xv:g}: {_fmt(yv, percent)}</title></circle>')
         legend.append(name)
         if has_smooth:
             out += _path(list(zip(xs, smoothed[name], strict=False)), tx, ty, colour, f"{name} (moving avg)",
@@ -323,7 +324,7 @@ def step_chart(title: str, x: Sequence[float], series: Mapping[str, Sequence[flo
         yy = top_pad + 10 + 16 * i
         out.append(f'<rect x="{left + plot_w + 16:.1f}" y="{yy - 9:.1f}" width="10" height="{10 if base == name else 4}" '
                    f'fill="{colour}"/>')
-        out.append(f'<text x="{left + plot_w + 30:.1f}" y="{yy:.1f}" font-size="11" {FONT}>{escape(_short(name, 28))}</text>')
+        out.append(f'<text x="{left + plot_w + 30:.1f}" y="{yy:.1f}" font-size="11" {FONT}>{esc(_short(name, 28))}</text>')
     out.append("</svg>")
     return "\n".join(out)
 
@@ -342,9 +343,9 @@ def _path(points: Sequence[tuple[float, float | None]], tx, ty, colour: str, nam
         return []
     if len(parts) == 1:   # a single point: a dot, so the series is still visible
         x, y = parts[0][1:].split(",")
-        return [f'<circle class="{cls}" cx="{x}" cy="{y}" r="3" fill="{colour}" data-series="{escape(name)}"/>']
+        return [f'<circle class="{cls}" cx="{x}" cy="{y}" r="3" fill="{colour}" data-series="{esc(name)}"/>']
     return [f'<path class="{cls}" d="{" ".join(parts)}" fill="none" stroke="{colour}" stroke-width="{width}" '
-            f'stroke-opacity="{opacity}" data-series="{escape(name)}"/>']
+            f'stroke-opacity="{opacity}" data-series="{esc(name)}"/>']
 
 
 def stacked_steps(title: str, x: Sequence[float], series: Mapping[str, Sequence[float]], *, x_label: str = "step",
@@ -362,8 +363,8 @@ def stacked_steps(title: str, x: Sequence[float], series: Mapping[str, Sequence[
     plot_w, plot_h = width - left - right, height - top_pad - bottom
     bar_w = plot_w / max(1, len(bins))
     out = _open(width, height, title)
-    if chart_id:
-        out[0] = out[0].replace('<svg ', f'<svg id="{escape(chart_id)}" ', 1)
+    if chart_id:   # an id holds no odd character, whatever the caller's key (slug)
+        out[0] = out[0].replace('<svg ', f'<svg id="{slug(chart_id)}" ', 1)
     out += _count_grid(top, left, top_pad, plot_w, plot_h)
     columns = [(f"{first:g}" if first == last else f"{first:g}-{last:g}", [sums[s][b] for s in range(len(names))])
                for b, (first, last, _) in enumerate(bins)]
@@ -374,7 +375,7 @@ def stacked_steps(title: str, x: Sequence[float], series: Mapping[str, Sequence[
         out.append(f'<text x="{left + (i + 0.5) * bar_w:.1f}" y="{top_pad + plot_h + 16}" text-anchor="middle" '
                    f'font-size="10" {FONT}>{first:g}</text>')
     if x_label:
-        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{escape(x_label)}</text>')
+        out.append(f'<text x="{left + plot_w / 2:.1f}" y="{height - 8}" text-anchor="middle" font-size="11" {FONT}>{esc(x_label)}</text>')
     out += _legend(names, left + plot_w + 16, top_pad + 10)
     out.append("</svg>")
     return "\n".join(out)

@@ -1,4 +1,5 @@
-"""The training report: one self-contained HTML page per run (inline SVG, no scripts that run, no network).
+"""The training report: one self-contained HTML page per run (inline SVG, no scripts that run, no network;
+every value of the run's files is escaped, see :mod:`sao_core.reporting.html`).
 
 :func:`write_training_report` writes ``<output>/training_report.html`` (a folder or an ``s3://`` prefix).
 The trainer (sft, cpt, dpo, gkd) and the RL learner (sao, grpo, ...) call it every `report_every` steps
@@ -8,7 +9,8 @@ a run directory; the KFP training components return it as their HTML artifact.
 The page: the run's state (method, steps, last update), the summary (once the run has finished), one chart
 per group of metrics found in ``metrics.jsonl`` (a chart whose metrics the run does not log is left out),
 the run's config and the checkpoints and models written so far. Loss and reward curves carry a trailing
-moving average. Every chart is a ``<figure class="plot" data-plot=ID>`` holding its SVG and a
+moving average. Every chart is a ``<figure class="plot" data-plot=ID>`` (its element id ``plot-`` and the
+:func:`~sao_core.reporting.html.slug` of ID, as ID may be any metric's name) holding its SVG and a
 ``<script type="application/json" class="plot-data">`` block with exactly the values plotted (the steps
 ``x``, each series' values, ``null`` where a step has none, and the moving averages), so a test or a script
 can check them against the metrics file.
@@ -23,13 +25,13 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from html import escape
 from pathlib import Path
 from typing import Any, NamedTuple
+from urllib.parse import quote
 
 from sao_core import storage
 from sao_core.reporting import plots
-from sao_core.reporting.html import Raw, page, table
+from sao_core.reporting.html import Raw, esc, link, page, script_json, slug, table
 
 log = logging.getLogger(__name__)
 
@@ -369,21 +371,22 @@ def missing_charts(method: str, shown: Sequence[Chart]) -> list[str]:
 
 # ----------------------------------------------------------------------------- rendering
 def _figure(chart: Chart, data: Mapping[str, Any]) -> str:
-    plot_id = f"plot-{chart.id}"
+    """One chart's ``<figure>``: its SVG, caption and JSON data block. Its ids come from :func:`slug` (a
+    chart of an unknown metric is named after the metric's key, which the run's metrics file chooses);
+    the data block is written by :func:`script_json`, so no key or value can end the script element."""
     if data["kind"] == "stacked":
-        svg = plots.stacked_steps(chart.title, data["x"], data["series"], chart_id=f"svg-{chart.id}")
+        svg = plots.stacked_steps(chart.title, data["x"], data["series"], chart_id=f"svg-{slug(chart.id)}")
     else:
         svg = plots.step_chart(chart.title, data["x"], data["series"], smoothed=data.get("smoothed"),
-                               percent=chart.percent, chart_id=f"svg-{chart.id}")
-    # "</" would end the script element early (a series name could hold one); "<\/" is the same JSON string.
-    blob = json.dumps({"id": chart.id, "title": chart.title, **data}, allow_nan=False).replace("</", "<\\/")
+                               percent=chart.percent, chart_id=f"svg-{slug(chart.id)}")
+    blob = script_json({"id": chart.id, "title": chart.title, **data})
     note = chart.note
     if data.get("bucket"):
         note = (f"{note} " if note else "") + (f"Each point: the mean of {data['bucket']} consecutive logged steps "
                                                f"({data['steps_total']} in all).")
-    caption = f"<figcaption class=\"muted\">{escape(note)}</figcaption>" if note else ""
-    window = f' data-window="{data["window"]}"' if "window" in data else ""
-    return (f'<figure class="plot" id="{plot_id}" data-plot="{escape(chart.id)}"{window}>{svg}{caption}'
+    caption = f"<figcaption class=\"muted\">{esc(note)}</figcaption>" if note else ""
+    window = f' data-window="{esc(data["window"])}"' if "window" in data else ""
+    return (f'<figure class="plot" id="plot-{slug(chart.id)}" data-plot="{esc(chart.id)}"{window}>{svg}{caption}'
             f'<script type="application/json" class="plot-data">{blob}</script></figure>')
 
 
@@ -396,14 +399,22 @@ def _value(value: Any) -> str:
 
 
 def _link(uri: str, run: str) -> Raw:
-    shown = f"<code>{escape(uri)}</code>"
+    """`uri` (a checkpoint or model of the run) as code, linked when it lies inside the local run folder
+    (:func:`_href_in_run`); an s3:// URI or a path elsewhere is shown as text only."""
+    return link(_href_in_run(uri, run), Raw(f"<code>{esc(uri)}</code>"))
+
+
+def _href_in_run(uri: str, run: str) -> str | None:
+    """The link from the report (in `run`) to the folder `uri`: its path below `run`, percent-encoded, so
+    a folder named ``javascript:…`` is a relative path (``javascript%3A…``) and never a URL scheme. None
+    for s3:// and for paths outside the run (a ``file:`` link is not one the report makes)."""
     if storage.is_s3_uri(uri) or storage.is_s3_uri(run):
-        return Raw(shown)
+        return None
     try:
-        href = Path(uri).resolve().relative_to(Path(run).resolve()).as_posix()
+        below = Path(uri).resolve().relative_to(Path(run).resolve()).as_posix()
     except ValueError:
-        href = Path(uri).resolve().as_uri()
-    return Raw(f'<a href="{escape(href)}/">{shown}</a>')
+        return None
+    return "./" if below == "." else quote(below) + "/"
 
 
 def weights_trained(config: Mapping[str, Any], summary: Mapping[str, Any] | None) -> str:
@@ -428,7 +439,7 @@ def training_body(rows: Sequence[Mapping[str, Any]], *, run: str, method: str | 
     level below. :func:`render_training_report` frames them as a page (`level` 1); the evaluation report of a
     pipeline embeds them (level 2) under its own title. Needs :data:`TRAINING_CSS` on the page."""
     def heading(n: int, text: str) -> str:
-        return f"<h{min(6, n)}>{escape(text)}</h{min(6, n)}>"
+        return f"<h{min(6, n)}>{esc(text)}</h{min(6, n)}>"
 
     config = dict(config or {})
     method = method or (summary or {}).get("method") or config.get("method") or "?"
@@ -436,7 +447,7 @@ def training_body(rows: Sequence[Mapping[str, Any]], *, run: str, method: str | 
     steps = (summary or {}).get("steps") or config.get("steps")
     status = ("finished" if summary else "running") + f": step {last.get('step', 0)}" + (f" of {steps}" if steps else "")
     now = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    meta = [["run", Raw(f"<code>{escape(run)}</code>")], ["method", method], ["status", status],
+    meta = [["run", Raw(f"<code>{esc(run)}</code>")], ["method", method], ["status", status],
             ["metrics lines", len(rows)], ["report written", now],
             ["model", config.get("model", "")], ["weights trained", weights_trained(config, summary)]]
     if isinstance(last.get("seconds"), int | float):
@@ -445,12 +456,12 @@ def training_body(rows: Sequence[Mapping[str, Any]], *, run: str, method: str | 
     body = [heading(level, f"Training report: {method}")]
     headline = training_headline(rows)
     if headline:
-        body.append(f'<p class="headline"><b>{escape(headline[0].upper() + headline[1:])}.</b></p>')
+        body.append(f'<p class="headline"><b>{esc(headline[0].upper() + headline[1:])}.</b></p>')
     body.append(table(["run", ""], meta))
     if summary:
         body += [heading(sub, "Summary"), table(["field", "value"], [[k, _value(v)] for k, v in summary.items()])]
     charts = chart_data(rows)
-    body.append(heading(sub, "Contents") + "<p>" + ", ".join(f'<a href="#plot-{escape(c.id)}">{escape(c.title)}</a>'
+    body.append(heading(sub, "Contents") + "<p>" + ", ".join(f'<a href="#plot-{slug(c.id)}">{esc(c.title)}</a>'
                                                             for _, c, _ in charts) + "</p>")
     section = None
     for name, chart, data in charts:
@@ -462,7 +473,7 @@ def training_body(rows: Sequence[Mapping[str, Any]], *, run: str, method: str | 
         body.append("</div>")
     missing = missing_charts(method, [c for _, c, _ in charts])
     if missing:
-        body.append('<p class="muted missing">Not in this run\'s metrics (no chart): ' + escape("; ".join(missing))
+        body.append('<p class="muted missing">Not in this run\'s metrics (no chart): ' + esc("; ".join(missing))
                     + ".</p>")
     body.append(heading(sub, "Checkpoints and models"))
     if artifacts:
