@@ -151,6 +151,13 @@ def test_command(sandbox_python):
 
 
 @pytest.fixture
+def repos_root(swe_repo) -> str:
+    """The operator's repository root (`repo_source`) that holds the test repository: rows may only
+    name repositories inside it."""
+    return str(swe_repo[0].parent)
+
+
+@pytest.fixture
 def task(swe_repo):
     repo, base, gold, test_patch, _ = swe_repo
     record = {
@@ -313,9 +320,9 @@ def test_instance_from_raw_swebench_metadata():
 # ------------------------------------------------------------------------------------ in the sandbox
 
 @needs_bwrap
-def test_grade_patch_gold_empty_breaking_malformed(task, factory, test_command, swe_repo):
+def test_grade_patch_gold_empty_breaking_malformed(task, factory, test_command, swe_repo, repos_root):
     _, _, gold, _, _ = swe_repo
-    report = grade_patch(task, gold, factory, test_command=test_command)
+    report = grade_patch(task, gold, factory, test_command=test_command, repo_source=repos_root)
     assert report.resolved, report.to_dict()
     assert report.apply_method == "git apply" and report.test_patch_applied
     assert (report.fail_to_pass_passed, report.pass_to_pass_passed) == (1, 2)
@@ -323,7 +330,7 @@ def test_grade_patch_gold_empty_breaking_malformed(task, factory, test_command, 
     assert (report.test_command_source, report.test_command) == ("fallback", f"{test_command} tests/test_calc.py")
     assert "no eval_script" in report.fallback_reason and report.eval_script_sha256 is None
 
-    report = grade_patch(task, "", factory, test_command=test_command)
+    report = grade_patch(task, "", factory, test_command=test_command, repo_source=repos_root)
     assert not report.resolved and report.patch_empty and report.tests_run
     assert report.fail_to_pass_failed == F2P and report.pass_to_pass_failed == []
 
@@ -332,25 +339,25 @@ def test_grade_patch_gold_empty_breaking_malformed(task, factory, test_command, 
         "@@ -1,7 +1,7 @@\n def add(a, b):\n-    return a + b\n+    return a - b\n \n \n def clamp(x, lo, hi):\n"
         '     """Clamp x into [lo, hi]."""\n-    return max(lo, x)\n+    return max(lo, min(x, hi))\n'
     )
-    report = grade_patch(task, broken_add, factory, test_command=test_command)
+    report = grade_patch(task, broken_add, factory, test_command=test_command, repo_source=repos_root)
     assert not report.resolved and report.patch_applied
     assert report.fail_to_pass_failed == [] and report.pass_to_pass_failed == ["tests/test_calc.py::test_add"]
 
     malformed = ("diff --git a/mypkg/calc.py b/mypkg/calc.py\n--- a/mypkg/calc.py\n+++ b/mypkg/calc.py\n"
                  "@@ -1,2 +1,2 @@\n-this line is not in the file\n+nor this one\n context\n")
-    report = grade_patch(task, malformed, factory, test_command=test_command)
+    report = grade_patch(task, malformed, factory, test_command=test_command, repo_source=repos_root)
     assert not report.resolved and report.patch_applied is False and not report.tests_run
     assert report.error == "the patch does not apply" and report.test_command_source == "fallback"
     assert "git apply --verbose --reject" in report.apply_log and "patch --batch" in report.apply_log
 
 
 @needs_bwrap
-def test_apply_patch_fallbacks_and_rollback(task, factory, swe_repo):
+def test_apply_patch_fallbacks_and_rollback(task, factory, swe_repo, repos_root):
     from sao_core.envs.swe import prepare_repository
 
     repo, base, gold, _, fix = swe_repo
     box = factory()
-    shell, sha = prepare_repository(box, SWEInstance.from_task(task))
+    shell, sha = prepare_repository(box, SWEInstance.from_task(task, repos_root))
     assert sha == base
     # the sandbox has the history up to the base commit only: the upstream fix is not there
     log = shell.run("git log --all --format=%H").stdout.split()
@@ -372,8 +379,9 @@ def test_apply_patch_fallbacks_and_rollback(task, factory, swe_repo):
 
 
 @needs_bwrap
-def test_episode_fix_and_submit(task, factory, test_command):
-    env = make_env("swe", sandbox_factory=factory, test_command=test_command, max_turns=10)
+def test_episode_fix_and_submit(task, factory, test_command, repos_root):
+    env = make_env("swe", sandbox_factory=factory, test_command=test_command, max_turns=10,
+                   repo_source=repos_root)
     assert isinstance(env, SWEEnv)
     try:
         messages = env.reset(task)
@@ -401,8 +409,9 @@ def test_episode_fix_and_submit(task, factory, test_command):
 
 
 @needs_bwrap
-def test_episode_wrong_fix_errors_and_in_place_grading(task, factory, test_command):
-    env = SWEEnv(sandbox_factory=factory, test_command=test_command, max_turns=10, grade_in_place=True)
+def test_episode_wrong_fix_errors_and_in_place_grading(task, factory, test_command, repos_root):
+    env = SWEEnv(sandbox_factory=factory, test_command=test_command, max_turns=10, grade_in_place=True,
+                 repo_source=repos_root)
     try:
         env.reset(task)
         step = env.step('<tool_call>{"name": "bash", "arguments": {"command": "ls" </tool_call>')
@@ -429,8 +438,9 @@ def test_episode_wrong_fix_errors_and_in_place_grading(task, factory, test_comma
 
 
 @needs_bwrap
-def test_episode_max_turns_timeout_and_tool_error(task, factory, test_command):
-    env = SWEEnv(sandbox_factory=factory, test_command=test_command, max_turns=2, command_timeout_s=1)
+def test_episode_max_turns_timeout_and_tool_error(task, factory, test_command, repos_root):
+    env = SWEEnv(sandbox_factory=factory, test_command=test_command, max_turns=2, command_timeout_s=1,
+                 repo_source=repos_root)
     try:
         env.reset(task)
         step = env.step('<tool_call>{"name": "bash", "arguments": {"command": "echo hi; sleep 20"}}</tool_call>')
@@ -441,7 +451,7 @@ def test_episode_max_turns_timeout_and_tool_error(task, factory, test_command):
         env.close()
     assert env.sandbox is None
 
-    env = SWEEnv(sandbox_factory=factory, test_command=test_command)
+    env = SWEEnv(sandbox_factory=factory, test_command=test_command, repo_source=repos_root)
     try:
         env.reset(task)
         env.sandbox.close()    # the sandbox dies under the episode
@@ -464,10 +474,17 @@ def test_repo_source_mirror_dir_and_kubernetes_factory(tmp_path, swe_repo, monke
     from sao_core.sandbox import kubernetes as kube
 
     repo = swe_repo[0]
-    (tmp_path / "local__mypkg").symlink_to(repo)
+    # a mirror inside the root may be a link to another place inside it; one that leads out is refused
+    shutil.copytree(repo, tmp_path / "store" / "mypkg", symlinks=True)
+    (tmp_path / "local__mypkg").symlink_to(tmp_path / "store" / "mypkg")
     task = Task(id="local__mypkg-2", env="swe", prompt=[], tests=F2P,
                 metadata={"repo": "local/mypkg", "base_commit": swe_repo[1], "test_patch": ""})
-    assert SWEInstance.from_task(task, repo_source=str(tmp_path)).repo_path == str(tmp_path / "local__mypkg")
+    got = SWEInstance.from_task(task, repo_source=str(tmp_path)).repo_path
+    assert got == os.path.realpath(tmp_path / "store" / "mypkg")
+    (tmp_path / "local__mypkg").unlink()
+    (tmp_path / "local__mypkg").symlink_to(repo)
+    with pytest.raises(ValueError, match="metadata.repo='local/mypkg'.*outside the repository root"):
+        SWEInstance.from_task(task, repo_source=str(tmp_path))
     with pytest.raises(ValueError, match="no local mirror"):
         SWEInstance.from_task(Task(id="a", env="swe", prompt=[], tests=F2P, metadata={"repo": "o/none"}),
                               repo_source=str(tmp_path))

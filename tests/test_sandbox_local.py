@@ -166,6 +166,13 @@ def test_bwrap_command_line(sb):
     assert argv[argv.index("--ro-bind") + 1: argv.index("--ro-bind") + 3] == ["/", "/"]
     assert argv[argv.index("--bind") + 1: argv.index("--bind") + 3] == [sb.workdir, sb.workdir]
     assert argv[-1] == "true" and "--nproc=33" in argv and f"--as={512 * 1024 * 1024}" in argv
+    assert f"--fsize={sb.limits.workdir_bytes}" in argv
+    # /dev/shm sized, then /dev read-only; the host's socket and scratch dirs covered by private tmpfs mounts
+    dev = argv.index("--dev")
+    assert argv[dev: dev + 8] == ["--dev", "/dev", "--size", str(sb.limits.shm_bytes), "--tmpfs", "/dev/shm",
+                                  "--remount-ro", "/dev"]
+    tmpfs = {argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"}
+    assert {os.path.realpath(d) for d in local_mod.HIDDEN_HOST_DIRS if os.path.isdir(d)} <= tmpfs
 
 
 # ---------------------------------------------------------------------------------- escape attempts
@@ -214,19 +221,21 @@ def test_network_is_unreachable():
 def test_writes_outside_the_work_dir_do_not_reach_the_host(sb):
     name = f"sao_escape_{uuid.uuid4().hex}"
     # a host directory that permissions would allow anyone to write: only the read-only mount stops it
-    open_dir = tempfile.mkdtemp(dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    # (not under /tmp, /var/tmp or /run: the jail hides those behind private tmpfs mounts)
+    open_dir = tempfile.mkdtemp(prefix=".sao-open-", dir=os.path.dirname(os.path.abspath(__file__)))
     os.chmod(open_dir, 0o777)
     try:
-        for target in (f"/etc/{name}", f"{open_dir}/{name}", f"/tmp/{name}", f"../{name}", f"{Path.home()}/{name}"):
+        for target in (f"/etc/{name}", f"{open_dir}/{name}", f"/tmp/{name}", f"/var/tmp/{name}", f"../{name}",
+                       f"{Path.home()}/{name}"):
             sb.exec(f"echo pwned > {target}")
         r = sb.exec(f"echo pwned > /etc/{name}")
         assert r.exit_code != 0 and "Read-only file system" in r.stderr
-        if not open_dir.startswith("/tmp/"):
-            r = sb.exec(f"echo pwned > {open_dir}/{name}")
-            assert r.exit_code != 0 and "Read-only file system" in r.stderr
-        # /tmp inside is a private tmpfs: the write works there but never lands on the host
+        r = sb.exec(f"echo pwned > {open_dir}/{name}")
+        assert r.exit_code != 0 and "Read-only file system" in r.stderr
+        # /tmp and /var/tmp inside are private tmpfs mounts: the write works there but never lands on the host
         assert sb.exec(f"echo ok > /tmp/{name} && cat /tmp/{name}").stdout == "ok\n"
-        for target in (f"/etc/{name}", f"{open_dir}/{name}", f"/tmp/{name}", f"{Path.home()}/{name}",
+        assert sb.exec(f"echo ok > /var/tmp/{name} && cat /var/tmp/{name}").stdout == "ok\n"
+        for target in (f"/etc/{name}", f"{open_dir}/{name}", f"/tmp/{name}", f"/var/tmp/{name}", f"{Path.home()}/{name}",
                        os.path.join(os.path.dirname(sb.workdir), name)):
             assert not os.path.exists(target), target
         assert not sb.exec("touch /usr/bin/sao_x").ok and not os.path.exists("/usr/bin/sao_x")

@@ -487,13 +487,14 @@ def test_adapt_eval_script_changes_only_testbed_and_conda():
         adapt_eval_script(SCRIPT, "/a b")
 
 
-def test_script_per_sandbox_and_grading_of_a_harness_log():
+def test_script_per_sandbox_and_grading_of_a_harness_log(tmp_path):
     row = {"id": "a__b-2", "repo": "a/b", "base_commit": "abc", "problem_statement": "p", "test_patch": "",
            "fail_to_pass": ["t.py::a"], "pass_to_pass": ["t.py::b"], "eval_script": SCRIPT, "image": "img"}
     image = SWEInstance.from_task(task_from_swe_record(row))
     assert image.harness is not None and image.fallback_reason is None and image.image == "img"
     assert harness_script_for(image, "/testbed") == (image.harness.eval_script, [])       # the pod: unchanged
-    local = SWEInstance.from_task(task_from_swe_record(row, repo_path="/somewhere"))
+    (tmp_path / "somewhere").mkdir()
+    local = SWEInstance.from_task(task_from_swe_record(row, repo_path="somewhere"), repo_source=str(tmp_path))
     script, changes = harness_script_for(local, "/w/repo")
     assert script == adapt_eval_script(image.harness.eval_script, "/w/repo", conda=False)[0] and len(changes) == 5
     plain = SWEInstance.from_task(task_from_swe_record({k: v for k, v in row.items() if k != "eval_script"}))
@@ -535,7 +536,7 @@ def test_harness_rows_run_their_eval_script(built, kept, tmp_path):
             return box
 
         report = grade_patch(task, "" if kind == "empty" else case.patches[kind], factory,
-                             test_command="exit 3", test_timeout_s=120)   # test_command: fallback only, not used
+                             test_command="exit 3", test_timeout_s=120, repo_source=str(mirrors))   # test_command: fallback only, not used
         return report, box_holder[-1]
 
     with ThreadPoolExecutor(max_workers=3) as pool:
@@ -628,7 +629,7 @@ def test_agent_episode_on_a_5x_row_is_graded_by_its_script(built, kept):
     case = made[2]                                                      # the sympy row
     task = task_from_swe_record({"id": case.instance_id, **_record(case)},
                                 repo_path=str(mirrors / case.repo.replace("/", "__")))
-    env = SWEEnv(sandbox_factory=make, max_turns=3, test_command="exit 3")
+    env = SWEEnv(sandbox_factory=make, max_turns=3, test_command="exit 3", repo_source=str(mirrors))
     env.reset(task)
     call = {"name": "bash", "arguments": {"command": "git apply <<'EOF'\n" + case.patches["gold"] + "EOF"}}
     step = env.step("<tool_call>" + json.dumps(call) + "</tool_call>")

@@ -27,19 +27,25 @@ Episode (one `SWEEnv` per episode, as every environment):
   with "tool_error". A sandbox that cannot be created or prepared in `reset` raises there (the
   rollout records env_error).
 
-Where the repository comes from (`repo_source`, per task):
+Where the repository comes from (`repo_source`, set by the operator, never by a dataset row):
 
-- ``task.metadata["repo_path"]``: a local git repository (development and tests). Its history up
-  to ``base_commit`` (only that: later commits, which may hold the fix, are left out) is bundled on
+- `repo_source` a directory (the **repos root**): a local git repository in it, either the row's
+  ``metadata["repo_path"]`` (a name relative to the root; an absolute path only when it lies in
+  the root) or, without one, the mirror of ``repo`` (``<dir>/<owner>__<name>``,
+  ``<dir>/<owner>/<name>`` or ``<dir>/<name>``). Either is resolved inside the root
+  (`resolve_repo_path`): ``..``, absolute paths elsewhere and symlinks that lead out of it are
+  refused with a ValueError naming the task and the field, so a row cannot make the host read
+  (and bundle into the sandbox) a repository the operator did not put there. Its history up to
+  ``base_commit`` (only that: later commits, which may hold the fix, are left out) is bundled on
   the host, written into the sandbox's work dir and checked out there (``git init`` + ``fetch`` of
   the bundle); no network anywhere. The repository is the sandbox's work dir.
-- otherwise the sandbox image holds it (production: a Kubernetes pod of the SWE-bench instance
-  image, `swebench_image`), at ``task.metadata["repo_dir"]`` (default ``/testbed``); commands
-  ``cd`` there, after `setup_command` (default: activate the image's ``testbed`` conda env when
-  ``/opt/miniconda3`` exists).
-- `repo_source` may be ``"image"`` (always the image), ``"local"`` (require ``repo_path``) or a
-  directory of local mirrors (``<dir>/<owner>__<name>``, ``<dir>/<owner>/<name>`` or
-  ``<dir>/<name>``).
+- otherwise (``None`` or ``"image"``) the sandbox image holds it (production: a Kubernetes pod of
+  the SWE-bench instance image, `swebench_image`), at ``task.metadata["repo_dir"]`` (default
+  ``/testbed``); commands ``cd`` there, after `setup_command` (default: activate the image's
+  ``testbed`` conda env when ``/opt/miniconda3`` exists). A row's ``repo_path`` is ignored with
+  ``"image"`` and refused with ``None`` (there is no root to resolve it in).
+- ``"local"`` (formerly: take ``repo_path`` from the rows as a host path) is refused: rows may not
+  choose host paths; give the directory that holds the repositories instead.
 
 Sandboxes: `sandbox_factory` is called with the task when it takes a required positional argument
 (``factory(task)``, e.g. to pick the instance image), else without. By default (`sandbox_kind`
@@ -117,6 +123,7 @@ __all__ = [
     "harness_script_for",
     "parse_bash_call",
     "prepare_repository",
+    "resolve_repo_path",
     "swebench_image",
     "task_from_swe_record",
 ]
@@ -199,7 +206,8 @@ class SWEInstance:
         """Read a task whose metadata is a prepared ``swe_bench_verified`` record (``repo,
         base_commit, problem_statement, test_patch, fail_to_pass, pass_to_pass``; SWE-bench's own
         ``FAIL_TO_PASS``/``PASS_TO_PASS`` JSON strings also work; ``task.tests`` stands in for
-        FAIL_TO_PASS), plus optional ``repo_path, repo_dir, image, test_command, log_parser,
+        FAIL_TO_PASS), plus optional ``repo_path`` (a repository inside `repo_source`: `resolve_repo_path`;
+        refused without a repos root), ``repo_dir, image, test_command, log_parser,
         setup_command`` and the swebench 5.x columns ``eval_script, image, log_parser, eval_type,
         version`` (`harness`: `sao_core.envs.swebench_harness.harness_test_spec`; its ValueError
         for a script the harness could not grade propagates)."""
@@ -220,16 +228,7 @@ class SWEInstance:
             users = [m.get("content") for m in task.prompt if m.get("role") == "user"]
             problem = users[-1] if users else ""
         repo = get("repo")
-        repo_path = get("repo_path")
-        if repo_source == "image":
-            repo_path = None
-        elif repo_source == "local":
-            if not repo_path:
-                raise ValueError(f"swe task {task.id}: repo_source='local' but no metadata.repo_path")
-        elif repo_source and not repo_path:
-            repo_path = _mirror_path(repo_source, repo, task.id)
-        if repo_path is not None:
-            repo_path = os.fspath(repo_path)
+        repo_path = _host_repo_path(str(task.id), repo_source, get("repo_path"), repo)
         row = {"instance_id": str(task.id), "repo": repo, "version": get("version"), "FAIL_TO_PASS": f2p,
                "PASS_TO_PASS": p2p, "image_assets": get("image_assets"),
                **{key: md.get(key) for key in HARNESS_ROW_FIELDS}}
@@ -257,14 +256,78 @@ class SWEInstance:
         return self.repo_path is not None
 
 
+def _host_repo_path(task_id: str, repo_source: str | None, row_path: Any, repo: Any) -> str | None:
+    """The host repository to bundle for a task, or None when the image holds it (see the module
+    docstring). Only `repo_source` (operator configuration) names host directories; the row's
+    ``repo_path`` (`row_path`) and ``repo`` only pick one inside it."""
+    if repo_source == "image":
+        return None
+    if repo_source == "local":
+        raise ValueError(
+            f"swe task {task_id}: repo_source='local' would take host paths from the dataset rows "
+            "(metadata.repo_path), which is refused; set repo_source to the directory that holds the "
+            "repositories (a row's repo_path is then a name inside it)")
+    if not repo_source:
+        if row_path is None or row_path == "":
+            return None
+        raise ValueError(
+            f"swe task {task_id}: field metadata.repo_path={row_path!r} is refused: no repository root is "
+            "configured (repo_source), and dataset rows may not choose host paths; set repo_source to the "
+            "directory that holds the repositories")
+    if row_path is not None and row_path != "":
+        return resolve_repo_path(repo_source, row_path, f"swe task {task_id}: field metadata.repo_path")
+    return _mirror_path(repo_source, repo, task_id)
+
+
+def resolve_repo_path(root: str, value: Any, what: str) -> str:
+    """The real path of repository `value` inside the repos `root`, a directory.
+
+    `value` is a name relative to `root` (``owner__name``, ``sub/dir``), or an absolute path that
+    lies in it. Refused with a ValueError that starts with `what` (which row, which field): a
+    non-string or empty value, NUL, ``..`` anywhere, an absolute path outside the root, a path
+    whose symlinks resolve outside the root, the root itself, and a path that is not a directory."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ValueError(f"{what}: {value!r} is not a repository name")
+    real_root = os.path.realpath(root)
+    if not os.path.isdir(real_root):
+        raise ValueError(f"{what}: the repository root (repo_source) {root!r} is not a directory")
+    if ".." in value.split("/"):
+        raise ValueError(f"{what}: {value!r} is refused: '..' may not appear (it must stay inside {root})")
+    if os.path.isabs(value):
+        lexical = os.path.normpath(value)
+        if not (_inside(lexical, os.path.normpath(os.path.abspath(root))) or _inside(lexical, real_root)):
+            raise ValueError(f"{what}: absolute path {value!r} is refused: it is not inside the repository "
+                             f"root {root} (give a name relative to the root)")
+        candidate = lexical
+    else:
+        candidate = os.path.join(real_root, value)
+    real = os.path.realpath(candidate)
+    if not _inside(real, real_root):
+        raise ValueError(f"{what}: {value!r} is refused: it resolves to {real}, outside the repository root "
+                         f"{root} (a symlink leads out of it)")
+    if real == real_root:
+        raise ValueError(f"{what}: {value!r} names the repository root itself, not a repository in it")
+    if not os.path.isdir(real):
+        raise ValueError(f"{what}: {value!r} is not a directory under the repository root {root}")
+    return real
+
+
+def _inside(path: str, directory: str) -> bool:
+    """`path` is `directory` or below it (both absolute and normalised)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
 def _mirror_path(directory: str, repo: str | None, task_id: str) -> str:
+    """The mirror of `repo` (``owner/name``) in the repos root `directory`, resolved inside it."""
     if not repo:
         raise ValueError(f"swe task {task_id}: repo_source is a directory but the task has no repo")
+    repo = str(repo)
     owner, _, name = repo.partition("/")
     for candidate in (f"{owner}__{name}", os.path.join(owner, name), name or owner):
-        path = os.path.join(directory, candidate)
-        if os.path.isdir(path):
-            return path
+        if os.path.isdir(os.path.join(directory, candidate)):
+            return resolve_repo_path(directory, candidate, f"swe task {task_id}: field metadata.repo={repo!r}")
     raise ValueError(f"swe task {task_id}: no local mirror of {repo} under {directory}")
 
 
@@ -537,8 +600,8 @@ def _check_source(instance: SWEInstance, local_default: bool) -> None:
         raise ValueError(
             f"swe task {instance.id} has no metadata.repo_path, so its repository must come from the "
             f"instance image ({instance.repo_dir}), which a local sandbox does not have: use "
-            "sandbox_kind='kubernetes' (or a sandbox_factory that starts the image), a repo_path, or "
-            "repo_source=<directory of local mirrors>")
+            "sandbox_kind='kubernetes' (or a sandbox_factory that starts the image), or "
+            "repo_source=<directory that holds the repositories (mirrors <owner>__<name>)>")
 
 
 def _runner(instance: SWEInstance, test_command: str | None, log_parser: str | None) -> RunnerSpec:

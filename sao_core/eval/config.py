@@ -54,7 +54,7 @@ class EvalConfig:
     splits: dict = field(default_factory=dict)  # split per benchmark for Hugging Face ids, e.g. {"beyond_aime": "test"}
     max_reject_fraction: float = 0.0            # share of malformed dataset rows tolerated (they are listed, not evaluated)
     sandbox: str = "local"                      # SWE sandboxes: local (bubblewrap) | kubernetes (the instance's SWE-bench image)
-    swe_repo_source: str | None = None          # SWE repositories: directory of local git mirrors (owner__name), 'image' or 'local'
+    swe_repo_source: str | None = None          # SWE repositories: directory holding them (a row's repo_path is a name inside it; mirrors owner__name) or 'image'
     swe_max_turns: int = 40                     # SWE agent turns
     swe_command_timeout_s: float = 60.0         # one bash command of the SWE agent
     swe_test_timeout_s: float = 1800.0          # running an instance's tests when grading a patch

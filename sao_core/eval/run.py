@@ -499,6 +499,10 @@ def _check_context(config: EvalConfig, engine: Any) -> None:
 def _check_swe_settings(config: EvalConfig) -> None:
     options = swe_env_options(config)
     kind = options.get("sandbox_kind", "local")
+    if options.get("repo_source") == "local":
+        raise EvalError("swe_repo_source 'local' (repositories wherever a data set row's repo_path points on this "
+                        "machine) is no longer accepted: rows cannot choose host paths; set swe_repo_source to the "
+                        "directory that holds the repositories (repo_path is then a name inside it)")
     if kind == "local" and options.get("sandbox_factory") is None and options.get("repo_source") in (None, "image"):
         raise EvalError("swe_verified with the local sandbox needs the repositories on this machine: set "
                         "swe_repo_source to a directory of git mirrors (<owner>__<name>), or use sandbox=kubernetes "

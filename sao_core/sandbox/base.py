@@ -21,6 +21,9 @@ class SandboxLimits:
     max_processes: int = 64             # RLIMIT_NPROC inside the sandbox (fork bombs)
     output_bytes: int = 64 * 1024       # stdout and stderr are each cut to this many bytes
     network: bool = False               # True only where a task needs it (never by default)
+    # Local sandbox only (a pod gets its disk and /dev/shm from the cluster):
+    workdir_bytes: int = 2 * 1024**3    # disk the work dir may use, in bytes (also RLIMIT_FSIZE per file)
+    shm_bytes: int = 64 * 1024**2       # size of the private /dev/shm tmpfs, in bytes
 
 
 @dataclass

@@ -6,6 +6,21 @@ Isolation, per `exec` call (see `LocalSandbox.bwrap_argv` for the exact argument
   `/proc` and a private tmpfs `/tmp` (sized to `memory_mb`, gone when the command ends) are mounted
   over it; the sandbox's work directory is bind-mounted writable at its own path and is the current
   directory and `$HOME`. Nothing else is writable. Files written under `/tmp` never reach the host.
+- **No side doors to host services**: the host directories where services and users keep Unix
+  sockets and scratch files (`HIDDEN_HOST_DIRS`: `/tmp`, `/var/tmp`, `/run`, `/var/run`) are not
+  shown: each is covered by an empty private tmpfs (`/tmp` sized to `memory_mb`, the others to
+  `SMALL_TMPFS_BYTES`), so a host socket there (a database's, D-Bus's, a user's agent under
+  `/run/user`) cannot be connected to even when its mode is 0777. With `limits.network`, a
+  `/etc/resolv.conf` or `/etc/hosts` that links into one of them is shown read-only.
+- **/dev**: bwrap's `--dev` tmpfs (unsized: half the host's RAM, outside RLIMIT_AS) is remounted
+  read-only after set-up (device nodes still work), and `/dev/shm` is a private tmpfs of
+  `limits.shm_bytes` bytes, so shared memory cannot grow past that.
+- **Disk**: the work dir may use `limits.workdir_bytes` bytes (allocated blocks, summed over its
+  tree; default 2 GiB). RLIMIT_FSIZE = that limit stops any single file at it; a watcher thread
+  sums the tree every `DISK_POLL_SECONDS` (slower for big trees) while a command runs and once when
+  it ends, kills the command past the limit and raises `SandboxError` (the work dir is left as it
+  is; close the sandbox). Between two polls a command can overshoot by what it writes in that
+  time. Host-side `write_file` is not counted until the next command.
 - **Namespaces**: new user, PID, network, IPC, UTS and cgroup namespaces (`--unshare-all
   --unshare-user`); nested user namespaces are refused (`--disable-userns`, when bwrap supports it).
   Without `limits.network` the command sees only its own, empty loopback device: no host services
@@ -15,7 +30,8 @@ Isolation, per `exec` call (see `LocalSandbox.bwrap_argv` for the exact argument
   every process left in that namespace (background jobs, `setsid`/`nohup` daemons included). No
   process outlives the `exec` call that started it; `close()` kills whatever is still running.
 - **Resource limits** (`prlimit`, inside the jail, soft = hard): RLIMIT_CPU = `cpu_seconds`,
-  RLIMIT_AS = `memory_mb` MiB, RLIMIT_NPROC = `max_processes` (+1 for bwrap's PID 1).
+  RLIMIT_AS = `memory_mb` MiB, RLIMIT_NPROC = `max_processes` (+1 for bwrap's PID 1), RLIMIT_FSIZE =
+  `workdir_bytes` bytes.
 - **Fork bombs**: RLIMIT_NPROC is ignored for processes whose real uid is host root (the kernel
   exempts `INIT_USER` and CAP_SYS_ADMIN/CAP_SYS_RESOURCE), and `bwrap --unshare-user --uid N` run by
   root still maps the sandbox user to host root. So when this process is root, bwrap itself is
@@ -32,10 +48,11 @@ Isolation, per `exec` call (see `LocalSandbox.bwrap_argv` for the exact argument
   secrets such as cloud credentials are not passed in. A string command runs under `bash -c`
   (not `-l`: Debian's /etc/profile would reset PATH and drop e.g. a virtualenv).
 
-Limits (what this does NOT give you): it shares the host kernel (a kernel exploit escapes); the whole
-host file system is readable except what host permissions hide from uid 65534 (when run as root) or
-from the caller; there is no disk quota on the work directory (a command can fill the host disk
-where the work dir lives); CPU is not shared fairly (RLIMIT_CPU only bounds CPU seconds). It needs
+Limits (what this does NOT give you): it shares the host kernel (a kernel exploit escapes); the
+host file system outside `HIDDEN_HOST_DIRS` is readable except what host permissions hide from uid
+65534 (when run as root) or from the caller, so a Unix socket that such permissions leave open
+elsewhere (say in a home directory) is reachable; the work dir's limit is enforced by polling, not
+by a kernel quota; CPU is not shared fairly (RLIMIT_CPU only bounds CPU seconds). It needs
 `bwrap` (Debian/Ubuntu: `apt-get update && apt-get install -y bubblewrap`), `prlimit`
 (util-linux) and unprivileged user namespaces. When run as root, the work directory's parents must
 be traversable by uid 65534 (the default temp dir is). Use the Kubernetes sandbox for untrusted
@@ -60,12 +77,30 @@ from pathlib import PurePosixPath
 
 from sao_core.sandbox.base import ExecResult, SandboxError, SandboxLimits
 
-__all__ = ["LocalSandbox", "INSTALL_HINT", "SANDBOX_UID", "check_relative_path"]
+__all__ = [
+    "DISK_POLL_SECONDS",
+    "HIDDEN_HOST_DIRS",
+    "INSTALL_HINT",
+    "LocalSandbox",
+    "SANDBOX_UID",
+    "SMALL_TMPFS_BYTES",
+    "check_relative_path",
+    "disk_usage",
+]
 
 INSTALL_HINT = "apt-get update && apt-get install -y bubblewrap"
 SANDBOX_UID = 65534  # `nobody`: the uid bwrap runs as when this process is root
 _CHUNK = 1 << 16
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: Host directories replaced by an empty private tmpfs in the jail: services and users put their Unix
+#: sockets there (a socket on a read-only mount still accepts connections), and scratch files.
+HIDDEN_HOST_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run")
+#: Size of the private tmpfs over each hidden dir other than /tmp, in bytes (a tmpfs is RAM that
+#: RLIMIT_AS does not count, so it must be small).
+SMALL_TMPFS_BYTES = 16 * 1024 * 1024
+#: How often the work dir's disk use is summed while a command runs, in seconds (at least; a tree
+#: that takes long to walk is walked less often, see `_DiskWatch`).
+DISK_POLL_SECONDS = 0.5
 
 
 def check_relative_path(path: str) -> PurePosixPath:
@@ -83,6 +118,102 @@ def check_relative_path(path: str) -> PurePosixPath:
     if not p.parts or p.parts == (".",):
         raise ValueError(f"sandbox path {text!r} names the work directory itself, not a file")
     return p
+
+
+def disk_usage(path: str) -> int:
+    """Bytes the tree at `path` occupies on disk: allocated blocks (a sparse file counts what it
+    holds), each inode once (hard links), symlinks not followed. A directory we may not read (the
+    sandbox, running as our uid, can chmod 000 its own dirs) is made readable by its owner first;
+    an entry that vanishes during the walk counts nothing."""
+    total, seen = 0, set()
+    stack = [path]
+    while stack:
+        current = stack.pop()
+        for entry in _scan(current):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+            if stat.S_ISDIR(st.st_mode):
+                stack.append(entry.path)
+    return total
+
+
+def _scan(directory: str) -> list[os.DirEntry]:
+    """The entries of `directory`; one retry after `chmod u+rwx` when we are refused (our own uid's
+    dir that the sandbox locked); [] when it is gone or still unreadable."""
+    for attempt in range(2):
+        try:
+            with os.scandir(directory) as it:
+                return list(it)
+        except PermissionError:
+            if attempt:
+                return []
+            try:
+                os.chmod(directory, stat.S_IMODE(os.lstat(directory).st_mode) | stat.S_IRWXU)
+            except OSError:
+                return []
+        except OSError:
+            return []
+    return []
+
+
+class _DiskWatch:
+    """While one command runs, sum the work dir's disk use now and then; past `limit` bytes, record
+    the use and call `kill`. The pause between walks is `DISK_POLL_SECONDS`, or ten times the last
+    walk's duration when that is longer, so a big tree costs at most ~10% of a core."""
+
+    def __init__(self, workdir: str, limit: int, kill):
+        self.workdir, self.limit, self.kill = workdir, limit, kill
+        self.exceeded: int | None = None      # the use (bytes) that crossed the limit, if any
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        pause = DISK_POLL_SECONDS
+        while not self._stop.wait(pause):
+            started = time.monotonic()
+            if self.check():
+                self.kill()
+                return
+            pause = max(DISK_POLL_SECONDS, 10 * (time.monotonic() - started))
+
+    def check(self) -> bool:
+        """Sum the tree once; True (and `exceeded` set) when it is over the limit."""
+        used = disk_usage(self.workdir)
+        if used > self.limit:
+            self.exceeded = used
+            return True
+        return False
+
+    def finish(self) -> int | None:
+        """Stop polling, sum once more (the command is over), return the use past the limit or None."""
+        self._stop.set()
+        self.thread.join(timeout=60)
+        if self.exceeded is None:
+            self.check()
+        return self.exceeded
+
+
+def _hidden_dirs() -> list[str]:
+    """`HIDDEN_HOST_DIRS` that exist here, resolved (/var/run is often a link to /run), each once."""
+    found: list[str] = []
+    for path in HIDDEN_HOST_DIRS:
+        if os.path.isdir(path):
+            real = os.path.realpath(path)
+            if real != "/" and real not in found:
+                found.append(real)
+    return found
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 @lru_cache(maxsize=4)
@@ -161,6 +292,10 @@ class LocalSandbox:
         """`ro_paths`: host paths to show read-only inside the jail even where a private mount hides
         them (e.g. a toolchain or virtualenv under the host's /tmp)."""
         self.limits = limits
+        for name in ("workdir_bytes", "shm_bytes"):
+            if int(getattr(limits, name)) < 1:
+                raise ValueError(f"SandboxLimits.{name} must be a positive number of bytes")
+        self._hidden = _hidden_dirs()
         self.ro_paths = [os.path.realpath(p) for p in ro_paths]
         missing = [p for p in self.ro_paths if not os.path.exists(p)]
         if missing:
@@ -220,11 +355,12 @@ class LocalSandbox:
             args.append("--disable-userns")
         if lim.network:
             args.append("--share-net")
-        args += ["--die-with-parent", "--new-session",
-                 "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-        if "--size" in self._features:
-            args += ["--size", str(max(16, lim.memory_mb) * 1024 * 1024)]
-        args += ["--tmpfs", "/tmp"]
+        args += ["--die-with-parent", "--new-session", "--ro-bind", "/", "/"]
+        args += self._dev_args()
+        args += ["--proc", "/proc"]
+        args += self._hidden_dir_args()
+        if lim.network:
+            args += self._network_file_args()
         for path in self.ro_paths:
             args += ["--ro-bind", path, path]
         args += ["--bind", self.workdir, self.workdir, "--chdir", self.workdir]
@@ -235,8 +371,44 @@ class LocalSandbox:
             f"--cpu={max(1, int(lim.cpu_seconds))}",
             f"--as={max(1, int(lim.memory_mb)) * 1024 * 1024}",
             f"--nproc={max(1, int(lim.max_processes)) + 1}",  # +1: bwrap's PID 1 in the sandbox
+            f"--fsize={int(lim.workdir_bytes)}",  # no single file past the work dir's limit
             "--", *argv,
         ]
+        return args
+
+    def _sized_tmpfs(self, path: str, size_bytes: int) -> list[str]:
+        """A private tmpfs at `path` of `size_bytes` bytes; where bwrap cannot size one (no --size),
+        an empty read-only one, since an unsized tmpfs could take half the host's RAM."""
+        if "--size" in self._features:
+            return ["--size", str(int(size_bytes)), "--tmpfs", path]
+        return ["--tmpfs", path, "--remount-ro", path]
+
+    def _dev_args(self) -> list[str]:
+        """A minimal /dev (bwrap's device nodes) that is read-only once set up, with a /dev/shm of
+        `limits.shm_bytes`: bwrap's /dev tmpfs itself has no size (`--size` does not apply to it)."""
+        return ["--dev", "/dev", *self._sized_tmpfs("/dev/shm", self.limits.shm_bytes), "--remount-ro", "/dev"]
+
+    def _hidden_dir_args(self) -> list[str]:
+        """Empty private tmpfs mounts over `HIDDEN_HOST_DIRS`: /tmp sized to `memory_mb` (it is the
+        command's scratch space; unsized where bwrap lacks --size, as before), the rest small."""
+        args: list[str] = []
+        for path in self._hidden:
+            if path == "/tmp":
+                if "--size" in self._features:
+                    args += ["--size", str(max(16, self.limits.memory_mb) * 1024 * 1024)]
+                args += ["--tmpfs", "/tmp"]
+            else:
+                args += self._sized_tmpfs(path, SMALL_TMPFS_BYTES)
+        return args
+
+    def _network_file_args(self) -> list[str]:
+        """With network: resolver files that link into a hidden dir (systemd-resolved keeps
+        /etc/resolv.conf under /run), shown read-only so name lookups still work."""
+        args: list[str] = []
+        for name in ("/etc/resolv.conf", "/etc/hosts"):
+            real = os.path.realpath(name)
+            if os.path.isfile(real) and any(_under(real, d) for d in self._hidden):
+                args += ["--ro-bind", real, real]
         return args
 
     def _kill(self, proc: subprocess.Popen) -> None:
@@ -304,6 +476,7 @@ class LocalSandbox:
             feeder = threading.Thread(target=_feed, args=(os.dup(proc.stdin.fileno()), stdin.encode()), daemon=True)
             proc.stdin.close()
             feeder.start()
+        watch = _DiskWatch(self.workdir, int(self.limits.workdir_bytes), lambda: self._kill(proc))
         timed_out = False
         try:
             proc.wait(timeout=max(0.0, timeout))
@@ -318,6 +491,7 @@ class LocalSandbox:
         finally:
             with self._lock:
                 self._procs.discard(proc)
+            over = watch.finish()
         # The PID namespace is gone with bwrap, so every writer of the pipes is dead: EOF follows.
         for t in (out.thread, err.thread) + ((feeder,) if feeder else ()):
             t.join(timeout=10)
@@ -331,6 +505,10 @@ class LocalSandbox:
                 os.close(status_r)
         stderr_text = err.text()
         code: int | None = proc.returncode
+        if over is not None:
+            raise SandboxError(f"the work directory uses {over} bytes, over its limit of "
+                               f"{int(self.limits.workdir_bytes)} bytes (SandboxLimits.workdir_bytes); "
+                               "the command was stopped")
         if timed_out:
             code = None
         elif code is not None and code < 0:
