@@ -1,17 +1,22 @@
 """A longer hostile campaign against real rollout services (not in CI; README "Security model"): fuzzed headers,
 weight URIs and JSON depth / size, sent to one service with a token and one without (loopback), while a
-thread polls /healthz. Counts requests, 5xx answers, attacks accepted and the slowest /healthz.
+thread polls /healthz; half-sent requests to a learner's Prometheus port; a flood of full-context /v1/score
+calls while the learner pushes weights. Counts requests, 5xx answers, attacks accepted and the slowest /healthz.
 
     .venv/bin/python scripts/security_campaign.py [--rounds 3] [--seed 0] [--output local_outputs/security]
 
-An attack is "accepted" when the service did what it must refuse: loaded weights from outside its roots, or
-answered a tokenless request from a foreign Host / Origin or a non-JSON POST with anything but a refusal.
+An attack is "accepted" when the service did what it must refuse: loaded weights from outside its roots,
+answered a tokenless request from a foreign Host / Origin or a non-JSON POST with anything but a refusal, let
+half-sent requests hold a metrics-port thread each or stay open past the head timeout, or made a weight push
+wait for more than the score running when it arrived (plus one). A 503 from a full connection cap and a 429 from
+a full score queue are refusals by design, not 5xx findings.
 Exit status 1 when any attack was accepted, any answer was a 5xx, or /healthz ever took 0.5 s or more.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -20,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -148,6 +154,127 @@ def json_attacks(url: str, tally: Tally) -> None:
             http.post("/v1/rollouts/stop", json={})
 
 
+#: the metrics-port family: half-sent requests opened at once (the review held 150), and the head timeout its
+#: learner port is started with (seconds; short so that a round does not wait the default 10 s)
+METRICS_FLOOD = 150
+METRICS_HEAD_TIMEOUT_S = 2.0
+#: threads the metrics port may add however many connections are open (its server is one thread)
+METRICS_THREAD_BOUND = 5
+
+
+def _status_of(data: bytes) -> int | None:
+    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.") else None
+
+
+def _closed_within(sock: socket.socket, limit_s: float) -> tuple[bool, bytes]:
+    """(whether the server closed `sock` within `limit_s` seconds, what it sent before)."""
+    sock.settimeout(limit_s)
+    data, deadline = b"", time.monotonic() + limit_s
+    try:
+        while time.monotonic() < deadline:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return True, data
+            data += chunk
+    except TimeoutError:
+        pass
+    except OSError:
+        return True, data   # reset: closed as well
+    return False, data
+
+
+def metrics_port_attacks(tally: Tally) -> None:
+    """Half-sent requests to a learner's Prometheus port (`PrometheusSink`, the run's metrics_port): accepted when
+    they add a thread each, or one stays open past the head timeout (plus a margin)."""
+    from sao_core.http_limits import METRICS_LIMITS
+    from sao_core.training.live import PrometheusSink
+
+    family = "metrics-port"
+    limits = dataclasses.replace(METRICS_LIMITS, header_timeout_s=METRICS_HEAD_TIMEOUT_S,
+                                 body_timeout_s=METRICS_HEAD_TIMEOUT_S)
+    sink = PrometheusSink(0, host="127.0.0.1", limits=limits)
+    sink.open(None)
+    url = f"http://127.0.0.1:{sink.server.port}"
+    threads = threading.active_count()
+    held = []
+    try:
+        for _ in range(METRICS_FLOOD):
+            sock = socket.create_connection(("127.0.0.1", sink.server.port), timeout=10)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            held.append(sock)
+        time.sleep(0.5)   # the server has accepted them
+        grown = threading.active_count() - threads
+        tally.record(family, None, f"{METRICS_FLOOD} half-sent requests added {grown} threads",
+                     accepted=grown > METRICS_THREAD_BOUND)
+        # During the flood a scrape meets the connection cap (503 by design); after it, it must answer.
+        status = raw_request(url, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        tally.record(family, None if status == 503 else status, "scrape during the flood")
+        for i, sock in enumerate(held):
+            closed, data = _closed_within(sock, METRICS_HEAD_TIMEOUT_S + 5.0)
+            tally.record(family, _status_of(data), f"half-sent request {i}", accepted=not closed)
+        status = raw_request(url, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        tally.record(family, status, "scrape after the flood", accepted=status != 200)
+    finally:
+        for sock in held:
+            sock.close()
+        sink.close(failed=False)
+
+
+#: the score-flood family: full-context /v1/score calls sent at once before a weight push (the review sent 48),
+#: and how many of them may finish while the push waits (the one running when it arrived, plus one for the race
+#: between sending the push and its arrival)
+SCORE_FLOOD = 48
+SCORES_BEFORE_PUSH = 2
+
+
+def score_flood(server, tally: Tally, rng: random.Random, checkpoint: Path, digest: str) -> None:
+    """A flood of full-context /v1/score calls, then a legitimate weight push (the next version of `checkpoint`,
+    inside the service's roots): accepted when more than SCORES_BEFORE_PUSH scores finish between the push's
+    sending and its answer (it queued behind them), or the push fails. A 429 (the score queue is full) is a
+    refusal by design."""
+    import httpx
+
+    family = "score-flood"
+    manager = server.manager
+    context = getattr(manager.engine, "context_length", None) or 2048
+    vocab = len(manager.tokenizer)
+    ids = [rng.randrange(vocab) for _ in range(context)]
+    scored: list[float] = []   # when each score answered 200 (a 429 is answered at once, not run)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    def one_score() -> int | None:
+        with httpx.Client(base_url=server.url, timeout=600, headers=headers) as http:
+            try:
+                status = http.post("/v1/score", json={"token_ids": ids, "start": 1}).status_code
+            except httpx.HTTPError:
+                status = None
+        if status == 200:
+            scored.append(time.monotonic())
+        return status
+
+    with ThreadPoolExecutor(SCORE_FLOOD) as pool:
+        scores = [pool.submit(one_score) for _ in range(SCORE_FLOOD)]
+        deadline = time.monotonic() + 30
+        bound = min(SCORE_FLOOD, getattr(manager, "max_queued_scores", SCORE_FLOOD))
+        while getattr(manager, "scores_queued", bound) < bound and time.monotonic() < deadline:
+            time.sleep(0.01)   # the flood is queued (or refused) before the push is sent
+        version = manager.engine.version + 1
+        sent = time.monotonic()
+        with httpx.Client(base_url=server.url, timeout=600, headers=headers) as http:
+            try:
+                status = http.post("/v1/weights", json={"version": version, "uri": str(checkpoint),
+                                                        "sha256": digest}).status_code
+            except httpx.HTTPError:
+                status = None
+        answered = time.monotonic()
+        ahead = sum(sent <= t <= answered for t in scored)
+        tally.record(family, status, f"weight push behind {SCORE_FLOOD} scores: {answered - sent:.2f} s, "
+                     f"{ahead} scores finished meanwhile", accepted=status != 200 or ahead > SCORES_BEFORE_PUSH)
+        for future in scores:
+            status = future.result()
+            tally.record(family, status, "full-context score", accepted=status not in (200, 429))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=3)
@@ -171,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     digest = storage.checkpoint_digest(str(planted))
     (weights_root / "link-out").symlink_to(planted, target_is_directory=True)
     (weights_root / "link-chain").symlink_to(weights_root / "link-out", target_is_directory=True)
+    legit = weights_root / "legit"   # the learner's own weights, pushed during the score flood
+    storage.publish_checkpoint(model, str(legit), metadata={"step": 1})
+    legit_digest = storage.checkpoint_digest(str(legit))
     secured = RolloutServer(ServeConfig(model=model, port=0, cache_dir=cache, max_batch=2,
                                         allowed_weight_roots=[str(weights_root)]), token=TOKEN).start()
     tokenless = RolloutServer(ServeConfig(model=model, port=0, cache_dir=cache, max_batch=2)).start()
@@ -198,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             header_attacks(rng, tokenless.url, tally, tokenless=True)
             uri_attacks(secured.url, tally, weights_root, planted, digest, secured.manager.engine.version)
             json_attacks(secured.url, tally)
+            metrics_port_attacks(tally)
+            score_flood(secured, tally, rng, legit, legit_digest)
             print(f"round {round_ + 1}: {tally.requests} requests, {len(tally.server_errors)} 5xx, "
                   f"{len(tally.accepted)} accepted, slowest /healthz {slowest[0]:.3f} s", flush=True)
     finally:

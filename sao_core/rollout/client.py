@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from sao_core.rollout.trajectory import Trajectory
@@ -17,6 +19,22 @@ class RolloutRequestError(ValueError):
 
 class RolloutAuthError(RolloutRequestError):
     """The service refused the token (401): none was given, or not the run's."""
+
+
+class RolloutBusy(RolloutRequestError):
+    """The service's queue for this kind of call is full (429); `retry_after_s`: when it said to try again."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def _retry_after_s(header: str | None) -> float:
+    """Seconds from a Retry-After header (delta seconds), bounded to [0.1, 30]; 1 s when absent or a date."""
+    try:
+        return min(max(float(header), 0.1), 30.0) if header is not None else 1.0
+    except ValueError:
+        return 1.0
 
 
 class RolloutClient:
@@ -42,8 +60,11 @@ class RolloutClient:
                 detail = response.json().get("detail")
             except ValueError:
                 detail = response.text
+            message = f"{method} {path} -> {response.status_code}: {detail}"
+            if response.status_code == 429:
+                raise RolloutBusy(message, _retry_after_s(response.headers.get("retry-after")))
             error = RolloutAuthError if response.status_code == 401 else RolloutRequestError
-            raise error(f"{method} {path} -> {response.status_code}: {detail}")
+            raise error(message)
         return response.json()
 
     def health(self) -> dict:
@@ -103,9 +124,20 @@ class RolloutClient:
         recomputed)."""
         return self._call("POST", "/v1/weights/commit", timeout_s=600.0, json={"version": version})
 
-    def score(self, token_ids: list[int], start: int) -> dict:
-        """{"logprobs": of token_ids[start:] under the service's weights in use, "version", "sha256"}."""
-        return self._call("POST", "/v1/score", timeout_s=120.0, json={"token_ids": token_ids, "start": start})
+    def score(self, token_ids: list[int], start: int, deadline_s: float = 120.0) -> dict:
+        """{"logprobs": of token_ids[start:] under the service's weights in use, "version", "sha256"}. A service
+        whose score queue is full answers 429 with Retry-After: waited out and retried until `deadline_s`
+        (seconds from now) has passed, then the 429 is raised like any refusal."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self._call("POST", "/v1/score", timeout_s=max(left, 1.0),
+                                  json={"token_ids": token_ids, "start": start})
+            except RolloutBusy as err:
+                if time.monotonic() + err.retry_after_s >= deadline:
+                    raise
+                time.sleep(err.retry_after_s)
 
     def pause(self) -> dict:
         return self._call("POST", "/v1/pause", json={})

@@ -11,6 +11,7 @@ among the episodes still running or not yet taken, which the learner's `version_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import random
@@ -159,6 +160,93 @@ def episode_seed(plan_seed: int, position: int, sample_index: int, attempt: int)
     return int(digest[:8], 16) & 0x7FFFFFFF
 
 
+#: scores admitted at once (running, or waiting for the weights lock); above it POST /v1/score answers 429. Scores
+#: run one at a time, so a longer queue only holds memory and connections; the learner scores one probe per push.
+MAX_QUEUED_SCORES = 32
+#: seconds a refused score is told to wait (Retry-After): about one full-context score on a busy engine
+SCORE_RETRY_AFTER_S = 1
+
+
+class ScoreBusyError(RolloutError):
+    """MAX_QUEUED_SCORES scores are already running or waiting (HTTP 429 with Retry-After)."""
+
+
+class WeightsLock:
+    """The weights lock: one holder at a time, either a weight update (`async with lock`, `acquire()`) or a score
+    (`async with lock.for_score()`), and an update that waits goes before every score that waits.
+
+    With a plain FIFO lock a weight push queued behind every score already waiting (48 full-context scores held
+    one back 10.6 s); here it waits at most for the holder of the moment. Updates keep their order among
+    themselves, and so do scores. The lock is handed straight to the next waiter on release, so no newcomer can
+    take it in between."""
+
+    def __init__(self) -> None:
+        self._locked = False
+        self._updates: deque[asyncio.Future] = deque()
+        self._scores: deque[asyncio.Future] = deque()
+
+    def locked(self) -> bool:
+        return self._locked
+
+    def waiting(self) -> dict:
+        """{"updates": n, "scores": m}: the acquires waiting now."""
+        return {"updates": sum(not w.done() for w in self._updates),
+                "scores": sum(not w.done() for w in self._scores)}
+
+    async def acquire(self) -> bool:
+        """Take the lock for a weight update (ahead of any waiting score)."""
+        return await self._acquire(self._updates)
+
+    async def acquire_for_score(self) -> bool:
+        """Take the lock for a score (behind any waiting update)."""
+        return await self._acquire(self._scores)
+
+    async def _acquire(self, queue: deque) -> bool:
+        # Free means no one waits either: release() hands the lock on whenever someone does.
+        if not self._locked:
+            self._locked = True
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        queue.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()   # handed the lock in the instant of the cancel: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    queue.remove(waiter)
+            raise
+        return True
+
+    def release(self) -> None:
+        """Hand the lock to the first waiting update, else the first waiting score, else free it."""
+        if not self._locked:
+            raise RuntimeError("the weights lock is not held")
+        for queue in (self._updates, self._scores):
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():      # a cancelled waiter is skipped
+                    waiter.set_result(True)
+                    return
+        self._locked = False
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
+
+    @contextlib.asynccontextmanager
+    async def for_score(self):
+        """`async with lock.for_score():` holds the lock for one score."""
+        await self.acquire_for_score()
+        try:
+            yield
+        finally:
+            self.release()
+
+
 @dataclass
 class _Lease:
     consumer: str
@@ -175,7 +263,10 @@ class RolloutManager:
         # Weights load only from inside these (local paths or s3:// prefixes); empty: no weight loads at all.
         self.allowed_weight_roots = list(allowed_weight_roots or [])
         self.weights_sha256: str | None = None   # manifest digest of the weights loaded last (None: the initial)
-        self._weights_lock = asyncio.Lock()
+        # Updates and scores, one at a time; a waiting update goes before waiting scores (WeightsLock).
+        self._weights_lock = WeightsLock()
+        self.max_queued_scores = MAX_QUEUED_SCORES
+        self.scores_queued = 0                   # scores running or waiting for the weights lock
         self.long_polls = 0                      # takes in progress (waiting for a trajectory, or about to)
         self.tokenizer = tokenizer
         self.cache_dir = cache_dir
@@ -556,13 +647,21 @@ class RolloutManager:
 
     async def score(self, token_ids: list[int], start: int) -> dict:
         """{"logprobs": of token_ids[start:], "version"}: scored under the weights lock, so the version is the
-        one the log-probs were computed with."""
-        async with self._weights_lock:
-            try:
-                logprobs = await self.engine.score(list(token_ids), start)
-            except EngineError as err:
-                raise RolloutError(f"score: {err}") from err
-            return {"logprobs": logprobs, "version": self.engine.version, "sha256": self.weights_sha256}
+        one the log-probs were computed with. A weight update that arrives while scores wait goes before them
+        (`WeightsLock`); ScoreBusyError when `max_queued_scores` scores are running or waiting already."""
+        if self.scores_queued >= self.max_queued_scores:
+            raise ScoreBusyError(f"score: {self.scores_queued} scores are running or waiting already (at most "
+                                 f"{self.max_queued_scores}); retry in {SCORE_RETRY_AFTER_S} s")
+        self.scores_queued += 1
+        try:
+            async with self._weights_lock.for_score():
+                try:
+                    logprobs = await self.engine.score(list(token_ids), start)
+                except EngineError as err:
+                    raise RolloutError(f"score: {err}") from err
+                return {"logprobs": logprobs, "version": self.engine.version, "sha256": self.weights_sha256}
+        finally:
+            self.scores_queued -= 1
 
     async def pause(self) -> None:
         self._paused = True

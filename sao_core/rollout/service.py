@@ -39,7 +39,15 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from sao_core.rollout.admission import DEFAULT_RULE, RULES
 from sao_core.rollout.auth import REALM, is_loopback, same_token
 from sao_core.rollout.engines.base import SEED_LIMIT, SamplingParams
-from sao_core.rollout.manager import ConflictError, ForbiddenError, RolloutError, RolloutManager, RolloutPlan
+from sao_core.rollout.manager import (
+    SCORE_RETRY_AFTER_S,
+    ConflictError,
+    ForbiddenError,
+    RolloutError,
+    RolloutManager,
+    RolloutPlan,
+    ScoreBusyError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -537,10 +545,14 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
                          if g.versions else manager.engine.version} for g in samples])
         return {"results": out}
 
-    @app.post("/v1/score", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
+    score_busy = {429: {**_error("too many scores running or waiting; retry after Retry-After seconds"),
+                        "headers": {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}}}
+
+    @app.post("/v1/score", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE, **score_busy})
     async def score(body: ScoreRequest) -> dict:
         """Log-probs of token_ids[start:] under the weights in use and their version (the learner's delivery
-        check after a weight push)."""
+        check after a weight push). Scores run one at a time and a weight update goes before those waiting; above
+        the manager's `max_queued_scores` running or waiting, 429 with Retry-After."""
         vocab = len(manager.tokenizer)
         if any(x < 0 or x >= vocab for x in body.token_ids):
             raise RolloutError(f"token_ids: token id out of range [0, {vocab})")
@@ -549,7 +561,11 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
         limit = getattr(manager.engine, "context_length", None)
         if limit is not None and len(body.token_ids) > limit:
             raise RolloutError(f"token_ids: {len(body.token_ids)} tokens exceed the engine's context of {limit}")
-        return await manager.score(body.token_ids, body.start)
+        try:
+            return await manager.score(body.token_ids, body.start)
+        except ScoreBusyError as err:
+            raise HTTPException(status_code=429, detail=str(err),
+                                headers={"Retry-After": str(SCORE_RETRY_AFTER_S)}) from err
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"}})
     async def metrics() -> PlainTextResponse:

@@ -12,7 +12,9 @@ the RL learner get them through :func:`run_sinks`, so both log the same way and 
   resumed run hides the events of the steps it trains again (``purge_step``).
 - :class:`MLflowSink`: when ``$MLFLOW_TRACKING_URI`` is set: one MLflow run per output (params once,
   metrics per logged step, terminated FINISHED / FAILED); a resumed run logs into the run of the same output.
-- :class:`PrometheusSink`: the learner's ``/metrics`` (its own registry) on ``metrics_port``.
+- :class:`PrometheusSink`: the learner's ``/metrics`` (its own registry) on ``metrics_port``, served under the
+  rollout service's connection limits (header timeout, connection cap; :data:`METRICS_LIMITS
+  <sao_core.http_limits.METRICS_LIMITS>`).
 
 One function, :func:`scalars`, turns a metrics record into ``{tag: value}``; every sink logs those tags
 (Prometheus picks a documented subset). A sink is an extra: one that cannot start or fails is logged as a
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from sao_core import storage
 
 if TYPE_CHECKING:
+    from sao_core.http_limits import HttpLimits, LimitedServer
     from sao_core.training.metrics_log import MetricsLog
 
 log = logging.getLogger(__name__)
@@ -348,17 +351,27 @@ PROMETHEUS_LABELLED: dict[str, tuple[str, str, str]] = {
 class PrometheusSink(Sink):
     """The learner's Prometheus endpoint: ``http://<host>:<port>/metrics`` (its own registry, text format)
     with the gauges of :data:`PROMETHEUS_GAUGES` and :data:`PROMETHEUS_LABELLED`, set from every metrics
-    line (a gauge whose tag a line lacks keeps its value), and ``sao_learner_last_step_timestamp_seconds``."""
+    line (a gauge whose tag a line lacks keeps its value), and ``sao_learner_last_step_timestamp_seconds``.
+
+    Served like the rollout service (`sao_core.http_limits.LimitedServer`), not by prometheus_client's
+    own server: that one spent a thread on every connection and never timed a request head out, so anyone who
+    reached the port could hold hundreds of threads with half-sent requests. Here a request head must arrive
+    within `limits.header_timeout_s` seconds (else 408 and closed), idle connections close after
+    `limits.keep_alive_s` seconds, above `limits.max_connections` open connections requests get 503, and the
+    server is one thread however many connections are open."""
 
     name = "Prometheus"
 
-    def __init__(self, port: int, host: str = "0.0.0.0"):
+    def __init__(self, port: int, host: str = "0.0.0.0", limits: HttpLimits | None = None):
         self.port, self.host = port, host
-        self.server = None
-        self.thread = None
+        self.limits = limits   # None: METRICS_LIMITS
+        self.server: LimitedServer | None = None
 
     def open(self, metrics_log: MetricsLog) -> None:
-        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+        # Imported here: the HTTP stack (uvicorn, fastapi) is needed only by a run that serves metrics.
+        from prometheus_client import CollectorRegistry, Gauge, make_asgi_app
+
+        from sao_core.http_limits import METRICS_LIMITS, LimitedServer
 
         self.registry = CollectorRegistry()
         self.gauges = {name: Gauge(f"sao_learner_{name}", doc, registry=self.registry)
@@ -367,8 +380,9 @@ class PrometheusSink(Sink):
                          for name, (_, label, doc) in PROMETHEUS_LABELLED.items()}
         self.stamp = Gauge("sao_learner_last_step_timestamp_seconds", "when the newest metrics line was written "
                            "(unix seconds)", registry=self.registry)
-        self.server, self.thread = start_http_server(self.port, addr=self.host, registry=self.registry)
-        log.info("learner metrics: http://%s:%d/metrics", self.host, self.server.server_port)
+        self.server = LimitedServer(make_asgi_app(self.registry), self.host, self.port,
+                                    self.limits or METRICS_LIMITS, name="learner-metrics").start()
+        log.info("learner metrics: http://%s:%d/metrics", self.host, self.server.port)
 
     def write(self, step: int, values: dict[str, float], record: dict[str, Any]) -> None:
         self.gauges["step"].set(step)
@@ -385,9 +399,7 @@ class PrometheusSink(Sink):
 
     def close(self, failed: bool) -> None:
         if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
-            self.thread.join(timeout=5)
+            self.server.stop()
         self.server = None
 
 

@@ -13,14 +13,21 @@ uvicorn's h11 protocol, extended (`limited_protocol`) with:
 
 uvicorn's own settings give the rest: `timeout_keep_alive` closes idle keep-alive connections, and
 `limit_concurrency` answers 503 above that many open connections and tasks.
+
+`LimitedServer` serves any ASGI app this way on a thread of its own (one event loop for all connections, so
+open connections cost no thread each): the learner's Prometheus port uses it with `METRICS_LIMITS`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
 from dataclasses import dataclass
 
 import h11
+import uvicorn
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -35,6 +42,22 @@ class HttpLimits:
     body_timeout_s: float
     keep_alive_s: float
     max_connections: int
+
+
+# The defaults of ServeConfig's connection limits (sao_core/rollout/server.py), for servers that have no
+# settings of their own.
+DEFAULT_MAX_HEADER_BYTES = 65536
+DEFAULT_MAX_HEADERS = 100
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_KEEP_ALIVE_S = 5.0
+
+#: the learner's Prometheus port (`sao_core.training.live.PrometheusSink`): the rollout service's head limits
+#: and timeouts; a scrape is a bodiless GET, so a body gets the head's timeout; and a small connection cap,
+#: as a few scrapers each hold one connection (above it: 503; a learner's file descriptors are for its run).
+METRICS_LIMITS = HttpLimits(max_header_bytes=DEFAULT_MAX_HEADER_BYTES, max_headers=DEFAULT_MAX_HEADERS,
+                            header_timeout_s=DEFAULT_HEADER_TIMEOUT_S, body_timeout_s=DEFAULT_HEADER_TIMEOUT_S,
+                            keep_alive_s=DEFAULT_KEEP_ALIVE_S, max_connections=64)
 
 
 def limited_protocol(limits: HttpLimits) -> type[H11Protocol]:
@@ -135,3 +158,74 @@ class HeaderCount:
             return await JSONResponse({"detail": f"more than {self.max_headers} header fields"}, status_code=431,
                                       headers={"Connection": "close"})(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------ a limited server on a thread
+
+#: seconds a `LimitedServer` gives open requests once told to stop (its connections are then closed)
+STOP_DRAIN_S = 2.0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) and listening (port 0: a free one). OSError when the port is taken,
+    raised here, in the caller's thread, not later in the server's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # A restarted process can take its port again while old connections linger in TIME_WAIT; a port another
+        # socket listens on still fails.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class LimitedServer:
+    """An ASGI app served by uvicorn under `limits` (`limited_protocol`, `HeaderCount`, keep-alive and
+    connection cap) on one daemon thread: however many connections are open, it costs that one thread.
+
+    `start()` binds the port first (OSError when taken) and returns once the server accepts connections;
+    `stop()` ends it (open requests get `STOP_DRAIN_S` seconds)."""
+
+    def __init__(self, app, host: str, port: int, limits: HttpLimits, name: str = "limited-http"):
+        self.app = HeaderCount(app, limits.max_headers)
+        self.host, self.limits, self.name = host, limits, name
+        self._socket = listening_socket(host, port)
+        self.port: int = self._socket.getsockname()[1]
+        config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+                                http=limited_protocol(limits), timeout_keep_alive=limits.keep_alive_s,
+                                limit_concurrency=limits.max_connections, timeout_graceful_shutdown=STOP_DRAIN_S)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._server.serve(sockets=[self._socket]))
+        except BaseException as err:  # noqa: BLE001  (surfaced by start())
+            self._error = err
+
+    def start(self, timeout_s: float = 30.0) -> LimitedServer:
+        """Serve on a new thread; return once it accepts connections (RuntimeError when it failed to start)."""
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if self._error is not None or not self._thread.is_alive():
+                self._socket.close()
+                raise RuntimeError(f"{self.name} on {self.host}:{self.port} failed to start: {self._error}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name} on {self.host}:{self.port} did not start within {timeout_s} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop serving and wait (at most `timeout_s` seconds) for the thread to end."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._socket.close()
