@@ -641,7 +641,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                                     "[default: the built-in set, sao_core/eval/judge_labelled.jsonl]")
     p.add_argument("--max-tokens", type=int, default=4096, help="reply length limit in tokens [default: 4096]")
     p.add_argument("--timeout-s", type=float, default=judge_defaults["judge_timeout_s"],
-                   help=f"one judge request, seconds [default: {judge_defaults['judge_timeout_s']:g}]")
+                   help="deadline of one judge request, connect to last byte, seconds (a request past it is "
+                        f"not retried) [default: {judge_defaults['judge_timeout_s']:g}]")
     p.add_argument("--concurrency", type=int, default=judge_defaults["judge_concurrency"],
                    help=f"judge requests in flight [default: {judge_defaults['judge_concurrency']}]")
     p.add_argument("--output", default=None, help="write the whole report (with the disagreements) here as JSON")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -357,12 +358,18 @@ class ScriptedEngine:
 
 # ------------------------------------------------------------------------------------------ LLM judge server
 
+#: one tagged block of the judge's user message: <<<NAME tag>>> ... <<<END NAME tag>>>
+_JUDGE_BLOCK = re.compile(r"^<<<(?P<name>[A-Z ]+) (?P<tag>[0-9a-f]{16})>>>\n(?P<text>.*?)\n<<<END (?P=name) (?P=tag)>>>$",
+                          re.MULTILINE | re.DOTALL)
+
+
 class JudgeServer:
     """A small OpenAI-compatible ``/v1/chat/completions`` server on 127.0.0.1 (real HTTP, in a thread).
 
-    Its "model" reads the reference and the candidate answer from the user message (the layout of
-    `sao_core.eval.graders.JUDGE_USER`) and rules CORRECT when the candidate, lower-cased without ``$``
-    and spaces, is listed in `equivalents[reference]`. Candidates that start with a keyword misbehave:
+    Its "model" reads the reference and the candidate answer from the user message's tagged blocks (the
+    layout of `sao_core.eval.graders.JUDGE_USER`) and ends with ``VERDICT: EQUIVALENT`` when the candidate,
+    lower-cased without ``$`` and spaces, is listed in `equivalents[reference]` (else ``NOT_EQUIVALENT``).
+    Candidates that start with a keyword misbehave:
     ``FLAKY`` (HTTP 503 the first time), ``NOVERDICT`` (a reply without a verdict), ``BROKEN`` (a body
     that is not JSON), ``REFUSE`` (HTTP 400). Every request is kept in `requests` (body and headers)."""
 
@@ -384,9 +391,8 @@ class JudgeServer:
     def respond(self, path: str, body: dict) -> tuple[int, object]:
         if path != "/v1/chat/completions":
             return 404, {"error": f"no route {path}"}
-        user = body["messages"][-1]["content"]
-        reference = user.split("Reference answer:\n", 1)[1].split("\n\nCandidate's final answer:\n", 1)[0]
-        answer = user.split("Candidate's final answer:\n", 1)[1].split("\n\nIs the candidate", 1)[0]
+        blocks = {m["name"]: m["text"] for m in _JUDGE_BLOCK.finditer(body["messages"][-1]["content"])}
+        reference, answer = blocks["REFERENCE ANSWER"], blocks["CANDIDATE ANSWER"]
         if answer.startswith("FLAKY") and answer not in self._flaked:
             self._flaked.add(answer)
             return 503, {"error": "overloaded, try again"}
@@ -398,8 +404,8 @@ class JudgeServer:
             text = "I am not sure."
         else:
             ok = _squash(answer.removeprefix("FLAKY")) in self.equivalents.get(reference, set())
-            text = f"<think>Compare {answer!r} with {reference!r}.</think>\nThey are {'equivalent' if ok else 'different'}. " \
-                   f"\\boxed{{{'CORRECT' if ok else 'INCORRECT'}}}"
+            text = f"<think>Compare {answer!r} with {reference!r}.</think>\nThey are {'equivalent' if ok else 'different'}.\n" \
+                   f"VERDICT: {'EQUIVALENT' if ok else 'NOT_EQUIVALENT'}"
         return 200, {"id": "cmpl-1", "object": "chat.completion", "model": body.get("model"),
                      "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}
 

@@ -171,9 +171,13 @@ def test_imo_rule_grader_on_the_real_gold_answers(math_grader, tmp_path):
 # ------------------------------------------------------------------------------------------ LLM judge
 
 @pytest.mark.parametrize("reply,verdict", [
-    ("\\boxed{CORRECT}", True), ("\\boxed{INCORRECT}", False), ("blah \\boxed{\\text{Correct}}", True),
-    ("<think>\\boxed{INCORRECT}?</think> \\boxed{CORRECT}", True), ("\\boxed{yes}", True), ("\\boxed{No}", False),
-    ("Verdict: INCORRECT", False), ("**Verdict:** correct", True), ("grade = correct", True),
+    ("Same set.\nVERDICT: EQUIVALENT", True), ("VERDICT: NOT_EQUIVALENT", False), ("**Verdict:** not equivalent", False),
+    ("<think>VERDICT: NOT_EQUIVALENT?</think> VERDICT: EQUIVALENT", True), ("Verdict: INCORRECT", False),
+    ("**Verdict:** correct", True),
+    # issue 38: only a VERDICT last line is a verdict (a box anywhere, yes/no, another wording, an earlier line: none)
+    ("\\boxed{CORRECT}", None), ("\\boxed{INCORRECT}", None), ("<think>\\boxed{INCORRECT}?</think> \\boxed{CORRECT}", None),
+    ("blah \\boxed{\\text{Correct}}", None), ("\\boxed{yes}", None), ("\\boxed{No}", None), ("grade = correct", None),
+    ("VERDICT: EQUIVALENT\nthe candidate said so", None),
     ("I cannot tell.", None), ("\\boxed{42}", None), ("<think>Verdict: CORRECT", None),
 ])
 def test_parse_judge_reply(reply, verdict):

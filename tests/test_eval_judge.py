@@ -6,6 +6,7 @@ answer), and the agreement over a labelled set with every disagreement listed.""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from fake_http import FakeServer
@@ -13,14 +14,23 @@ from fake_http import FakeServer
 from sao_core.eval.judge import LabelledPair, LLMJudge, judge_agreement, read_labelled
 
 TOKEN = "judge-token-0123456789abcdef0123456789"
+BLOCK = re.compile(r"^<<<(?P<name>[A-Z ]+) (?P<tag>[0-9a-f]{16})>>>\n(?P<text>.*?)\n<<<END (?P=name) (?P=tag)>>>$",
+                   re.MULTILINE | re.DOTALL)
+
+
+def prompt_blocks(user: str) -> dict[str, str]:
+    """The texts of the user message's tagged blocks (see `JUDGE_USER`): {"PROBLEM", "REFERENCE ANSWER",
+    "CANDIDATE ANSWER"}; every block's end marker carries the same tag as its start."""
+    found = {m["name"]: m["text"] for m in BLOCK.finditer(user)}
+    assert set(found) == {"PROBLEM", "REFERENCE ANSWER", "CANDIDATE ANSWER"}, user
+    return found
 
 
 def _verdict_by_text(messages: list[dict]) -> str:
     """A judge that calls an answer equal when its text is the reference's (a known, imperfect judge)."""
-    user = messages[-1]["content"]
-    reference = user.split("Reference answer:\n")[1].split("\n\nCandidate")[0]
-    answer = user.split("Candidate's final answer:\n")[1].split("\n\nIs the candidate")[0]
-    return "\\boxed{CORRECT}" if reference.replace(" ", "") == answer.replace(" ", "") else "\\boxed{INCORRECT}"
+    blocks = prompt_blocks(messages[-1]["content"])
+    same = blocks["REFERENCE ANSWER"].replace(" ", "") == blocks["CANDIDATE ANSWER"].replace(" ", "")
+    return "\nVERDICT: EQUIVALENT" if same else "\nVERDICT: NOT_EQUIVALENT"
 
 
 @pytest.fixture
