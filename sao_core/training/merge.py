@@ -79,7 +79,12 @@ def fetch_adapter(adapter: str, cache_dir: str | Path, unverified: bool = False)
 
 
 def _fit_error(err: Exception) -> str:
-    """One line out of peft's / torch's complaint that an adapter does not fit a model."""
+    """One line out of the complaint that an adapter does not fit a model: the adapter check's
+    (`lora.AdapterMismatch`: its first problem, without the file, which the caller names), or peft's / torch's."""
+    from sao_core.training.lora import AdapterMismatch
+
+    if isinstance(err, AdapterMismatch):
+        return err.summary()
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     mismatches = [line for line in lines if line.startswith("size mismatch")]
     if mismatches:
@@ -132,7 +137,8 @@ def merge_checkpoint(base: str, adapter: str, output: str, cache_dir: str | Path
     "adapter_sha256"}``. `dtype`: the merged weights' dtype (auto: the base's). `unverified` admits folders
     (adapter or base) without a manifest. Returns ``{"model": output, "sha256": the output's manifest digest,
     "base_model", "adapter", "adapter_sha256"}``. MergeError (a ValueError) or ModelLoadError say what is wrong;
-    the adapter is checked before the base model is loaded."""
+    the adapter's config is checked before the base model is loaded (`lora.read_adapter`), the whole adapter
+    against the base model's modules before peft touches it (`lora.merge_adapter_dir`)."""
     from sao_core.training import lora
 
     if dtype not in MERGE_DTYPES:

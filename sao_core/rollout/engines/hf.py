@@ -311,6 +311,7 @@ class HFEngine:
         self._model_is_base = True                 # the live model is the base (+ an adapter): adapters apply to it
         self._broken: str | None = None            # why the live weights must not be served (a corrupt update)
         self.lora_mode: str | None = None          # "adapter" once a LoRA adapter is in use
+        self._adapter_base: dict | None = None     # the base model's modules adapters are checked against
         self._paused = threading.Event()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -347,25 +348,15 @@ class HFEngine:
 
     async def load_weights(self, model_dir: str, version: int) -> None:
         """Full weights: loaded off the engine thread, swapped in between two steps. A LoRA adapter folder
-        (`lora.is_adapter_dir`): applied to the base model the engine started with (peft, unmerged, as the
-        learner computes it) in the engine thread between two steps; the first adapter injects the LoRA layers,
-        later ones copy a few megabytes of adapter weights. After full weights of another version the base is
-        loaded again before an adapter is applied."""
+        (`lora.is_adapter_dir`): checked against the base model first (`_load_adapter`), then applied to the
+        base model the engine started with (peft, unmerged, as the learner computes it) in the engine thread
+        between two steps; the first adapter injects the LoRA layers, later ones copy a few megabytes of adapter
+        weights. After full weights of another version the base is loaded again before an adapter is applied."""
         from sao_core.models import load_model
         from sao_core.training import lora
 
         if lora.is_adapter_dir(model_dir):
-            try:
-                await asyncio.to_thread(lora.read_adapter, model_dir)   # a broken folder fails here, off-thread
-            except ValueError as err:
-                raise EngineError(str(err)) from err
-            if self._model_is_base:
-                await self._in_engine_thread(functools.partial(self._apply_adapter, self.model, model_dir, version))
-                return
-            base = await asyncio.to_thread(load_model, self.model_ref, self.cache_dir, self.dtype)
-            base.to(self.device)
-            _use_gqa_attention(base)
-            await self._in_engine_thread(functools.partial(self._apply_adapter, base, model_dir, version))
+            await self._load_adapter(model_dir, version)
             return
         new_model = await asyncio.to_thread(load_model, model_dir, self.cache_dir, self.dtype)
         new_model.to(self.device)
@@ -436,14 +427,40 @@ class HFEngine:
         self._wake.set()
         return await done
 
-    def _apply_adapter(self, model, adapter_dir: str, version: int) -> None:
-        """(engine thread) `adapter_dir` into `model` (the base, or the live model already carrying an adapter);
-        `model` becomes the live model at `version`."""
+    async def _load_adapter(self, adapter_dir: str, version: int) -> None:
+        """An adapter folder, checked off the engine thread against the base model's module names and shapes
+        (`lora.check_adapter_dir`: pure parsing and shape checks, nothing injected), then applied in the engine
+        thread. A refused adapter leaves the engine as it was (weights, version, lora_mode): EngineError."""
+        from sao_core.models import load_model
         from sao_core.training import lora
 
+        base = None   # a fresh base model, when full weights of another version are in use
+        if self._adapter_base is None:   # the base's modules never change: described once
+            if not self._model_is_base:
+                base = await asyncio.to_thread(load_model, self.model_ref, self.cache_dir, self.dtype)
+            self._adapter_base = await asyncio.to_thread(lora.base_modules, self.model if base is None else base)
         try:
-            lora.load_adapter_into(model, adapter_dir)
+            checked = await asyncio.to_thread(lora.check_adapter_dir, adapter_dir, self._adapter_base)
         except ValueError as err:
+            raise EngineError(f"{err}; the current weights (version {self.version}) stay") from err
+        if base is None and not self._model_is_base:
+            base = await asyncio.to_thread(load_model, self.model_ref, self.cache_dir, self.dtype)
+        if base is not None:
+            base.to(self.device)
+            _use_gqa_attention(base)
+        await self._in_engine_thread(functools.partial(self._apply_adapter, self.model if base is None else base,
+                                                       checked, adapter_dir, version))
+
+    def _apply_adapter(self, model, checked, adapter_dir: str, version: int) -> None:
+        """(engine thread) the checked adapter (`lora.check_adapter_dir`'s config and weights) into `model` (the
+        base, or the live model already carrying an adapter); `model` becomes the live model at `version`.
+        `lora.put_adapter_into` is transactional: when it fails, `model` is as it was, and so is the engine."""
+        from sao_core.training import lora
+
+        config, weights = checked
+        try:
+            lora.put_adapter_into(model, config, weights, adapter_dir)
+        except Exception as err:   # the model is as it was (put_adapter_into undid its changes): say so
             raise EngineError(f"{err}; the current weights (version {self.version}) stay") from err
         model.eval()
         dtype_changed = self._slots is not None and self._slots.dtype != model.dtype

@@ -64,9 +64,10 @@ base model (the model it started with, not the last weights loaded) plus that ad
 - "merged" (started without `max_lora_rank`, or vLLM refused the adapter): the adapter is merged into the base
   (peft's merge, `lora.merge_adapter_dir`) into a folder under the cache dir, then loaded as full weights (the
   swap above); the reason is logged (warning) once.
-Either way the adapter is checked first (its config, every weight's rank and shape against the base model; in
-"adapter" mode its rank against `max_lora_rank`): a broken adapter is refused (EngineError) and the current
-weights stay. `stats()["lora"]` says which way the adapter in use was applied (None: full weights).
+Either way the adapter is checked first (`check_adapter`: its config by `lora.check_adapter_config`, plain LoRA
+only; every weight's rank and shape against the base model; the whole `lora.check_adapter` against the base's
+modules; in "adapter" mode its rank against `max_lora_rank`): a broken or hostile adapter is refused (EngineError)
+and the current weights stay. `stats()["lora"]` says which way the adapter in use was applied (None: full weights).
 
 Stopping: the tokenizer's end-of-turn token, the generation config's eos ids, and the request's
 `stop_token_ids`; the stop token is the last token of the output, finish reason "stop". Reaching
@@ -150,11 +151,14 @@ _LORA_PARTS = {".lora_A.weight": (".weight", 1, 0), ".lora_B.weight": (".weight"
                ".lora_embedding_A": (".weight", 0, 0), ".lora_embedding_B": (".weight", 1, 1)}
 
 
-def check_adapter(adapter_dir: str, base_shapes: dict[str, tuple[int, ...]] | None) -> int:
-    """The rank of the peft LoRA adapter in `adapter_dir` after checking it: a readable LoRA config, adapter
-    weights, every A / B pair with one rank (the config's `r` unless it has a `rank_pattern`), and, given the base
-    model's tensor shapes, every adapted module present in the base with matching dimensions. EngineError
-    saying what is wrong otherwise."""
+def check_adapter(adapter_dir: str, base_shapes: dict[str, tuple[int, ...]] | None,
+                  base_modules: dict | None = None) -> int:
+    """The rank of the peft LoRA adapter in `adapter_dir` after checking it: a LoRA config that passes
+    `lora.check_adapter_config` (plain LoRA, bounded sizes, nothing that rewrites the base), adapter
+    weights, every A / B pair with one rank (the config's `r`), and, given the base model's tensor shapes, every
+    adapted module present in the base with matching dimensions; given the base's modules
+    (`lora.base_modules_of_folder`), the whole adapter check (`lora.check_adapter_dir`: exactly the LoRA weights
+    of the targeted layers, finite). EngineError saying what is wrong otherwise."""
     from sao_core.training import lora
 
     try:
@@ -199,6 +203,11 @@ def check_adapter(adapter_dir: str, base_shapes: dict[str, tuple[int, ...]] | No
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise EngineError(f"broken LoRA adapter {adapter_dir}: {'; '.join(problems[:3])}{more}")
+    if base_modules is not None:
+        try:
+            lora.check_adapter_dir(adapter_dir, base_modules)
+        except ValueError as err:
+            raise EngineError(f"broken LoRA adapter {adapter_dir}: {err}") from err
     return max(ranks.values())
 
 
@@ -342,6 +351,7 @@ class VLLMEngine:
         self._merge_warned = False
         self._base_epoch = 0                          # counts changes of the worker's weights (score retries)
         self._base_shape_cache: dict[str, tuple[int, ...]] | None = None
+        self._base_module_cache: dict | None = None   # lora.base_modules of the base (adapter checks)
         self._work = Path(cache_dir) / "vllm-engine" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     # ------------------------------------------------------------------ helpers
@@ -575,7 +585,8 @@ class VLLMEngine:
             except StorageError as err:
                 raise EngineError(f"LoRA adapter {adapter_dir} failed verification: {err}") from err
         shapes = await asyncio.to_thread(self._base_shapes)
-        rank = await asyncio.to_thread(check_adapter, adapter_dir, shapes)
+        modules = await asyncio.to_thread(self._base_modules)
+        rank = await asyncio.to_thread(check_adapter, adapter_dir, shapes, modules)
         reason = "started without max_lora_rank"
         if self.max_lora_rank:
             if rank > self.max_lora_rank:
@@ -686,6 +697,21 @@ class VLLMEngine:
             folder = self._base_folder()
             self._base_shape_cache = _base_shapes(folder) if Path(folder).is_dir() else {}
         return self._base_shape_cache or None
+
+    def _base_modules(self) -> dict | None:
+        """The base model's modules adapters are checked against (`lora.base_modules_of_folder`, built on the
+        meta device from its config); None when transformers cannot build it (then the checks of the config and
+        of the weights' shapes against the base's tensors remain)."""
+        from sao_core.training import lora
+
+        if self._base_module_cache is None:
+            try:
+                self._base_module_cache = lora.base_modules_of_folder(self._base_folder())
+            except Exception as err:   # an architecture transformers does not know, a folder without config
+                log.warning("vLLM engine: cannot describe the base model's modules for the adapter check (%s: %s)",
+                            type(err).__name__, err)
+                self._base_module_cache = {}
+        return self._base_module_cache or None
 
     async def _restore_weights(self) -> None:
         try:
