@@ -1,14 +1,15 @@
 """A longer hostile campaign against real rollout services (not in CI; README "Security model"): fuzzed headers,
 weight URIs and JSON depth / size, sent to one service with a token and one without (loopback), while a
 thread polls /healthz; half-sent requests to a learner's Prometheus port; a flood of full-context /v1/score
-calls while the learner pushes weights. Counts requests, 5xx answers, attacks accepted and the slowest /healthz.
+calls while the learner pushes weights; hostile LoRA adapters pushed to a third service. Counts requests, 5xx answers, attacks accepted and the slowest /healthz.
 
     .venv/bin/python scripts/security_campaign.py [--rounds 3] [--seed 0] [--output local_outputs/security]
 
 An attack is "accepted" when the service did what it must refuse: loaded weights from outside its roots,
 answered a tokenless request from a foreign Host / Origin or a non-JSON POST with anything but a refusal, let
 half-sent requests hold a metrics-port thread each or stay open past the head timeout, or made a weight push
-wait for more than the score running when it arrived (plus one). A 503 from a full connection cap and a 429 from
+wait for more than the score running when it arrived (plus one), took a hostile adapter or changed a bit of
+the log-probs it serves by refusing one, or refused the legitimate adapter afterwards. A 503 from a full connection cap and a 429 from
 a full score queue are refusals by design, not 5xx findings.
 Exit status 1 when any attack was accepted, any answer was a 5xx, or /healthz ever took 0.5 s or more.
 """
@@ -20,6 +21,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import socket
 import sys
 import tempfile
@@ -275,6 +277,91 @@ def score_flood(server, tally: Tally, rng: random.Random, checkpoint: Path, dige
             tally.record(family, status, "full-context score", accepted=status not in (200, 429))
 
 
+#: the adapter family (issue 38): hostile LoRA adapters, each published with a valid manifest inside the
+#: service's roots (someone who can write there), as (name, adapter_config changes, weight changes)
+def _hostile_adapters():
+    import torch
+
+    def drop_b(t):
+        return {k: v for k, v in t.items() if not (k.endswith("lora_B.weight") and ".1." in k)}
+
+    def smuggle(t):
+        name = next(k for k in sorted(t) if "lora_A" in k).replace("lora_A.weight", "base_layer.weight")
+        return {**t, name: torch.zeros(8, 8)}
+
+    def nan(t):
+        name = next(k for k in sorted(t) if "lora_A" in k)
+        poisoned = t[name].clone()
+        poisoned.view(-1)[0] = float("nan")
+        return {**t, name: poisoned}
+
+    return [("use_dora", {"use_dora": True}, None),
+            ("init_false_missing_weight", {"init_lora_weights": False}, drop_b),
+            ("layer_replication", {"layer_replication": [[0, 2], [1, 2]]}, None),
+            ("huge_rank", {"r": 200000}, None),
+            ("pissa", {"init_lora_weights": "pissa"}, None),
+            ("olora", {"init_lora_weights": "olora"}, None),
+            ("many_targets", {"target_modules": ["q_proj", "v_proj"] + [f"m{i}" for i in range(100_000)]}, None),
+            ("regex_targets", {"target_modules": "(.|.)*Z"}, None),
+            ("modules_to_save", {"modules_to_save": ["lm_head"]}, None),
+            ("rank_pattern", {"rank_pattern": {"q_proj": 64}}, None),
+            ("smuggled_base_weight", None, smuggle),
+            ("nan_weight", None, nan)]
+
+
+def adapter_attacks(server, tally: Tally, weights_root: Path, model_dir: str, cache: str) -> None:
+    """Hostile adapters pushed as the service's next version: accepted when one is not refused with a 4xx, or
+    when the log-probs the service serves afterwards differ in any bit from before; then a legitimate adapter
+    must still be taken (a refused one left nothing behind)."""
+    import httpx
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from sao_core import storage
+    from sao_core.models import load_model
+    from sao_core.training import lora
+
+    family = "adapter"
+    root = weights_root / f"adapters-{time.monotonic_ns()}"
+    model = lora.apply_lora(load_model(model_dir, cache), rank=4, alpha=8.0, dropout=0.0,
+                            target_modules="q_proj,v_proj")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    good = root / "good"
+    lora.write_adapter(model, lora.adapter_state_dict(model, lambda m: m.state_dict()), good)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    probe = {"token_ids": [3, 17, 5, 42, 9, 11, 28, 7, 64, 2, 33, 19], "start": 1}
+    with httpx.Client(base_url=server.url, timeout=120, headers=headers) as http:
+        before = http.post("/v1/score", json=probe).json()["logprobs"]
+        for name, config, weights in _hostile_adapters():
+            folder = root / name
+            shutil.copytree(good, folder)
+            if config:
+                data = json.loads((folder / lora.ADAPTER_CONFIG).read_text())
+                (folder / lora.ADAPTER_CONFIG).write_text(json.dumps({**data, **config}))
+            if weights:
+                save_file(weights(load_file(str(folder / lora.ADAPTER_WEIGHTS))), str(folder / lora.ADAPTER_WEIGHTS))
+            published = root / f"{name}-published"
+            storage.publish_checkpoint(str(folder), str(published), metadata={"adapter": name})
+            version = server.manager.engine.version + 1
+            try:
+                status = http.post("/v1/weights", json={"version": version, "uri": str(published),
+                                                        "sha256": storage.checkpoint_digest(str(published))},
+                                   timeout=60).status_code
+            except httpx.HTTPError:
+                status = None
+            tally.record(family, status, f"hostile adapter {name}", accepted=status is None or status < 400)
+            after = http.post("/v1/score", json=probe).json()["logprobs"]
+            tally.record(family, None, f"log-probs after {name}", accepted=after != before)
+        published = root / "good-published"
+        storage.publish_checkpoint(str(good), str(published), metadata={"adapter": "good"})
+        status = http.post("/v1/weights", json={"version": server.manager.engine.version + 1, "uri": str(published),
+                                                "sha256": storage.checkpoint_digest(str(published))}).status_code
+        tally.record(family, status, "the legitimate adapter after the hostile ones", accepted=status != 200)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=3)
@@ -304,12 +391,15 @@ def main(argv: list[str] | None = None) -> int:
     secured = RolloutServer(ServeConfig(model=model, port=0, cache_dir=cache, max_batch=2,
                                         allowed_weight_roots=[str(weights_root)]), token=TOKEN).start()
     tokenless = RolloutServer(ServeConfig(model=model, port=0, cache_dir=cache, max_batch=2)).start()
+    # its own service: a legitimate adapter it takes becomes its policy, which the other families must not see
+    adapters = RolloutServer(ServeConfig(model=model, port=0, cache_dir=cache, max_batch=2,
+                                         allowed_weight_roots=[str(weights_root)]), token=TOKEN).start()
     tally, slowest, done = Tally(), [0.0], threading.Event()
 
     def poll():
         with httpx.Client(timeout=30) as http:
             while not done.is_set():
-                for server in (secured, tokenless):
+                for server in (secured, tokenless, adapters):
                     began = time.monotonic()
                     try:
                         http.get(f"{server.url}/healthz")
@@ -330,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             json_attacks(secured.url, tally)
             metrics_port_attacks(tally)
             score_flood(secured, tally, rng, legit, legit_digest)
+            adapter_attacks(adapters, tally, weights_root, model, cache)
             print(f"round {round_ + 1}: {tally.requests} requests, {len(tally.server_errors)} 5xx, "
                   f"{len(tally.accepted)} accepted, slowest /healthz {slowest[0]:.3f} s", flush=True)
     finally:
@@ -337,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         poller.join()
         secured.stop()
         tokenless.stop()
+        adapters.stop()
     result = {"requests": tally.requests, "by_family": tally.by_family, "server_errors": tally.server_errors,
               "accepted": tally.accepted, "slowest_healthz_s": round(slowest[0], 4),
               "seconds": round(time.time() - began, 1), "rounds": args.rounds, "seed": args.seed}
