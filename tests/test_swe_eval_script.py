@@ -536,7 +536,8 @@ def test_harness_rows_run_their_eval_script(built, kept, tmp_path):
             return box
 
         report = grade_patch(task, "" if kind == "empty" else case.patches[kind], factory,
-                             test_command="exit 3", test_timeout_s=120, repo_source=str(mirrors))   # test_command: fallback only, not used
+                             test_command="exit 3", test_timeout_s=120, repo_source=str(mirrors),   # test_command: fallback only, not used
+                             keep_logs=True)   # the assertions below read the log
         return report, box_holder[-1]
 
     with ThreadPoolExecutor(max_workers=3) as pool:
@@ -629,7 +630,8 @@ def test_agent_episode_on_a_5x_row_is_graded_by_its_script(built, kept):
     case = made[2]                                                      # the sympy row
     task = task_from_swe_record({"id": case.instance_id, **_record(case)},
                                 repo_path=str(mirrors / case.repo.replace("/", "__")))
-    env = SWEEnv(sandbox_factory=make, max_turns=3, test_command="exit 3", repo_source=str(mirrors))
+    env = SWEEnv(sandbox_factory=make, max_turns=3, test_command="exit 3", repo_source=str(mirrors),
+                 keep_logs=True)                                        # the log is asserted on below
     env.reset(task)
     call = {"name": "bash", "arguments": {"command": "git apply <<'EOF'\n" + case.patches["gold"] + "EOF"}}
     step = env.step("<tool_call>" + json.dumps(call) + "</tool_call>")

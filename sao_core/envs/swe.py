@@ -21,7 +21,9 @@ Episode (one `SWEEnv` per episode, as every environment):
   nothing the agent did outside its diff can influence the tests; `grade_in_place=True` instead
   resets the agent's own repository (``git reset --hard <base> && git clean -fd``) and grades there.
   Reward 1.0 if resolved, else 0.0; finish_reason "stop"; ``info`` holds the grade report
-  (``grade``), the patch (``patch``), ``failed_tests`` and ``resolved``.
+  (``grade``: test names and verdicts; the tests' log, ``test_log_tail``, only with
+  ``keep_logs=True``, since a row's eval script decides what it prints), the patch (``patch``),
+  ``failed_tests`` and ``resolved``.
 - A turn with tool calls when `max_turns` turns are used ends the episode: finish_reason "length",
   reward 0 (no automatic submission). A `SandboxError` while running commands or grading ends it
   with "tool_error". A sandbox that cannot be created or prepared in `reset` raises there (the
@@ -49,7 +51,8 @@ Where the repository comes from (`repo_source`, set by the operator, never by a 
 
 Sandboxes: `sandbox_factory` is called with the task when it takes a required positional argument
 (``factory(task)``, e.g. to pick the instance image), else without. By default (`sandbox_kind`
-"local") each sandbox is a `LocalSandbox` (`sandbox_limits`, `sandbox_options`: ``root``, ``env``);
+"local") each sandbox is a `LocalSandbox` (`sandbox_limits`, `sandbox_options`: ``root``, ``env``,
+``ro_paths``, ``python``: the interpreter the tests use, shown in the jail with its prefix / venv);
 ``"kubernetes"`` makes a `KubernetesPodSandbox` of ``task.metadata["image"]`` or the SWE-bench
 image (`image_template`), working in the repository dir (``sandbox_options``: namespace, ...).
 
@@ -507,6 +510,18 @@ def _reset_test_files(shell: RepoShell, base: str, test_patch: str, timeout_s: f
             raise SandboxError(f"could not reset the test files: {(res.stderr or res.stdout).strip()[:500]}")
 
 
+#: How much of the tests' log a report keeps when asked to (`keep_logs`), in characters (the end).
+TEST_LOG_TAIL_CHARS = 20_000
+
+
+def _test_log(log: str, keep_logs: bool) -> str:
+    """The tests' log for `GradeReport.test_log_tail`: its last `TEST_LOG_TAIL_CHARS` characters
+    with `keep_logs`, else nothing. The log is what a dataset row's eval script (or test command)
+    printed, so the row decides what is in it; reports and trajectories are stored and shared, so
+    by default they carry only the test names and verdicts."""
+    return log[-TEST_LOG_TAIL_CHARS:] if keep_logs else ""
+
+
 def grade_in_shell(
     shell: RepoShell,
     instance: SWEInstance,
@@ -515,9 +530,13 @@ def grade_in_shell(
     spec: RunnerSpec,
     test_timeout_s: float = 600,
     step_timeout_s: float = 120,
+    keep_logs: bool = False,
 ) -> GradeReport:
     """Grade `patch_text` in a repository that is clean at `base`: apply it, then run the tests,
     and let the SWE-bench harness grade the captured output.
+
+    The report keeps the test names and verdicts; the tests' log (`GradeReport.test_log_tail`:
+    what the row's eval script or test command printed) only with `keep_logs` (see `_test_log`).
 
     With the harness's ``TestSpec`` (`SWEInstance.harness`): run its eval script
     (`_run_harness_script`; `spec` is not used). Otherwise (the fallback): reset the test files,
@@ -553,7 +572,7 @@ def grade_in_shell(
         return finish(report, patch_empty=empty, patch_applied=None if empty else True, apply_method=method,
                       tests_run=True, test_command=command, eval_script_sha256=script_sha256(script),
                       eval_script_changes=changes, tests_timed_out=timed_out, apply_log=apply_log[-20_000:],
-                      test_log_tail=log[-20_000:], error="the tests timed out" if timed_out else None)
+                      test_log_tail=_test_log(log, keep_logs), error="the tests timed out" if timed_out else None)
     _reset_test_files(shell, base, instance.test_patch, step_timeout_s)
     test_patch_ok: bool | None = None
     if instance.test_patch.strip():
@@ -569,7 +588,7 @@ def grade_in_shell(
     return finish(report, patch_empty=empty, patch_applied=None if empty else True, apply_method=method,
                   test_patch_applied=test_patch_ok, tests_run=True, test_command=command,
                   test_exit_code=code, tests_timed_out=timed_out, apply_log=apply_log[-20_000:],
-                  test_log_tail=log[-20_000:], error="the tests timed out" if timed_out else None)
+                  test_log_tail=_test_log(log, keep_logs), error="the tests timed out" if timed_out else None)
 
 
 def harness_script_for(instance: SWEInstance, repo_dir: str) -> tuple[str, list[str]]:
@@ -626,12 +645,14 @@ def grade_patch(
     repo_source: str | None = None,
     setup_command: str | None = SWEBENCH_SETUP,
     sandbox_limits: SandboxLimits | None = None,
+    keep_logs: bool = False,
 ) -> GradeReport:
     """Grade a model-produced patch for a swe task in a fresh sandbox (`sandbox_factory`, called
     with the task if it takes it; default a `LocalSandbox`): prepare the repository at the base
     commit, apply the patch, reset the test files, apply the test patch, run the FAIL_TO_PASS and
     PASS_TO_PASS tests, parse the log. A patch that does not apply is not resolved (``error``
-    says why). `SandboxError` propagates."""
+    says why). The tests' log is kept in the report only with `keep_logs`. `SandboxError`
+    propagates."""
     instance = SWEInstance.from_task(task, repo_source)
     if sandbox_factory is None:
         _check_source(instance, True)
@@ -642,7 +663,7 @@ def grade_patch(
     try:
         shell, base = prepare_repository(sandbox, instance, _setup_for(instance, setup_command))
         return grade_in_shell(shell, instance, base, patch_text or "",
-                              _runner(instance, test_command, log_parser), test_timeout_s)
+                              _runner(instance, test_command, log_parser), test_timeout_s, keep_logs=keep_logs)
     finally:
         sandbox.close()
 
@@ -686,6 +707,7 @@ class SWEEnv:
         grade_in_place: bool = False,
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         prepare_timeout_s: float = 600,
+        keep_logs: bool = False,
     ):
         if max_turns < 1:
             raise ValueError("max_turns must be >= 1")
@@ -711,6 +733,7 @@ class SWEEnv:
         self.grade_in_place = grade_in_place
         self.system_prompt = system_prompt
         self.prepare_timeout_s = prepare_timeout_s
+        self.keep_logs = bool(keep_logs)   # the tests' log in info["grade"] (default: names and verdicts only)
         self.sandbox: Sandbox | None = None
         self.shell: RepoShell | None = None
         self.task: Task | None = None
@@ -828,14 +851,16 @@ class SWEEnv:
                                      timeout_s=self.prepare_timeout_s)
                 if not res.ok:
                     raise SandboxError(f"could not reset the repository: {(res.stderr or res.stdout).strip()[:500]}")
-                report = grade_in_shell(self.shell, instance, self.base, patch, spec, self.test_timeout_s)
+                report = grade_in_shell(self.shell, instance, self.base, patch, spec, self.test_timeout_s,
+                                        keep_logs=self.keep_logs)
             else:
                 self.close()   # the agent's sandbox is done; grade in a fresh one
                 sandbox = _call_factory(self.sandbox_factory, self.task)
                 try:
                     shell, base = prepare_repository(sandbox, instance, _setup_for(instance, self.setup_command),
                                                      self.prepare_timeout_s)
-                    report = grade_in_shell(shell, instance, base, patch, spec, self.test_timeout_s)
+                    report = grade_in_shell(shell, instance, base, patch, spec, self.test_timeout_s,
+                                            keep_logs=self.keep_logs)
                 finally:
                     sandbox.close()
         except (SandboxError, OSError) as exc:

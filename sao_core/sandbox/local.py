@@ -2,16 +2,27 @@
 
 Isolation, per `exec` call (see `LocalSandbox.bwrap_argv` for the exact argument list):
 
-- **File system**: the host root is bind-mounted read-only (`--ro-bind / /`); a minimal `/dev`, a new
-  `/proc` and a private tmpfs `/tmp` (sized to `memory_mb`, gone when the command ends) are mounted
-  over it; the sandbox's work directory is bind-mounted writable at its own path and is the current
-  directory and `$HOME`. Nothing else is writable. Files written under `/tmp` never reach the host.
-- **No side doors to host services**: the host directories where services and users keep Unix
-  sockets and scratch files (`HIDDEN_HOST_DIRS`: `/tmp`, `/var/tmp`, `/run`, `/var/run`) are not
-  shown: each is covered by an empty private tmpfs (`/tmp` sized to `memory_mb`, the others to
+- **File system**: the jail does NOT see the host root. It starts from an empty root and shows only
+  what a test run needs (`LocalSandbox.jail_mounts` is the one list): the toolchain read-only
+  (`TOOLCHAIN_DIRS`: /usr, /bin, /sbin, /lib, /lib32, /lib64, /libx32, where they exist; a link
+  such as /bin -> usr/bin stays a link), a minimal /etc (`ETC_ENTRIES`: the dynamic linker's cache,
+  certificates, time zone, name-service, git's and Python's system config; with
+  `limits.network` also `NETWORK_ETC_ENTRIES`, resolv.conf and hosts), a SYNTHETIC /etc/passwd and
+  /etc/group holding only root and nobody (`JAIL_PASSWD`, `JAIL_GROUP`) and, without network, a
+  synthetic /etc/hosts that names only localhost (all three written into the sandbox's own private
+  dir, not the host's), the interpreter the sandbox is asked to use (`python=`: its virtualenv, its
+  base prefix or conda env, read-only, its bin dir first on PATH), the caller's `ro_paths`
+  (read-only), and the work dir (writable, private to this sandbox, the current directory and
+  `$HOME`). Nothing of /home, /root, /work, /srv, /mnt, /media, /opt (unless the interpreter
+  lives there: then only its prefix), /var or the rest of /etc is shown, so token files, cloud
+  credentials, other users' files and project outputs are not there to read, whatever their
+  permissions. The root itself is an empty tmpfs made read-only once set up. The command runs as
+  uid/gid 65534 inside (`--uid`/`--gid`), the `nobody` of the synthetic /etc/passwd.
+- **No side doors to host services**: /tmp, /var/tmp and /run (`HIDDEN_HOST_DIRS`, /var/run a link
+  to /run) are empty private tmpfs mounts (/tmp sized to `memory_mb`, the others to
   `SMALL_TMPFS_BYTES`), so a host socket there (a database's, D-Bus's, a user's agent under
-  `/run/user`) cannot be connected to even when its mode is 0777. With `limits.network`, a
-  `/etc/resolv.conf` or `/etc/hosts` that links into one of them is shown read-only.
+  /run/user) cannot be connected to even when its mode is 0777, and nothing written there reaches
+  the host.
 - **/dev**: bwrap's `--dev` tmpfs (unsized: half the host's RAM, outside RLIMIT_AS) is remounted
   read-only after set-up (device nodes still work), and `/dev/shm` is a private tmpfs of
   `limits.shm_bytes` bytes, so shared memory cannot grow past that.
@@ -48,20 +59,21 @@ Isolation, per `exec` call (see `LocalSandbox.bwrap_argv` for the exact argument
   secrets such as cloud credentials are not passed in. A string command runs under `bash -c`
   (not `-l`: Debian's /etc/profile would reset PATH and drop e.g. a virtualenv).
 
-Limits (what this does NOT give you): it shares the host kernel (a kernel exploit escapes); the
-host file system outside `HIDDEN_HOST_DIRS` is readable except what host permissions hide from uid
-65534 (when run as root) or from the caller, so a Unix socket that such permissions leave open
-elsewhere (say in a home directory) is reachable; the work dir's limit is enforced by polling, not
-by a kernel quota; CPU is not shared fairly (RLIMIT_CPU only bounds CPU seconds). It needs
-`bwrap` (Debian/Ubuntu: `apt-get update && apt-get install -y bubblewrap`), `prlimit`
-(util-linux) and unprivileged user namespaces. When run as root, the work directory's parents must
-be traversable by uid 65534 (the default temp dir is). Use the Kubernetes sandbox for untrusted
+Limits (what this does NOT give you): it shares the host kernel (a kernel exploit escapes); what
+`jail_mounts` shows (the toolchain, the /etc entries, the interpreter's dirs, `ro_paths`) is
+readable, so do not list in `ro_paths` a dir that holds secrets or a host service's socket; the
+work dir's limit is enforced by polling, not by a kernel quota; CPU is not shared fairly
+(RLIMIT_CPU only bounds CPU seconds). It needs `bwrap` (Debian/Ubuntu: `apt-get update && apt-get
+install -y bubblewrap`), `prlimit` (util-linux) and unprivileged user namespaces. When run as root,
+the work directory's parents, the interpreter's dirs and `ro_paths` must be traversable by uid
+65534 (the default temp dir is; root's own /root is not). Use the Kubernetes sandbox for untrusted
 production workloads.
 """
 
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import shutil
 import signal
@@ -79,25 +91,62 @@ from sao_core.sandbox.base import ExecResult, SandboxError, SandboxLimits
 
 __all__ = [
     "DISK_POLL_SECONDS",
+    "ETC_ENTRIES",
     "HIDDEN_HOST_DIRS",
     "INSTALL_HINT",
+    "JAIL_GROUP",
+    "JAIL_HOSTS",
+    "JAIL_PASSWD",
     "LocalSandbox",
     "SANDBOX_UID",
+    "NETWORK_ETC_ENTRIES",
     "SMALL_TMPFS_BYTES",
+    "TOOLCHAIN_DIRS",
     "check_relative_path",
     "disk_usage",
+    "interpreter_dirs",
 ]
 
 INSTALL_HINT = "apt-get update && apt-get install -y bubblewrap"
 SANDBOX_UID = 65534  # `nobody`: the uid bwrap runs as when this process is root
 _CHUNK = 1 << 16
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-#: Host directories replaced by an empty private tmpfs in the jail: services and users put their Unix
-#: sockets there (a socket on a read-only mount still accepts connections), and scratch files.
+#: Scratch dirs of the jail, each an empty private tmpfs: on the host, services and users put their
+#: Unix sockets there (a socket on a read-only mount still accepts connections), and scratch files,
+#: so none of the host's is shown (/var/run is a link to /run inside).
 HIDDEN_HOST_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run")
 #: Size of the private tmpfs over each hidden dir other than /tmp, in bytes (a tmpfs is RAM that
 #: RLIMIT_AS does not count, so it must be small).
 SMALL_TMPFS_BYTES = 16 * 1024 * 1024
+#: The host's toolchain, shown read-only where it exists: programs, shared libraries, the system
+#: Python and its packages (/usr/local included). A top-level link (/bin -> usr/bin on merged-/usr
+#: systems) is recreated as a link.
+TOOLCHAIN_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+#: The /etc entries programs need, shown read-only where they exist (names, or globs, under /etc):
+#: the dynamic linker's cache and config, `alternatives` (links into /usr), CA certificates, the
+#: time zone, name-service and protocol tables, MIME types, git's and Python's system config. Of
+#: /etc/ssl and /etc/pki only the public certificates and OpenSSL's config (not ssl/private). Not
+#: passwd / group (synthetic, below), shadow, sudoers, ssh, pip.conf, npmrc and the like (they can
+#: hold credentials) nor anything else of the host's /etc.
+ETC_ENTRIES = (
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives",
+    "ssl/certs", "ssl/openssl.cnf", "ca-certificates", "ca-certificates.conf",
+    "pki/ca-trust", "pki/tls/certs", "pki/tls/cert.pem", "pki/tls/openssl.cnf", "crypto-policies",
+    "localtime", "timezone", "nsswitch.conf", "protocols", "services", "mime.types",
+    "gitconfig", "python3", "python3.*",
+)
+#: /etc entries shown only with `limits.network` (name resolution). Without network the jail gets
+#: `JAIL_HOSTS` as /etc/hosts instead.
+NETWORK_ETC_ENTRIES = ("resolv.conf", "hosts", "host.conf", "gai.conf")
+#: The jail's /etc/passwd and /etc/group: root and nobody only (never the host's list of users).
+JAIL_PASSWD = ("root:x:0:0:root:/root:/usr/sbin/nologin\n"
+               f"nobody:x:{SANDBOX_UID}:{SANDBOX_UID}:nobody:/nonexistent:/usr/sbin/nologin\n")
+JAIL_GROUP = f"root:x:0:\nnogroup:x:{SANDBOX_UID}:\n"
+#: The jail's /etc/hosts without network: localhost only (tests that bind to "localhost" still resolve it).
+JAIL_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+#: Dirs an interpreter's prefix may not be (showing one would show a home or a whole top-level tree).
+_TOO_WIDE = frozenset({"/", "/home", "/root", "/work", "/srv", "/mnt", "/media", "/opt", "/var", "/etc",
+                       "/tmp", "/run", "/usr", "/usr/local"})
 #: How often the work dir's disk use is summed while a command runs, in seconds (at least; a tree
 #: that takes long to walk is walked less often, see `_DiskWatch`).
 DISK_POLL_SECONDS = 0.5
@@ -201,19 +250,96 @@ class _DiskWatch:
         return self.exceeded
 
 
-def _hidden_dirs() -> list[str]:
-    """`HIDDEN_HOST_DIRS` that exist here, resolved (/var/run is often a link to /run), each once."""
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _toolchain_real() -> list[str]:
+    """The real paths of the `TOOLCHAIN_DIRS` that exist here (each once)."""
     found: list[str] = []
-    for path in HIDDEN_HOST_DIRS:
+    for path in TOOLCHAIN_DIRS:
         if os.path.isdir(path):
             real = os.path.realpath(path)
-            if real != "/" and real not in found:
+            if real not in found:
                 found.append(real)
     return found
 
 
-def _under(path: str, directory: str) -> bool:
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
+def _show_host_path(path: str, shown_real: Sequence[str]) -> list[str]:
+    """bwrap arguments that show the host's `path` read-only at the same place: a link whose target
+    lies in `shown_real` (e.g. /bin -> usr/bin, /etc/localtime -> /usr/share/zoneinfo/...) is
+    recreated as the same link, so programs that read the link (a time zone's name) see it;
+    anything else is bound from its real path (the jail may not show where a link leads)."""
+    real = os.path.realpath(path)
+    if os.path.islink(path) and any(_under(real, d) for d in shown_real):
+        return ["--symlink", os.readlink(path), path]
+    return ["--ro-bind", real, path]
+
+
+def _pyvenv_home(cfg: str) -> str | None:
+    """The ``home`` key of a virtualenv's pyvenv.cfg: the bin dir of the Python it was made from."""
+    try:
+        with open(cfg, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition("=")
+                if sep and key.strip() == "home" and value.strip():
+                    return value.strip()
+    except OSError:
+        return None
+    return None
+
+
+def _user_homes() -> set[str]:
+    """Home dirs of the host's users (and ours): an interpreter prefix may not be one of them."""
+    homes = {os.path.realpath(os.path.expanduser("~"))}
+    try:
+        import pwd
+
+        homes.update(os.path.realpath(e.pw_dir) for e in pwd.getpwall() if e.pw_dir)
+    except (ImportError, OSError):  # pragma: no cover - no pwd module / no passwd
+        pass
+    return homes
+
+
+def interpreter_dirs(python: str, search_path: str = _DEFAULT_PATH) -> tuple[str, list[str]]:
+    """What the jail must show for the interpreter `python` (a path, or a name looked up on
+    `search_path`) to run: ``(its bin dir, host dirs to show read-only)``.
+
+    The dirs: a virtualenv (the dir above the bin dir holds pyvenv.cfg) and the base install it
+    was made from (pyvenv.cfg's ``home`` is that install's bin dir); else the interpreter's own
+    prefix (a conda env, a pyenv version, /opt/python/3.x), plus the conda package cache of an env
+    under ``<conda>/envs/`` (its files may link there); and the prefix of the real executable the
+    path links to. Dirs inside `TOOLCHAIN_DIRS` are left out (the jail shows those anyway). A
+    prefix that is a user's home or a top-level dir (/, /home, /opt, ...) is refused with
+    `SandboxError`: showing it would show everything in it."""
+    exe = python if "/" in python else shutil.which(python, path=search_path)
+    if not exe or not os.path.isfile(exe) or not os.access(exe, os.X_OK):
+        raise SandboxError(f"python interpreter {python!r} not found (PATH {search_path})")
+    exe = os.path.abspath(exe)
+    bindir = os.path.dirname(exe)
+    prefix = os.path.dirname(bindir)
+    wanted = [prefix]
+    home = _pyvenv_home(os.path.join(prefix, "pyvenv.cfg"))
+    if home:  # a virtualenv: its base install's prefix too
+        wanted.append(os.path.dirname(os.path.abspath(home).rstrip("/")))
+    if os.path.isdir(os.path.join(prefix, "conda-meta")) and os.path.basename(os.path.dirname(prefix)) == "envs":
+        pkgs = os.path.join(os.path.dirname(os.path.dirname(prefix)), "pkgs")
+        if os.path.isdir(pkgs):
+            wanted.append(pkgs)
+    wanted.append(os.path.dirname(os.path.dirname(os.path.realpath(exe))))
+    toolchain, homes = _toolchain_real(), _user_homes()
+    dirs: list[str] = []
+    for path in wanted:
+        real = os.path.realpath(path)
+        if any(_under(real, d) or _under(path, d) for d in (*toolchain, *TOOLCHAIN_DIRS)):
+            continue
+        if real in _TOO_WIDE or path in _TOO_WIDE or real in homes:
+            raise SandboxError(f"python {python!r}: its prefix {path} is a home or top-level dir, which the "
+                               "jail does not show whole; install the interpreter in a prefix of its own "
+                               "(a virtualenv, a conda env) or pass the dirs it needs in ro_paths")
+        if path not in dirs:
+            dirs.append(path)
+    return bindir, dirs
 
 
 @lru_cache(maxsize=4)
@@ -224,7 +350,7 @@ def _bwrap_features(bwrap: str) -> frozenset[str]:
     except (OSError, subprocess.SubprocessError) as e:  # pragma: no cover - broken install
         raise SandboxError(f"cannot run {bwrap} --help: {e}") from e
     text = out.stdout + out.stderr
-    return frozenset(o for o in ("--disable-userns", "--size", "--json-status-fd") if o in text)
+    return frozenset(o for o in ("--disable-userns", "--size", "--json-status-fd", "--perms") if o in text)
 
 
 class _Capture:
@@ -288,14 +414,17 @@ class LocalSandbox:
         root: str | None = None,
         env: Mapping[str, str] | None = None,
         ro_paths: Sequence[str] = (),
+        python: str | None = None,
     ):
-        """`ro_paths`: host paths to show read-only inside the jail even where a private mount hides
-        them (e.g. a toolchain or virtualenv under the host's /tmp)."""
+        """`ro_paths`: host paths to show read-only inside the jail (the jail shows nothing of the
+        host beyond `jail_mounts`' list; e.g. a virtualenv's site-packages or a tools dir).
+        `python`: the interpreter commands should use (a path, or a name looked up on the jail's
+        PATH; e.g. ``sys.executable``): its virtualenv / prefix / conda env is shown read-only
+        (`interpreter_dirs`) and its bin dir goes first on PATH. None: only the toolchain's."""
         self.limits = limits
         for name in ("workdir_bytes", "shm_bytes"):
             if int(getattr(limits, name)) < 1:
                 raise ValueError(f"SandboxLimits.{name} must be a positive number of bytes")
-        self._hidden = _hidden_dirs()
         self.ro_paths = [os.path.realpath(p) for p in ro_paths]
         missing = [p for p in self.ro_paths if not os.path.exists(p)]
         if missing:
@@ -308,27 +437,69 @@ class LocalSandbox:
             raise SandboxError("prlimit (util-linux) is not installed; install it with: apt-get install -y util-linux")
         self._features = _bwrap_features(self._bwrap)
         self._as_root = os.geteuid() == 0
-        self._lock = threading.Lock()
-        self._procs: set[subprocess.Popen] = set()
-        self._closed = False
-        self.workdir = os.path.realpath(tempfile.mkdtemp(prefix="sao-sandbox-", dir=root))
-        try:
-            if self._as_root:
-                os.chown(self.workdir, SANDBOX_UID, SANDBOX_UID)
-                self._check_traversable(self.workdir)
-        except BaseException:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            raise
+        self._toolchain = _toolchain_real()
         self._env = {
             "PATH": os.environ.get("PATH", _DEFAULT_PATH),
-            "HOME": self.workdir,
             "LANG": "C.UTF-8",
             "TMPDIR": "/tmp",
             "TERM": "dumb",
             **(env or {}),
         }
+        self.python_dirs: list[str] = []
+        if python is not None:
+            bindir, self.python_dirs = interpreter_dirs(os.fspath(python), self._env["PATH"])
+            if self._as_root:
+                for path in self.python_dirs:
+                    self._check_reachable(path, f"python {python!r}")
+            # the interpreter asked for is the one `python` finds (what test commands call)
+            self._env["PATH"] = bindir + ":" + self._env["PATH"]
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+        self._closed = False
+        self.workdir = os.path.realpath(tempfile.mkdtemp(prefix="sao-sandbox-", dir=root))
+        self._etc_dir = ""
+        try:
+            if self._as_root:
+                os.chown(self.workdir, SANDBOX_UID, SANDBOX_UID)
+                self._check_traversable(self.workdir)
+            self._etc_dir = self._write_jail_etc(os.path.dirname(self.workdir))
+        except BaseException:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
+        self._env.setdefault("HOME", self.workdir)   # private and writable (the host's HOME is not shown)
 
     # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _write_jail_etc(parent: str) -> str:
+        """A private host dir (next to the work dir, outside it: the command cannot change it)
+        holding the jail's synthetic /etc/passwd, /etc/group and /etc/hosts; returns its path."""
+        path = os.path.realpath(tempfile.mkdtemp(prefix="sao-sandbox-etc-", dir=parent))
+        try:
+            os.chmod(path, 0o755)       # bwrap, as uid 65534 when we are root, binds from it
+            for name, text in (("passwd", JAIL_PASSWD), ("group", JAIL_GROUP), ("hosts", JAIL_HOSTS)):
+                with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.chmod(os.path.join(path, name), 0o644)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        return path
+
+    @staticmethod
+    def _check_reachable(path: str, what: str) -> None:
+        """When we are root, bwrap runs as uid 65534 and can bind only what that uid can reach:
+        refuse early (with the reason) a dir whose path it cannot traverse."""
+        current = os.path.realpath(path)
+        while True:
+            st = os.stat(current)
+            if not (st.st_mode & stat.S_IXOTH or st.st_uid == SANDBOX_UID):
+                raise SandboxError(f"{what}: {current} is not traversable by uid {SANDBOX_UID}, which runs "
+                                   "the sandbox when this process is root; install the interpreter where "
+                                   "that uid can read it (e.g. a virtualenv made from /usr/bin/python3)")
+            if current == "/":
+                return
+            current = os.path.dirname(current)
 
     @staticmethod
     def _check_traversable(workdir: str) -> None:
@@ -355,15 +526,10 @@ class LocalSandbox:
             args.append("--disable-userns")
         if lim.network:
             args.append("--share-net")
-        args += ["--die-with-parent", "--new-session", "--ro-bind", "/", "/"]
-        args += self._dev_args()
-        args += ["--proc", "/proc"]
-        args += self._hidden_dir_args()
-        if lim.network:
-            args += self._network_file_args()
-        for path in self.ro_paths:
-            args += ["--ro-bind", path, path]
-        args += ["--bind", self.workdir, self.workdir, "--chdir", self.workdir]
+        # nobody inside, whoever runs bwrap: the synthetic /etc/passwd names it
+        args += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--die-with-parent", "--new-session"]
+        args += self.jail_mounts()
+        args += ["--chdir", self.workdir]
         if status_fd is not None and "--json-status-fd" in self._features:
             args += ["--json-status-fd", str(status_fd)]
         args += [
@@ -388,27 +554,74 @@ class LocalSandbox:
         `limits.shm_bytes`: bwrap's /dev tmpfs itself has no size (`--size` does not apply to it)."""
         return ["--dev", "/dev", *self._sized_tmpfs("/dev/shm", self.limits.shm_bytes), "--remount-ro", "/dev"]
 
-    def _hidden_dir_args(self) -> list[str]:
-        """Empty private tmpfs mounts over `HIDDEN_HOST_DIRS`: /tmp sized to `memory_mb` (it is the
-        command's scratch space; unsized where bwrap lacks --size, as before), the rest small."""
-        args: list[str] = []
-        for path in self._hidden:
-            if path == "/tmp":
-                if "--size" in self._features:
-                    args += ["--size", str(max(16, self.limits.memory_mb) * 1024 * 1024)]
-                args += ["--tmpfs", "/tmp"]
-            else:
-                args += self._sized_tmpfs(path, SMALL_TMPFS_BYTES)
+    def jail_mounts(self) -> list[str]:
+        """THE list of what the jail shows, as bwrap arguments, in mount order. Nothing else of the
+        host is visible (the root is an empty tmpfs, read-only at the end):
+
+        1. the toolchain, read-only: `TOOLCHAIN_DIRS` that exist (/usr, /bin, /sbin, /lib, /lib32,
+           /lib64, /libx32; top-level links kept as links);
+        2. /dev (bwrap's minimal device nodes, read-only, with a /dev/shm of `limits.shm_bytes`) and
+           a new /proc (this PID namespace's);
+        3. private scratch tmpfs mounts: /tmp (sized to `memory_mb`), /var/tmp and /run
+           (`SMALL_TMPFS_BYTES`), /var/run a link to /run;
+        4. a minimal /etc: the host's `ETC_ENTRIES` that exist (plus `NETWORK_ETC_ENTRIES` with
+           `limits.network`), read-only, and the synthetic passwd, group (root and nobody) and,
+           without network, hosts (localhost) from this sandbox's private dir;
+        5. the interpreter's dirs (`python=`, `interpreter_dirs`), read-only;
+        6. the caller's `ro_paths`, read-only (after the tmpfs mounts, so one under /tmp shows);
+        7. the work dir, writable, at its own path (the command's cwd and `$HOME`).
+
+        So /home, /root, /work, /srv, /mnt, /media, /opt, /var and the rest of /etc are absent:
+        token files, credentials, project outputs and other users' files cannot be read."""
+        args = self._toolchain_args()
+        args += self._dev_args()
+        args += ["--proc", "/proc"]
+        args += self._scratch_args()
+        args += self._etc_args()
+        for path in self.python_dirs:
+            args += ["--ro-bind", os.path.realpath(path), path]
+        for path in self.ro_paths:
+            args += ["--ro-bind", path, path]
+        args += ["--bind", self.workdir, self.workdir]
+        args += ["--remount-ro", "/"]   # the root tmpfs: no unsized RAM disk for the command to fill
         return args
 
-    def _network_file_args(self) -> list[str]:
-        """With network: resolver files that link into a hidden dir (systemd-resolved keeps
-        /etc/resolv.conf under /run), shown read-only so name lookups still work."""
+    def _toolchain_args(self) -> list[str]:
+        """The `TOOLCHAIN_DIRS` that exist, read-only (a link to another of them stays a link)."""
         args: list[str] = []
-        for name in ("/etc/resolv.conf", "/etc/hosts"):
-            real = os.path.realpath(name)
-            if os.path.isfile(real) and any(_under(real, d) for d in self._hidden):
-                args += ["--ro-bind", real, real]
+        for path in TOOLCHAIN_DIRS:
+            if os.path.isdir(path):
+                args += _show_host_path(path, self._toolchain)
+        return args
+
+    def _scratch_args(self) -> list[str]:
+        """Empty private tmpfs mounts for /tmp (the command's scratch space, sized to `memory_mb`;
+        unsized where bwrap lacks --size, as before), /var/tmp and /run (small); /var/run -> /run."""
+        args: list[str] = []
+        if "--size" in self._features:
+            args += ["--size", str(max(16, self.limits.memory_mb) * 1024 * 1024)]
+        args += ["--tmpfs", "/tmp"]
+        for path in ("/var/tmp", "/run"):
+            args += self._sized_tmpfs(path, SMALL_TMPFS_BYTES)
+        return args + ["--symlink", "../run", "/var/run"]
+
+    def _etc_args(self) -> list[str]:
+        """The minimal /etc: host entries programs need (see `ETC_ENTRIES`, `NETWORK_ETC_ENTRIES`)
+        and the synthetic passwd / group / hosts. A host entry that links into the toolchain is
+        recreated as that link; one that links elsewhere (resolv.conf into /run) is bound from its
+        target."""
+        args = ["--perms", "0755", "--dir", "/etc"] if "--perms" in self._features else ["--dir", "/etc"]
+        names = list(ETC_ENTRIES) + (list(NETWORK_ETC_ENTRIES) if self.limits.network else [])
+        synthetic = ["passwd", "group"] + ([] if self.limits.network else ["hosts"])
+        seen: set[str] = set()
+        for pattern in names:
+            for path in sorted(glob.glob(os.path.join("/etc", pattern))):
+                if path in seen or os.path.relpath(path, "/etc") in synthetic or not os.path.exists(path):
+                    continue   # a dangling link shows nothing
+                seen.add(path)
+                args += _show_host_path(path, self._toolchain)
+        for name in synthetic:
+            args += ["--ro-bind", os.path.join(self._etc_dir, name), f"/etc/{name}"]
         return args
 
     def _kill(self, proc: subprocess.Popen) -> None:
@@ -627,6 +840,8 @@ class LocalSandbox:
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
                 pass
         _force_rmtree(self.workdir)
+        if self._etc_dir:
+            shutil.rmtree(self._etc_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalSandbox:
         return self
