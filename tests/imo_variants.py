@@ -107,8 +107,8 @@ def equivalent_forms(records: list[dict]) -> list[tuple[str, str, str]]:
             continue
         if "\\frac" in text:
             out.append((gold, text.replace("\\frac", "\\dfrac"), "\\dfrac"))
-        if "\\cdot" in text:
-            out.append((gold, text.replace("\\cdot", "\\times"), "\\times for \\cdot"))
+        if re.search(r"\\cdot(?![A-Za-z])", text):       # \cdot, not the \cdots ellipsis
+            out.append((gold, re.sub(r"\\cdot(?![A-Za-z])", lambda _: "\\times", text), "\\times for \\cdot"))
         node = build(text)
         if node.kind == "expr":
             out.append((gold, f"x = {text}", "x = v"))
@@ -240,12 +240,19 @@ def _list_variants(gold: str, node) -> list[Variant]:
     return out
 
 
-def _tuple_variants(gold: str, node) -> list[Variant]:
-    """Named tuples ``(a,b,c) = (...)``; rotated values; the last value off by one."""
+def _tuple_variants(gold: str, node, problem: str = "") -> list[Variant]:
+    """Named tuples ``(n, x, y) = (...)`` with the names in the order the problem declares them (the first
+    tuple of letters of the gold's length in its text; none: no named forms, a name order would be a guess);
+    rotated values; the last value off by one. Grade them with the record's problem text."""
     if node.kind != "tuple" or len(node.items or []) > 6:
         return []
     parts = [i.text for i in node.items]
-    head = "(" + ", ".join("abcdef"[:len(parts)]) + ")"
+    declared = [m.group(1) for m in re.finditer(r"(?<![A-Za-z0-9}])\(\s*([A-Za-z](?:\s*,\s*[A-Za-z])+)\s*\)",
+                                                problem.replace("$", " "))
+                if len(m.group(1).split(",")) == len(parts)]
+    if not declared:
+        return []
+    head = "(" + ", ".join(n.strip() for n in declared[0].split(",")) + ")"
     out = [(gold, f"{head} = ({', '.join(parts)})", "named tuple", False)]
     rotated = parts[1:] + parts[:1]
     if rotated != parts:
@@ -330,6 +337,15 @@ def _factorial_variants(gold: str, text: str) -> list[Variant]:
     return []
 
 
+def problems_by_gold(records: list[dict]) -> dict[str, str]:
+    """The problem text of each gold answer that belongs to one record only (a generated variant is graded
+    with its problem: named tuples take the problem's order of the names, variables its domain)."""
+    count: dict[str, int] = {}
+    for r in records:
+        count[r["answer"]] = count.get(r["answer"], 0) + 1
+    return {r["answer"]: r["problem"] for r in records if count[r["answer"]] == 1}
+
+
 def structural_variants(records: list[dict]) -> list[Variant]:
     """(gold, answer, kind, wrong) in the structural forms, for every record where they apply."""
     out: list[Variant] = []
@@ -342,7 +358,7 @@ def structural_variants(records: list[dict]) -> list[Variant]:
         node = build(text)
         out.extend(_relation_variants(gold, text))
         out.extend(_list_variants(gold, node))
-        out.extend(_tuple_variants(gold, node))
+        out.extend(_tuple_variants(gold, node, r.get("problem", "")))
         out.extend(_degree_variants(gold, text, r.get("category", "")))
         out.extend(_factorial_variants(gold, text))
     seen: set[tuple[str, str]] = set()

@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from imo_variants import equivalent_forms, wrong_variants
+from imo_variants import equivalent_forms, problems_by_gold, wrong_variants
 
 DATA = Path(__file__).parent / "data" / "eval"
 
@@ -54,12 +54,13 @@ def test_hand_written_traps_are_never_accepted(imo):
 
 def test_generated_wrong_variants_are_never_accepted(imo, imo_records):
     variants = wrong_variants(imo_records)
+    problems = problems_by_gold(imo_records)      # graded with the record's problem text, as in a real run
     kinds = Counter(kind for _, _, kind in variants)
     assert len(variants) >= 1000 and len(kinds) >= 7, kinds
     grades: Counter[str] = Counter()
     accepted = []
     for gold, answer, kind in variants:
-        v = imo.rule(answer, gold)
+        v = imo.rule(answer, gold, problem=problems.get(gold))
         grades[v.grade] += 1
         if v.correct:
             accepted.append((gold, answer, kind))
@@ -71,11 +72,12 @@ def test_equivalent_forms_are_accepted_or_unsettled(imo, imo_records):
     hand = [(e["gold"], e["answer"], e["how"]) for e in
             json.loads((DATA / "imo_equivalents.json").read_text())["equivalents"]]
     forms = equivalent_forms(imo_records) + hand
+    problems = problems_by_gold(imo_records)
     assert len(forms) >= 1000
     grades: Counter[str] = Counter()
     rejected, unsettled = [], []
     for gold, answer, how in forms:
-        v = imo.rule(answer, gold)
+        v = imo.rule(answer, gold, problem=problems.get(gold))
         grades[v.grade] += 1
         if not v.correct:
             (unsettled if not v.settled else rejected).append((gold, answer, how, v.grade, v.detail))

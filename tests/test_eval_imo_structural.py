@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from imo_variants import structural_variants
+from imo_variants import problems_by_gold, structural_variants
 
 from sao_core.envs.exact import MATCH, MISMATCH, UNSETTLED, compare
 
@@ -35,10 +35,10 @@ def test_hand_written_true_forms_are_settled_equal_by_their_rule(imo):
         unsettled, wrong_rule, rejected = [], [], []
         for f in forms:
             if grade_with == "compare":
-                o = compare(f["answer"], f["gold"])
+                o = compare(f["answer"], f["gold"], problem=f.get("problem"))
                 grade, rule, detail = o.grade, o.rule, o.detail
             else:
-                v = imo.rule(f["answer"], f["gold"])
+                v = imo.rule(f["answer"], f["gold"], problem=f.get("problem"))
                 grade, rule, detail = v.grade, v.extra.get("rule", ""), v.detail
             if grade == MISMATCH:
                 rejected.append((f["gold"], f["answer"], rule, detail))
@@ -59,9 +59,9 @@ def test_hand_written_wrong_forms_are_never_accepted(imo):
     grades: Counter[str] = Counter()
     accepted = []
     for w in wrong:
-        v = imo.rule(w["answer"], w["gold"])
+        v = imo.rule(w["answer"], w["gold"], problem=w.get("problem"))
         grades[v.grade] += 1
-        if v.correct or compare(w["answer"], w["gold"]).grade == MATCH:
+        if v.correct or compare(w["answer"], w["gold"], problem=w.get("problem")).grade == MATCH:
             accepted.append((w["gold"], w["answer"], w["why"]))
     print(f"structural hand-written wrong forms: {len(wrong)}, accepted {len(accepted)}, {dict(grades)}")
     assert accepted == []
@@ -70,18 +70,19 @@ def test_hand_written_wrong_forms_are_never_accepted(imo):
 
 def test_generated_structural_variants(imo, imo_records):
     variants = structural_variants(imo_records)
+    problems = problems_by_gold(imo_records)      # graded with the record's problem text, as in a real run
     wrong = [v for v in variants if v[3]]
     right = [v for v in variants if not v[3]]
     assert len(wrong) >= 500 and len(right) >= 100, (len(wrong), len(right))
     accepted, grades = [], Counter()
     for gold, answer, kind, _ in wrong:
-        v = imo.rule(answer, gold)
+        v = imo.rule(answer, gold, problem=problems.get(gold))
         grades[v.grade] += 1
         if v.correct:
             accepted.append((gold, answer, kind))
     missed = []
     for gold, answer, kind, _ in right:
-        v = imo.rule(answer, gold)
+        v = imo.rule(answer, gold, problem=problems.get(gold))
         if not v.correct:
             missed.append((gold, answer, kind, v.grade, v.detail))
     print(f"structural generated: {len(wrong)} wrong, accepted {len(accepted)}, {dict(grades)}; "
@@ -110,7 +111,8 @@ def test_generated_structural_variants(imo, imo_records):
     ("x = 5", "5,-3", MISMATCH, "solution-list"),
     ("x = 5, y = -3", "5,-3", UNSETTLED, "structure"),                              # two variables
     # named-tuple
-    ("(p,a,b)=(3,2,5)", "(3,2,5)", MATCH, "named-tuple"),
+    ("(p,a,b)=(3,2,5)", "(3,2,5)", UNSETTLED, "named-tuple"),                       # no problem text: order unknown
+    ("(x,y)=(0,0)", "(0,0)", MATCH, "named-tuple"),                                 # every order of the names fits
     ("(a,b,p) = (2,5,3)", "(p,a,b)=(3,2,5)", MATCH, "named-tuple"),
     ("(a,b,p) = (3,2,5)", "(p,a,b)=(3,2,5)", MISMATCH, "named-tuple"),
     ("(a,b,p) = (2,5,3)", "(3,2,5)", UNSETTLED, "named-tuple"),                     # the problem's order decides

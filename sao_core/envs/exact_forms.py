@@ -4,6 +4,7 @@ solution lists, named tuples) and sets of reals (relations, intervals, unions)."
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -18,11 +19,13 @@ from sao_core.envs.exact_values import (
     Outcome,
     ParseError,
     _as_sets,
+    applied_name,
     build,
     clean,
     nodes,
     parse_expression,
     relation_chain,
+    relation_side,
     tokenize,
 )
 
@@ -149,7 +152,12 @@ def degrees(answer: str, gold: str, compare: Compare) -> Outcome | None:
     radians (``60^\\circ`` for ``\\frac{\\pi}{3}``): settled only for numbers (``x^\\circ`` is
     ``x\\pi/180``); with symbols (``180^\\circ - 2\\alpha`` for ``\\pi - 2\\alpha``: is ``\\alpha`` in
     degrees or radians?) unsettled. Without any degree sign, an answer that becomes the reference when
-    ``\\pi`` is read as 180 (``\\pi - 2\\alpha`` for ``180 - 2\\alpha``) is unsettled, not different."""
+    ``\\pi`` is read as 180 (``\\pi - 2\\alpha`` for ``180 - 2\\alpha``) is unsettled, not different.
+    The texts are read through `clean`, so degree words (``72 \\text{ degrees}``) are degree signs. A
+    percent sign on either side is the ``percent`` rule's (`percent`), the other unit sign."""
+    answer, gold = clean(answer), clean(gold)
+    if _PERCENT_SIGN.search(answer) or _PERCENT_SIGN.search(gold):
+        return percent(answer, gold, compare)
     has_a, has_g = bool(_DEGREE.search(answer)), bool(_DEGREE.search(gold))
     if not (has_a or has_g):
         if ("\\pi" in answer) != ("\\pi" in gold):
@@ -173,6 +181,31 @@ def degrees(answer: str, gold: str, compare: Compare) -> Outcome | None:
                        "expression: the unit of the symbols is unknown", final=True)
     inner = compare(converted, other)
     return Outcome(inner.grade, "degrees", f"degrees as radians (x° = x·π/180): {inner.detail}", final=True)
+
+
+_PERCENT_SIGN = re.compile(r"\\%")
+
+
+def percent(answer: str, gold: str, compare: Compare) -> Outcome:
+    """Rule ``percent`` (from `degrees`; texts already `clean`, ``%`` spelled ``\\%``): a percent sign on one
+    or both sides. Both: compared without the signs. One side: equal when the numbers are equal without
+    the sign (``96\\%`` for the reference ``96``: the reference's number is the percentage); the same
+    value as a fraction (``96\\%`` for ``0.96``) is unsettled (the problem says which is asked); different
+    when both readings are proved different."""
+    bare_a, bare_g = _PERCENT_SIGN.sub(" ", answer), _PERCENT_SIGN.sub(" ", gold)
+    inner = compare(bare_a, bare_g)
+    if bool(_PERCENT_SIGN.search(answer)) == bool(_PERCENT_SIGN.search(gold)) or inner.grade == MATCH:
+        return Outcome(inner.grade, "percent", f"percent signs dropped: {inner.detail}", final=True)
+    as_fraction = _PERCENT_SIGN.sub(lambda _: "*\\frac{1}{100}", answer if "\\%" in answer else gold)
+    other = gold if "\\%" in answer else answer
+    fraction = compare(as_fraction, other)
+    if fraction.grade == MATCH:
+        return Outcome(UNSETTLED, "percent", "the same value if the percentage is read as a fraction (the "
+                       "problem decides)", final=True)
+    if inner.grade == MISMATCH and fraction.grade == MISMATCH:
+        return Outcome(MISMATCH, "percent", f"different as a percentage and as a fraction: {inner.detail}",
+                       final=True)
+    return Outcome(UNSETTLED, "percent", "a percentage the rules cannot compare exactly", final=True)
 
 
 # ---------------------------------------------------------------- sets of integers (prose, ℤ, classes)
@@ -562,13 +595,16 @@ def _fold(readings: list[IntSet], op: Any) -> IntSet | None:
     return result
 
 
-def int_sets(answer: str, gold: str) -> Outcome | None:
+def int_sets(answer: str, gold: str, problem: str | None = None) -> Outcome | None:
     """Rules ``prose-set`` and ``congruence-progression``: both sides read by `int_set`, at least one a
     set description (not a plain list or a bare ``4k+3``). Equal when the canonical forms (residues
     mod the least period, extra and excluded members, powers, primes) are the same and the declared
     domains agree (or one is the problem's); different when an integer from 1 to 400 (or from -400 when
     both are all of ``\\mathbb{Z}``) is in one and not the other; else unsettled (``\\mathbb{Z}`` and
-    ``\\mathbb{Z}^+`` with the same classes, prose on both sides)."""
+    ``\\mathbb{Z}^+`` with the same classes, prose on both sides). With the problem's domain for the
+    variable (`declared_domain`, integers or primes), the sets are compared on that domain only: the same
+    classes over declared domains that both contain it are equal, and a witness must be in it (from -400
+    to 400; never 0 when ℕ may or may not hold it)."""
     a, g = int_set(answer), int_set(gold)
     if a is None or g is None or not (a.strong or g.strong):
         return None
@@ -577,7 +613,15 @@ def int_sets(answer: str, gold: str) -> Outcome | None:
         return Outcome(UNSETTLED, rule, "both are worded in prose (the judge compares wordings)")
     if a.var and g.var and a.var != g.var:
         return Outcome(UNSETTLED, rule, f"sets of different variables: {a.var} and {g.var}")
-    if a.canonical() == g.canonical():
+    domain = declared_domain(problem, a.var or g.var)
+    if domain is not None and domain.kind not in ("Z", "P"):
+        domain = None             # reals or a bare bound: the sets of integers are compared as without it
+    same = a.canonical() == g.canonical()
+    if same and domain is not None and not (_covers(a.domain, domain) and _covers(g.domain, domain)):
+        same = False              # Z+ against the problem's Z: 0 and the negatives decide (witnesses below)
+    elif same and domain is not None and a.domain and g.domain and a.domain != g.domain:
+        return Outcome(MATCH, rule, "the same classes on the problem's domain")
+    if same:
         if a.param and a.param == g.param and a.form != g.form:
             return Outcome(UNSETTLED, rule, f"the same class, but {a.param} may be given: as expressions in "
                            f"{a.param} they differ", final=True)
@@ -587,11 +631,227 @@ def int_sets(answer: str, gold: str) -> Outcome | None:
             return Outcome(UNSETTLED, rule, f"the reference {gold.strip()} may be a value in a given {g.param}, "
                            "not a set", final=True)
         return Outcome(MATCH, rule, "the same set of integers")
+    if domain is not None:
+        return _int_witness(a, g, rule, domain)
     low = -400 if a.domain == g.domain == "Z" else 1
     for n in range(1, 401) if low == 1 else sorted(range(low, 401), key=abs):
         if a.has(n) != g.has(n):
             return Outcome(MISMATCH, rule, f"{n} is in {'the answer' if a.has(n) else 'the reference'} only")
     return Outcome(UNSETTLED, rule, "different descriptions, no difference found among small integers")
+
+
+_DECLARED_LEAST = {"Z": None, "Z+": 1, "Z>=0": 0, "N": 1}
+
+
+def _covers(declared: str | None, domain: Domain) -> bool:
+    """Does a set's declared range (`IntSet.domain`; None: the problem's) contain the problem's integer
+    `domain` under every reading? (ℕ contains the positive integers; 0 only perhaps.)"""
+    if declared is None or declared == "Z":
+        return True
+    if domain.least is None:
+        return False
+    if declared == "N" and domain.zero_maybe:
+        return True               # ℕ in both: the same convention
+    least = 0 if domain.zero_maybe else domain.least
+    return least >= _DECLARED_LEAST[declared]
+
+
+def _int_witness(a: IntSet, g: IntSet, rule: str, domain: Domain) -> Outcome:
+    """Rules ``prose-set``/``congruence-progression`` on the problem's integer `domain`: different when a
+    member of it from -400 to 400 (smallest first) is in one set only (each set also within its own
+    declared range; 0 is no witness when a range is ℕ), else unsettled."""
+    ambiguous_zero = domain.zero_maybe or "N" in (a.domain, g.domain)
+
+    def member(s: IntSet, n: int) -> bool:
+        least = _DECLARED_LEAST.get(s.domain or "Z")
+        return s.has(n) and (least is None or n >= least)
+
+    for n in sorted(range(-400, 401), key=lambda k: (abs(k), k)):
+        if not domain.has_int(n) or (n == 0 and ambiguous_zero):
+            continue
+        if member(a, n) != member(g, n):
+            return Outcome(MISMATCH, rule, f"{n} is in {'the answer' if member(a, n) else 'the reference'} only "
+                           "(a member of the problem's domain)")
+    return Outcome(UNSETTLED, rule, "different descriptions, no difference found among small members of the "
+                   "problem's domain")
+
+
+# ---------------------------------------------------------------- the problem text: tuple order, domains
+#
+# Two facts read from the problem statement when `structural` is given one (`problem`): the order of a
+# named tuple (``Find all triples $(n, x, y)$``) and the declared domain of a variable (``positive
+# integers $n$``). Both readers are small and explicit: what they do not recognise is None, and the rules
+# then behave as without the problem text.
+
+#: a parenthesised tuple of (subscripted) letters, not a function's arguments (``f(x, y)``, ``P(a,b)``)
+_PROBLEM_TUPLE = re.compile(rf"(?<![A-Za-z0-9}}\)\]^_'])\(\s*({_VAR}(?:\s*,\s*{_VAR})+)\s*\)")
+_ADJECTIVE = r"(?:((?i:positive|nonnegative|non-negative|negative|odd))\s+)?"
+_TYPE = r"((?i:integers?|natural\s+numbers?|prime\s+numbers?|primes?|real\s+numbers?|reals?)(?![A-Za-z]))"
+_VAR_ALONE = rf"{_VAR}(?![A-Za-z0-9])"
+_VAR_LIST = rf"({_VAR_ALONE}(?:\s*(?:,|and)\s*{_VAR_ALONE})*)"
+_REL_SPLIT = re.compile(r"(\\geq|\\leq|\\neq|\\ne(?![A-Za-z])|<|>|=)")
+
+
+def _problem_text(problem: str) -> str:
+    """The problem statement with math delimiters as spaces (``$``, ``\\(``, ``\\)``), ``\\left``/``\\right``
+    dropped, ``\\ge``/``\\geqslant``/``≥`` as ``\\geq`` (the same for ``\\leq``), ``\\mathbb Z`` as
+    ``\\mathbb{Z}``, ``\\text{…}`` as its words, runs of whitespace as one space. Not `clean`: only what the
+    readers below need."""
+    s = re.sub(r"\$|\\\(|\\\)|\\\[|\\\]", " ", problem)
+    s = re.sub(r"\\(?:left|right|bigl|bigr|big|Big)(?![A-Za-z])", "", s)
+    s = re.sub(r"\\ge(?:q(?:slant)?)?(?![A-Za-z])|≥", r"\\geq", s)
+    s = re.sub(r"\\le(?:q(?:slant)?)?(?![A-Za-z])|≤", r"\\leq", s)
+    s = re.sub(r"\\(?:mathbb|Bbb)\s*\{?\s*([A-Z])\s*\}?", r"\\mathbb{\1}", s)
+    s = re.sub(r"\\text\{\s*([^{}]*?)\s*\}", r" \1 ", s)
+    return re.sub(r"\s+", " ", s)
+
+
+def _name_key(name: str) -> str:
+    """A component name as one key: ``x_{1}`` and ``x_1`` are the same name, spaces do not count."""
+    return re.sub(r"_\{([A-Za-z0-9])\}", r"_\1", re.sub(r"\s+", "", name))
+
+
+def declared_order(problem: str | None, names: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The order in which the problem lists the components `names` (as name keys, see `_name_key`): the
+    FIRST parenthesised tuple of (subscripted) letters in `problem` with as many components and the same
+    set of names (``Find all triples $(n, x, y)$``, ``ordered pairs (a,b)``, ``$\\left(p,a,b\\right)$``),
+    or None (no problem text, no such tuple, repeated names). A tuple right after a letter or a bracket
+    is a function's arguments (``f(x,y)``), not a declared order."""
+    if not problem or not names:
+        return None
+    wanted = [_name_key(n) for n in names]
+    if len(set(wanted)) != len(wanted):
+        return None
+    for m in _PROBLEM_TUPLE.finditer(_problem_text(problem)):
+        found = tuple(_name_key(n) for n in re.split(r"\s*,\s*", m.group(1).strip()))
+        if len(found) == len(wanted) and set(found) == set(wanted):
+            return found
+    return None
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The declared range of one variable. `kind`: ``Z`` integers, ``P`` primes, ``R`` reals, ``""`` a bound
+    only (the type is not said). `least`: the least value (None: unbounded below; for ``Z``/``P`` the least
+    integer, for ``R``/``""`` a real bound, open when `open_below`). `zero_maybe`: ℕ, where 0 may or may not
+    be a member (`least` is 1: a witness must avoid 0, an equality must hold at 0 too)."""
+
+    kind: str
+    least: Any = None
+    open_below: bool = False
+    zero_maybe: bool = False
+
+    def hull(self, sure: bool = True) -> Any:
+        """The reals from the least value on (`sure=False`: the larger reading, from 0 for ℕ)."""
+        import sympy
+
+        if self.least is None:
+            return sympy.S.Reals
+        least = 0 if (self.zero_maybe and not sure) else self.least
+        return sympy.Interval(least, sympy.oo, self.open_below, True)
+
+    def has_int(self, n: int, sure: bool = True) -> bool:
+        """Is the integer `n` in the domain (`sure=False`: in its larger reading)?"""
+        from sympy import isprime
+
+        if self.least is not None:
+            least = 0 if (self.zero_maybe and not sure) else self.least
+            if n < least or (n == least and self.open_below):
+                return False
+        return self.kind != "P" or isprime(n)
+
+
+def _worded_domain(adjective: str | None, noun: str) -> Domain | None:
+    """A type in words (``positive integers``, ``odd primes``, ``natural numbers``, ``real numbers``)."""
+    noun = re.sub(r"\s+", " ", noun.lower())
+    adjective = (adjective or "").lower().replace("-", "")
+    if noun.startswith("natural"):
+        return Domain("Z", 1, zero_maybe=True) if not adjective else None
+    if noun.startswith("prime"):
+        return Domain("P", 3 if adjective == "odd" else 2) if adjective in ("", "odd", "positive") else None
+    if adjective in ("odd", "negative"):
+        return None           # odd integers, negative reals: not a range from a least value
+    if noun.startswith("integer"):
+        return Domain("Z", {"": None, "positive": 1, "nonnegative": 0}[adjective])
+    if adjective == "positive":
+        return Domain("R", 0, open_below=True)
+    return Domain("R", 0) if adjective == "nonnegative" else Domain("R")
+
+
+_SYMBOL_DOMAIN = {"Z": Domain("Z"), "Z+": Domain("Z", 1), "Z>=0": Domain("Z", 0), "N": Domain("Z", 1, zero_maybe=True)}
+_POSITIVE_REALS = ("\\mathbb{R}^+", "\\mathbb{R}^{+}", "\\mathbb{R}_+", "\\mathbb{R}_{+}", "\\mathbb{R}_{>0}")
+
+
+def _symbol_domain(symbol: str) -> Domain | None:
+    """``\\mathbb{Z}^+``, ``\\mathbb{N}``, ``\\mathbb{R}``, ``\\mathbb{R}^+`` ... as a domain."""
+    squashed = _squash(symbol)
+    if squashed in _SYMBOL_OF:
+        return _SYMBOL_DOMAIN[_SYMBOL_OF[squashed]]
+    if squashed == "\\mathbb{R}":
+        return Domain("R")
+    return Domain("R", 0, open_below=True) if squashed in _POSITIVE_REALS else None
+
+
+def _with_bound(domain: Domain | None, strict: bool, bound: int) -> Domain:
+    """`domain` raised to the lower bound ``var > bound`` (`strict`) or ``var >= bound`` (a bound without a
+    type: kind ``""``)."""
+    domain = domain or Domain("")
+    if domain.kind in ("Z", "P"):
+        least = bound + 1 if strict else bound
+        if domain.least is None or least > domain.least:
+            return replace(domain, least=least, zero_maybe=domain.zero_maybe and least < 1)
+        return domain
+    if domain.least is None or bound > domain.least or (bound == domain.least and strict):
+        return replace(domain, least=bound, open_below=strict)
+    return domain
+
+
+def _lower_bounds(problem: str, var: str) -> list[tuple[bool, int]]:
+    """The lower bounds on `var` stated in the problem's math segments (``$n \\geq 2$``, ``$x > n \\geq 2$``,
+    ``$1 \\leq n \\leq 100$``), as (strict, bound): a side of a relation chain that is exactly the variable
+    next to a side that is exactly an integer. Anything else (``n \\geq 2k``, ``x^2 \\leq n``) is no bound."""
+    found = []
+    for segment in re.findall(r"\$+([^$]+)\$+", re.sub(r"\\\(|\\\)", "$", problem)):
+        for piece in re.split(r",|;|\\quad|\\text\{[^{}]*\}", _problem_text(segment)):
+            parts = _REL_SPLIT.split(piece)
+            sides, ops = [p.strip() for p in parts[0::2]], parts[1::2]
+            for left, op, right in zip(sides, ops, sides[1:], strict=False):
+                if left == var and re.fullmatch(r"-?\d+", right) and op in ("\\geq", ">"):
+                    found.append((op == ">", int(right)))
+                elif right == var and re.fullmatch(r"-?\d+", left) and op in ("\\leq", "<"):
+                    found.append((op == "<", int(left)))
+    return found
+
+
+def declared_domain(problem: str | None, var: str | None) -> Domain | None:
+    """The domain the problem declares for the variable `var`, or None. Read: a type in words before the
+    variable (``positive integers $n$``, ``all primes p``, ``integers $a, b$``, ``pairs of positive integers
+    (a, b)``, ``real numbers x``, ``natural numbers n``) or after it (``$n$ is a positive integer``, ``Let
+    $n \\geq 2$ be an integer``), a symbol (``n \\in \\mathbb{Z}^+``, ``\\mathbb{N}``, ``\\mathbb{R}``), and
+    lower bounds on it (``n \\geq 2``, ``n > 1``, ``1 \\leq n``; see `_lower_bounds`) that raise the least
+    value (a bound without a type is a domain of kind ``""``). The first type found counts; negative or odd
+    integers, rationals and upper bounds are not read (a larger domain only makes the rules more careful)."""
+    if not problem or not var:
+        return None
+    text = _problem_text(problem)
+    v = re.escape(var)
+    domain = None
+    for m in re.finditer(rf"(?<![A-Za-z]){_ADJECTIVE}{_TYPE}\s+\(?\s*{_VAR_LIST}", text):
+        if var in re.split(r"\s*(?:,|and)\s*", m.group(3)):
+            domain = _worded_domain(m.group(1), m.group(2))
+            break
+    if domain is None:
+        m = re.search(rf"(?<![A-Za-z\\]){v}(?![A-Za-z0-9])(?:\s*(?:\\geq|>)\s*-?\d+)?\s+(?:is|be|are)\s+(?:an?\s+)?"
+                      rf"{_ADJECTIVE}{_TYPE}", text)
+        if m:
+            domain = _worded_domain(m.group(1), m.group(2))
+    if domain is None:
+        m = re.search(rf"(?<![A-Za-z\\]){v}\s*\\in\s*(\\mathbb\{{[A-Z]\}}(?:\s*[\^_]\s*(?:\{{[^{{}}]*\}}|[^\s{{}}]))?)", text)
+        if m:
+            domain = _symbol_domain(m.group(1))
+    for strict, bound in _lower_bounds(problem, var):
+        domain = _with_bound(domain, strict, bound)
+    return domain
 
 
 # ---------------------------------------------------------------- value lists: ±, solution lists, named tuples
@@ -698,7 +958,85 @@ def _reorder(items: list[str], names: tuple[str, ...], order: tuple[str, ...]) -
     return out
 
 
-def value_lists(answer: str, gold: str) -> Outcome | None:
+def _tuple_values(items: list[str]) -> list[list[str]] | None:
+    """The components of every item when each one is a tuple ``(…)``, else None."""
+    out = []
+    for item in items:
+        text = item.strip()
+        if not (text.startswith("(") and text.endswith(")")) or build(text).kind != "tuple":
+            return None
+        out.append([p for _, p in _split_items(text[1:-1])])
+    return out
+
+
+def _tuples_outcome(answer: list[list[str]], gold: list[list[str]], as_sets: bool) -> Outcome:
+    """Tuples given by their components compared by the structure rules (as sets of tuples, or one
+    tuple against one)."""
+    a_nodes = [build("(" + ", ".join(t) + ")") for t in answer]
+    g_nodes = [build("(" + ", ".join(t) + ")") for t in gold]
+    if any(n.kind == "opaque" for n in a_nodes + g_nodes):
+        return Outcome(UNSETTLED, "structure", "an item the rules cannot read")
+    return _as_sets(a_nodes, g_nodes) if as_sets else nodes(a_nodes[0], g_nodes[0])
+
+
+#: the most components whose every order is tried when the problem does not declare one (4! = 24 orders)
+_MOST_ORDERS = 4
+
+
+def _named_against_unnamed(a: _Shape, g: _Shape, rule: str, problem: str | None) -> Outcome | None:
+    """Rule ``named-tuple`` when one side names its components (``(x,n,y) = (…)``, ``p=3, a=2, b=5``) and
+    the other is unnamed tuples, which are in the problem's order of the names. With that order declared
+    (`declared_order`), the named values are placed by name: equal or different, settled. Without it
+    the problem's order is one unknown permutation of the names: equal when every order gives equal
+    (``(x,y)=(0,0)``; ``(x,y)=(1,2),(2,1)`` for both pairs), different when every order gives different
+    (or the values differ as sets), else unsettled: never accepted because the answer's own order fits.
+    None when either side is not tuples (the structure rules compare them). Verdicts are final: reading
+    ``(x,n,y) = (…)`` as a labelled value would match values in order, the very error ruled out here."""
+    named, other = (a, g) if a.names else (g, a)
+    values, plain = _tuple_values(named.items), _tuple_values(other.items)
+    if values is None or plain is None:
+        return None
+    arity = len(named.names)
+    if any(len(t) != arity for t in values):
+        return Outcome(UNSETTLED, rule, "named components that cannot be matched", final=True)
+    if any(len(t) != arity for t in plain):
+        return Outcome(MISMATCH, rule, f"{arity} named components, the other side has tuples of another length",
+                       final=True)
+    as_sets = a.collection or g.collection or len(values) != 1 or len(plain) != 1
+
+    def verdict(positions: list[int]) -> Outcome:
+        """The named tuples with component positions[j] in place j, against the unnamed side."""
+        placed = [[t[i] for i in positions] for t in values]
+        return _tuples_outcome(placed, plain, as_sets) if named is a else _tuples_outcome(plain, placed, as_sets)
+
+    order = declared_order(problem, named.names)
+    if order is not None:
+        keys = [_name_key(n) for n in named.names]
+        outcome = verdict([keys.index(k) for k in order])
+        return Outcome(outcome.grade, rule, f"components placed by name in the problem's order ({', '.join(order)}): "
+                       f"{outcome.detail}", final=True)
+    if len(values) == len(plain) == 1:       # one tuple each: values that differ as sets differ in any order
+        anyhow = _as_sets([build(v) for v in values[0]], [build(v) for v in plain[0]])
+        if anyhow.grade == MISMATCH:
+            return Outcome(MISMATCH, rule, f"the named values are not the tuple's in any order: {anyhow.detail}",
+                           final=True)
+    unknown = Outcome(UNSETTLED, rule, f"named components ({', '.join(named.names)}) against unnamed tuples: the "
+                      "problem's order of the names is not known (pass the problem text)", final=True)
+    if arity > _MOST_ORDERS:
+        return unknown
+    grades = set()
+    for positions in itertools.permutations(range(arity)):
+        grades.add(verdict(list(positions)).grade)
+        if len(grades) > 1:
+            return unknown
+    if grades == {MATCH}:
+        return Outcome(MATCH, rule, "the same tuples in every order of the names", final=True)
+    if grades == {MISMATCH}:
+        return Outcome(MISMATCH, rule, "different tuples in every order of the names", final=True)
+    return unknown
+
+
+def value_lists(answer: str, gold: str, problem: str | None = None) -> Outcome | None:
     """Rules ``plus-minus``, ``solution-list`` and ``named-tuple``: the answer and the reference rewritten
     as lists of values, then compared by the structure rules (sets of values; tuples in order).
 
@@ -708,9 +1046,12 @@ def value_lists(answer: str, gold: str) -> Outcome | None:
       ``x \\in \\{5, -3\\}`` are the values ``5, -3`` (one variable; two different variables: unsettled).
     - ``named-tuple``: ``(p,a,b)=(3,2,5)`` is the tuple ``(3,2,5)`` with named components (several:
       ``(x,y) = (1,2), (2,1)`` or ``(x,y) \\in \\{...\\}``); against another naming of the same names the
-      components are matched by name. Assignments ``p=3, a=2, b=5`` are matched by name against a named
-      tuple; against an unnamed tuple their order is unknown: different when the values cannot be the
-      tuple's in any order, else unsettled.
+      components are matched by name, as are assignments ``p=3, a=2, b=5``. Against an unnamed tuple (or
+      an unnamed answer against a named reference) the names are placed in the order the problem declares
+      (`declared_order`, `problem`): ``(x,n,y)=(2,\\frac12,\\frac94)`` for ``(2,\\frac12,\\frac94)`` of a
+      problem asking for ``(n, x, y)`` is different, ``(a,b,p)=(2,5,3)`` for ``(3,2,5)`` asked as ``(p,a,b)``
+      is equal. Without a declared order: equal only when every order of the names gives equal, different
+      when every order gives different, else unsettled (never accepted on the answer's own order).
     """
     a, g = _shape(answer), _shape(gold)
     if a is None or g is None:
@@ -734,30 +1075,18 @@ def value_lists(answer: str, gold: str) -> Outcome | None:
         a_items = _reorder(a.items, a.names, g.names)
         if a_items is None:
             return Outcome(UNSETTLED, rule, "named components that cannot be matched")
-    elif (a.names and not a.ordered) or (g.names and not g.ordered):
-        named, other = (a, g) if a.names else (g, a)
-        values = [p for _, p in _split_items(named.items[0][1:-1])]
-        if len(other.items) != 1 or build(other.items[0]).kind != "tuple":
-            return None
-        tuple_items = [p for _, p in _split_items(other.items[0].strip()[1:-1])]
-        if len(tuple_items) != len(values):
-            return Outcome(MISMATCH, rule, f"{len(values)} named values, the tuple has {len(tuple_items)}")
-        outcome = _as_sets([build(v) for v in values], [build(v) for v in tuple_items])
-        if outcome.grade == MISMATCH:
-            return Outcome(MISMATCH, rule, f"the named values are not the tuple's in any order: {outcome.detail}")
-        return Outcome(UNSETTLED, rule, "named values against an unnamed tuple: the order of the names is unknown")
+    elif a.names or g.names:
+        placed = _named_against_unnamed(a, g, rule, problem)
+        if placed is not None:
+            return placed
+        if not (a.ordered and g.ordered):
+            return None       # assignments against something other than tuples: the structure rules read them
     a_nodes = [build(i) for i in a_items]
     g_nodes = [build(i) for i in g_items]
     if any(n.kind == "opaque" for n in a_nodes + g_nodes):
         return Outcome(UNSETTLED, rule, "an item the rules cannot read")
     if not a.collection and not g.collection and len(a_nodes) == len(g_nodes) == 1:
         outcome = nodes(a_nodes[0], g_nodes[0])
-        if outcome.grade == MISMATCH and bool(a.names) != bool(g.names) and a_nodes[0].kind == g_nodes[0].kind == "tuple":
-            # (a,b,p) = (2,5,3) for (3,2,5): the names may follow another order than the problem's
-            anyhow = _as_sets(a_nodes[0].items or [], g_nodes[0].items or [])
-            if anyhow.grade != MISMATCH and len(a_nodes[0].items or []) == len(g_nodes[0].items or []):
-                return Outcome(UNSETTLED, rule, "named components in another order than the unnamed reference: "
-                               "the problem's order of the names decides")
     else:
         outcome = _as_sets(a_nodes, g_nodes)
     return Outcome(outcome.grade, rule, outcome.detail)
@@ -797,7 +1126,7 @@ def _relation_piece(item: str) -> tuple[str, Any, bool] | None:
     if not ops:
         return None
     try:
-        sides = [parse_expression(" ".join(side)) for side in chain]
+        sides = [relation_side(side) for side in chain]      # \tau(-1) is one quantity, not a product
     except Exception:    # noqa: BLE001
         return None
     symbols = set().union(*(s.free_symbols for s in sides))
@@ -877,15 +1206,33 @@ def _set_piece(text: str, tuple_as_interval: bool) -> tuple[Any, bool] | None:
     return None
 
 
+#: the variable slot of ``… \\in S``: a variable or a labelled quantity (``P(0) \\in [-6, 5]``, see `_quantity_name`)
+_QUANTITY = rf"{_VAR}(?:\s*\((?:[^()]|\([^()]*\))+\))?"
+
+
+def _quantity_name(text: str) -> str | None:
+    """The name of the variable slot `text` (``x``, ``a_1``, or a labelled quantity ``P(0)``, named like
+    `sao_core.envs.exact_values.relation_side` names it, so that ``P(0) \\in [a, b]`` and ``a \\le P(0) \\le b``
+    speak of the same quantity), or None when it is neither (``x(x-1)`` is a product)."""
+    if _PLAIN.match(text.strip()):
+        return text.strip()
+    try:
+        return applied_name(tokenize(text))
+    except ParseError:
+        return None
+
+
 def real_set(text: str, *, tuple_as_interval: bool = False) -> _RealSet | None:
     """A set of real numbers described by `text` (see `relation_sets`), or None."""
     import sympy
 
     s = _prep(text)
     var = None
-    m = re.fullmatch(rf"({_VAR})\s*\\in(?![A-Za-z])\s*(.+)", s)
+    m = re.fullmatch(rf"({_QUANTITY})\s*\\in(?![A-Za-z])\s*(.+)", s)
     if m:
-        var, s = m.group(1), m.group(2).strip()
+        var, s = _quantity_name(m.group(1)), m.group(2).strip()
+        if var is None:
+            return None
     inner = _unwrap_set(s)
     if inner is not None:
         m = re.fullmatch(rf"({_VAR})\s*(?::|\\MID|\|)\s*(.+)", inner)
@@ -959,7 +1306,55 @@ def _integer_in(value: Any) -> Any | None:
     return None
 
 
-def _compare_real_sets(a: Any, g: Any) -> Outcome:
+def _prime_in(value: Any) -> Any | None:
+    """A prime in the set `value` (intervals, finite sets, unions), or None (complete: the least prime
+    from an interval's start is the one to try)."""
+    import sympy
+
+    if isinstance(value, sympy.Union):
+        return next((p for p in (_prime_in(part) for part in value.args) if p is not None), None)
+    if isinstance(value, sympy.FiniteSet):
+        return next((e for e in value.args if e.is_integer and sympy.isprime(e)), None)
+    if isinstance(value, sympy.Interval):
+        start = max(sympy.ceiling(value.start) if value.start != -sympy.oo else 2, 2)
+        p = sympy.Integer(sympy.nextprime(start - 1))
+        inside = p > value.start or not value.left_open
+        return p if inside and (p < value.end or (p == value.end and not value.right_open)) else None
+    return None
+
+
+def _point_in(value: Any) -> Any | None:
+    """A real number in the set `value` (an integer when there is one), or None."""
+    import sympy
+
+    found = _integer_in(value)
+    if found is not None or value is sympy.S.EmptySet:
+        return found
+    if isinstance(value, sympy.Union):
+        return next((p for p in (_point_in(part) for part in value.args) if p is not None), None)
+    if isinstance(value, sympy.FiniteSet):
+        return value.args[0] if value.args else None
+    if isinstance(value, sympy.Interval) and value.measure > 0:
+        return (value.start + value.end) / 2      # finite: an interval with no integer is short
+    return None
+
+
+def _member_in(part: Any, domain: Domain, sure: bool) -> Any | None:
+    """A member of the problem's `domain` in the set of reals `part` (`sure`: in the domain under every
+    reading, else under its larger one), or None: an integer (a prime for primes, any real for reals)."""
+    import sympy
+
+    part = sympy.Intersection(part, domain.hull(sure))
+    if not _plain_set(part):
+        return None
+    if domain.kind == "P":
+        return _prime_in(part)
+    return _point_in(part) if domain.kind == "R" else _integer_in(part)
+
+
+def _compare_real_sets(a: Any, g: Any, domain: Domain | None = None) -> Outcome:
+    """Two sets of reals: equal, different by a witness (an integer), or unsettled. With the problem's
+    `domain` for the variable, see `_compare_on_domain`."""
     import sympy
 
     try:
@@ -970,6 +1365,8 @@ def _compare_real_sets(a: Any, g: Any) -> Outcome:
         return Outcome(MATCH, "relation-interval", "the same set of real numbers")
     if not (_plain_set(only_a) and _plain_set(only_g)):
         return Outcome(UNSETTLED, "relation-interval", "the sets cannot be compared exactly")
+    if domain is not None:
+        return _compare_on_domain(only_a, only_g, domain)
     for side, part in (("answer", only_a), ("reference", only_g)):
         n = _integer_in(part)
         if n is not None:
@@ -978,7 +1375,50 @@ def _compare_real_sets(a: Any, g: Any) -> Outcome:
                    "integers: it depends on the problem)")
 
 
-def relation_sets(answer: str, gold: str) -> Outcome | None:
+def _only_implicitly_outside(part: Any, domain: Domain) -> bool:
+    """Is what `part` (a difference of the two sets) has outside the problem's `domain` only what a
+    description leaves implicit: all of the reals below the domain or none of them (``n \\ne 2`` over the
+    positive integers holds every n < 1), and, for integers and primes, no listed point that is not a
+    member? A bounded piece below the domain (``-1 < c < 1`` for positive c) or a listed non-member
+    (``n = -5``) is a claim about values the problem excludes: not proof of either verdict."""
+    import sympy
+
+    hull = domain.hull(sure=False)
+    below = sympy.Complement(part, hull)
+    if below is not sympy.S.EmptySet and below != sympy.Complement(sympy.S.Reals, hull):
+        return False
+    if domain.kind not in ("Z", "P"):
+        return True
+    inside = sympy.Intersection(part, hull)
+    pieces = inside.args if isinstance(inside, sympy.Union) else (inside,)
+    return not any(isinstance(piece, sympy.FiniteSet) for piece in pieces)
+
+
+def _compare_on_domain(only_a: Any, only_g: Any, domain: Domain) -> Outcome:
+    """The differences of two sets of reals (`only_a`: in the answer's only) judged on the problem's
+    `domain` (`declared_domain`): different when a member of the domain (under every reading: ℕ from 1;
+    a prime for primes, any real for reals) is in one set only; equal when no member of the domain (in
+    its larger reading: ℕ from 0) is, and what differs outside it is only implicit
+    (`_only_implicitly_outside`: ``n \\ne 2`` = ``n = 1, n \\geq 3`` over the positive integers); else
+    unsettled. With a bound only (the type unsaid) the sets must agree at every real above it."""
+    for side, part in (("answer", only_a), ("reference", only_g)):
+        n = _member_in(part, domain, sure=True)
+        if n is not None:
+            return Outcome(MISMATCH, "relation-interval", f"{n} is in the {side}'s set only (a member of the "
+                           "problem's domain)")
+    kind = domain.kind or "R"          # a bare bound: the members may be any reals above it
+    larger = replace(domain, kind=kind, zero_maybe=False, least=0 if domain.zero_maybe else domain.least)
+    if any(_member_in(part, larger, sure=True) is not None for part in (only_a, only_g)):
+        reason = "0 (is it a natural number?)" if domain.zero_maybe else "non-integers (is the variable an integer?)"
+        return Outcome(UNSETTLED, "relation-interval", f"the sets differ only at {reason}")
+    if not all(_only_implicitly_outside(part, domain) for part in (only_a, only_g)):
+        return Outcome(UNSETTLED, "relation-interval", "a set names values outside the problem's domain (the "
+                       "judge decides whether that is wrong)")
+    return Outcome(MATCH, "relation-interval", "the same members of the problem's domain (the sets differ "
+                   "only outside it)")
+
+
+def relation_sets(answer: str, gold: str, problem: str | None = None) -> Outcome | None:
     """Rule ``relation-interval``: relations in one variable (``x \\le 0``, ``-6 \\le x \\le 5``,
     ``x \\ne -3``, ``|x| < 2``), intervals, ``\\{...\\}``, ``\\mathbb{R}``, unions, ``\\setminus``,
     ``x \\in ...``, ``\\{x : ...\\}``, joined by ``or``/``and``/commas, as sets of reals (sympy's
@@ -986,7 +1426,8 @@ def relation_sets(answer: str, gold: str) -> Outcome | None:
     ``and`` an intersection (of equalities: a union); a comma list of inequalities is read both ways and
     settled only when both readings agree. Equal when the sets are equal; different when an integer is
     in one set only; else unsettled (``x > 1`` and ``x \\geq 2`` are the same integers). Variables must
-    be the same when both sides name one; an answer ``(a, b)`` is the open interval against a relation."""
+    be the same when both sides name one; an answer ``(a, b)`` is the open interval against a relation.
+    The problem's domain for the variable (`declared_domain`) limits the comparison (`_compare_real_sets`)."""
     g = real_set(gold)
     if g is None:
         return None
@@ -995,19 +1436,22 @@ def relation_sets(answer: str, gold: str) -> Outcome | None:
         return None
     if a.var and g.var and a.var != g.var:
         return Outcome(UNSETTLED, "relation-interval", f"sets of different variables: {a.var} and {g.var}")
-    results = [_compare_real_sets(x, y) for x in a.readings for y in g.readings]
+    domain = declared_domain(problem, a.var or g.var)
+    results = [_compare_real_sets(x, y, domain) for x in a.readings for y in g.readings]
     if len({r.grade for r in results}) == 1:
         return results[0]
     return Outcome(UNSETTLED, "relation-interval", "a comma list of inequalities read as a union and as an "
                    "intersection gives different verdicts")
 
 
-def structural(answer: str, gold: str, compare: Compare) -> Outcome | None:
+def structural(answer: str, gold: str, compare: Compare, *, problem: str | None = None) -> Outcome | None:
     """The structural rules in order (degrees, sets of integers, value lists, relations); None when none
     applies. An unsettled rule lets the later ones try. `compare` is the whole comparison
-    (`sao_core.envs.exact.compare`), which the degrees rule applies to the rewritten texts."""
+    (`sao_core.envs.exact.compare`), which the degrees rule applies to the rewritten texts. `problem` (the
+    problem statement, optional) gives named tuples their declared order and variables their domain."""
     unsettled = None
-    rules = (lambda a, g: degrees(a, g, compare), int_sets, value_lists, relation_sets)
+    rules = (lambda a, g: degrees(a, g, compare), lambda a, g: int_sets(a, g, problem),
+             lambda a, g: value_lists(a, g, problem), lambda a, g: relation_sets(a, g, problem))
     for rule in rules:
         try:
             outcome = rule(answer, gold)

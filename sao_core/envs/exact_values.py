@@ -27,27 +27,79 @@ class ParseError(ValueError):
 # ------------------------------------------------------------------------------------------ text clean
 
 _TEXT = re.compile(r"\\(?:text|textrm|textbf|textit|mathrm|mbox|operatorname|mathbf|boxed)\s*\{([^{}]*)\}")
-_SPACES = re.compile(r"\\(?:;|:|!|quad|qquad|displaystyle|left|right|bigl|bigr|Bigl|Bigr|big|Big)(?![A-Za-z])|~")
-_RENAME = [("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\leqslant", "\\leq"), ("\\geqslant", "\\geq"),
-           ("\\neq", "\\ne"), ("≤", "\\leq"), ("≥", "\\geq"), ("≠", "\\ne"), ("\\lvert", "|"), ("\\rvert", "|"),
-           ("\\vert", "|"), ("\\mid", "\\MID"), ("−", "-"), ("\\cdot", "*"), ("\\times", "*"), ("\\ast", "*"),
-           ("\\lbrace", "\\{"), ("\\rbrace", "\\}"), ("\\dots", "\\ldots"), ("\\cdots", "\\ldots"),
-           ("…", "\\ldots"), ("...", "\\ldots"), ("\\infin", "\\infty")]
+# \! before a letter is a space too; a named command is one only when no letter follows it
+_SPACES = re.compile(r"\\[;:!]|~|\\(?:quad|qquad|displaystyle|textstyle|scriptstyle|left|right|bigl|bigr|Bigl|Bigr"
+                     r"|big|Big)(?![A-Za-z])")
+#: LaTeX control space ``\ `` (a backslash before whitespace that is not the second half of a ``\\`` line break)
+_CONTROL_SPACE = re.compile(r"(?<!\\)\\(?=\s)")
+#: commands renamed to one spelling; whole command names only (``\cdots`` is not ``\cdot`` + ``s``)
+_RENAME_CMD = {"dfrac": "\\frac", "tfrac": "\\frac", "leqslant": "\\leq", "geqslant": "\\geq", "neq": "\\ne",
+               "lvert": "|", "rvert": "|", "vert": "|", "mid": "\\MID", "cdot": "*", "times": "*", "ast": "*",
+               "lbrace": "\\{", "rbrace": "\\}", "dots": "\\ldots", "cdots": "\\ldots", "dotsc": "\\ldots",
+               "dotsb": "\\ldots", "dotso": "\\ldots", "infin": "\\infty"}
+_RENAME_CMD_RE = re.compile(r"\\(" + "|".join(sorted(_RENAME_CMD, key=len, reverse=True)) + r")(?![A-Za-z])")
+_RENAME = [("≤", "\\leq"), ("≥", "\\geq"), ("≠", "\\ne"), ("−", "-"), ("…", "\\ldots"), ("...", "\\ldots")]
 _SEP_BRACE = re.compile(r"(?<=\d)\{,\}(?=\d{3}(?!\d))")
 _SEP_THIN = re.compile(r"(?<=\d)\\,(?=\d{3}(?!\d))")
 _SEP_SPACE = re.compile(r"(?<![\d.])\d{1,3}(?: \d{3})+(?![\d.])")
 _SEP_COMMA = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d.,])")
 _CONNECTIVE = re.compile(r"\s+(?:and|or)\s+|\s*;\s*")
+#: math-style switches, which change only the size of what follows
+_STYLE = re.compile(r"\\(?:displaystyle|textstyle|scriptstyle|scriptscriptstyle)(?![A-Za-z])")
+#: a trailing ``only`` (``3 \text{ only}``, ``x = 2 only``): it restates that the list is complete
+_ONLY = re.compile(r"(?:\s*\\text\s*\{\s*only\s*\.?\s*\}|(?<![A-Za-z\\])\s*only)\s*\.?\s*$")
+#: degree words after a value (``72 degrees``, ``72\text{ degrees}`` once unwrapped): the degree sign
+_DEGREE_WORD = re.compile(r"(?<=[\d})])\s*(?:degrees|degree|deg)(?![A-Za-z])")
+#: a bare percent sign (``96%``), spelled as LaTeX's ``\%``
+_PERCENT = re.compile(r"(?<!\\)%")
+
+
+def _outer_braces(text: str) -> str | None:
+    """The inside of ``{...}`` when one unescaped brace pair encloses the whole text, else None."""
+    if not (text.startswith("{") and text.endswith("}")):
+        return None
+    depth = 0
+    for k, ch in enumerate(text):
+        if ch in "{}" and k > 0 and text[k - 1] == "\\":
+            continue                              # \{ and \} are set braces, not groups
+        depth += 1 if ch == "{" else -1 if ch == "}" else 0
+        if depth == 0 and k != len(text) - 1:
+            return None
+    return text[1:-1]
+
+
+def surface(text: str) -> str:
+    """The surface normaliser shared by every benchmark (the exact rules through `clean`, BeyondAIME's
+    integers through `sao_core.eval.graders.parse_integer`): math-style switches (``\\displaystyle``,
+    ``\\textstyle``) removed, a trailing ``only`` / ``\\text{ only}`` removed, and group braces around the
+    whole answer (``{{123}}``) removed. It changes no value: a style switch and a group only change the
+    typesetting, and ``3 only`` is the answer 3."""
+    out = _STYLE.sub(" ", text).strip()
+    for _ in range(8):
+        before = out
+        stripped = _ONLY.sub("", out).strip()
+        out = stripped or out                     # "only" alone stays a word
+        inner = _outer_braces(out)
+        if inner is not None:
+            out = inner.strip()
+        if out == before:
+            break
+    return out
 
 
 def clean(text: str) -> str:
-    """A normal form of an answer's text: math delimiters, text wrappers, spacing commands and a
-    final full stop removed; ``\\le``/``\\ge`` spelled ``\\leq``/``\\geq``; ``\\cdot`` as ``*``;
-    ``{,}``, ``\\,`` and spaces between groups of three digits removed; whitespace collapsed."""
+    """A normal form of an answer's text: `surface` forms, math delimiters, text wrappers, spacing commands
+    (``\\,``, ``\\;``, ``\\!``, ``\\:``, ``~``, the control space ``\\ ``, ``\\quad``) and a final full stop
+    removed; ``\\le``/``\\ge`` spelled ``\\leq``/``\\geq``; ``\\cdot`` as ``*``; ``\\dots``/``\\cdots``/``…``
+    as ``\\ldots``; degree words after a value as ``^\\circ`` (the ``degrees`` rule reads them); ``%`` as
+    ``\\%`` (the ``percent`` rule); ``{,}``, ``\\,`` and spaces between groups of three digits removed;
+    whitespace collapsed."""
     out = text.strip()
     for _ in range(3):
         out = _TEXT.sub(r"\1", out)
     out = out.replace("$", "").replace("\\(", "").replace("\\)", "").replace("\\[", "").replace("\\]", "")
+    out = surface(out)
+    out = _RENAME_CMD_RE.sub(lambda m: _RENAME_CMD[m.group(1)], out)
     for old, new in _RENAME:
         out = out.replace(old, new)
     out = re.sub(r"\\le(?![a-z])", r"\\leq", out)
@@ -56,6 +108,9 @@ def clean(text: str) -> str:
     out = _SEP_THIN.sub("", out)
     out = _SPACES.sub(" ", out)
     out = out.replace("\\,", " ")
+    out = _CONTROL_SPACE.sub(" ", out)
+    out = _DEGREE_WORD.sub("^\\\\circ", out)
+    out = _PERCENT.sub(r"\\%", out)
     out = _SEP_SPACE.sub(lambda m: m.group(0).replace(" ", ""), out)
     out = re.sub(r"\s+", " ", out).strip()
     while out.endswith(".") and not out.endswith("\\ldots"):
@@ -392,13 +447,14 @@ def _text(tokens: list[str]) -> str:
     return "".join(tokens)
 
 
-def _is_label(tokens: list[str]) -> bool:
-    """A label is a name: ``x``, ``a_{ij}``, ``\\lambda``, ``f(x)``, ``P(x,y)``, ``g(n)``."""
+def _after_name(tokens: list[str]) -> list[str] | None:
+    """The tokens after a leading name (one Latin letter or a Greek command, with an optional subscript
+    ``_1`` / ``_{ij}``), or None when `tokens` do not start with a name."""
     if not tokens:
-        return False
+        return None
     head = tokens[0]
     if not ((len(head) == 1 and head.isalpha()) or (head.startswith("\\") and head[1:] in _GREEK)):
-        return False
+        return None
     rest = tokens[1:]
     if rest[:1] == ["_"]:
         if len(rest) >= 2 and rest[1] != "{":
@@ -406,11 +462,45 @@ def _is_label(tokens: list[str]) -> bool:
         elif rest[1:2] == ["{"]:
             close = rest.index("}") if "}" in rest else -1
             if close < 0:
-                return False
+                return None
             rest = rest[close + 1:]
+    return rest
+
+
+def _is_label(tokens: list[str]) -> bool:
+    """A label is a name: ``x``, ``a_{ij}``, ``\\lambda``, ``f(x)``, ``P(x,y)``, ``g(n)``."""
+    rest = _after_name(tokens)
+    if rest is None:
+        return False
     if not rest:
         return True
     return rest[0] == "(" and rest[-1] == ")" and all(t.isalpha() or t == "," for t in rest[1:-1])
+
+
+def applied_name(tokens: list[str]) -> str | None:
+    """The name of a labelled quantity, or None: a function letter (Latin, or Greek such as ``\\tau``, with an
+    optional subscript) applied to one bracketed argument: ``\\tau(-1)``, ``P(0)``, ``f_1(x)``. Used for the
+    sides of relations (`relation_side`), where ``\\tau(-1) \\le 0`` says something about the value of
+    τ at -1, not about the product τ·(-1). Not a labelled quantity when the letter is in its own argument
+    (``x(x-1)`` is a product) or the argument is empty."""
+    rest = _after_name(tokens)
+    if not rest or len(rest) < 3 or not _wrapped(rest, "(", ")"):
+        return None
+    if tokens[0] in rest:
+        return None
+    return _text(tokens)
+
+
+def relation_side(tokens: list[str]) -> Any:
+    """One side of a relation as a sympy expression: a lone labelled quantity (`applied_name`) is one opaque
+    symbol named by its text (``\\tau(-1)``), anything else is parsed as an expression (``2(x-1)`` stays a
+    product). Raises ParseError like `parse_expression`."""
+    name = applied_name(tokens)
+    if name is not None:
+        import sympy
+
+        return sympy.Symbol(name)
+    return parse_expression(" ".join(tokens))
 
 
 def build(text: str, *, comma_thousands: bool = False) -> Node:
@@ -463,7 +553,7 @@ def _node(tokens: list[str]) -> Node:
         if ops == ["="] and _is_label(chain[0]):
             return Node("label", text, (_text(chain[0]), _node(chain[1])))
         try:
-            sides = [parse_expression(" ".join(side)) for side in chain]
+            sides = [relation_side(side) for side in chain]
         except (ParseError, TypeError, ValueError, ZeroDivisionError, RecursionError):
             return Node("opaque", text)
         return Node("rel", text, (ops, sides))

@@ -5,7 +5,9 @@
   integer spellings: an optional sign, digits with optional thousands separators (``1,000``,
   ``1{,}000``, ``1\\,000``, ``1 000``: groups of exactly three digits after the first, one kind of
   separator throughout; ``4 2`` or ``1,00`` is not an integer), surrounding ``$``, ``\\text{}``/``\\mathbf{}`` wrappers, a leading
-  ``x =`` and a trailing full stop. Anything else is ``unparseable`` (wrong).
+  ``x =`` and a trailing full stop, and the surface forms shared with the exact rules
+  (`sao_core.envs.exact_values.surface`: ``\\displaystyle``/``\\textstyle``, group braces ``{{123}}``, a
+  trailing ``only``). Anything else is ``unparseable`` (wrong).
 - **IMO-AnswerBench** (`ImoGrader`): rules first (grader ``rule``): the same text after light
   normalisation is a match; otherwise math-verify decides in a worker process with a timeout
   (`sao_core.envs.grading.MathGrader`). Rules *cannot settle* an answer when math-verify cannot parse
@@ -30,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sao_core.envs.exact import squeeze
+from sao_core.envs.exact_values import surface
 from sao_core.envs.grading import MathGrader
 from sao_core.eval.judge import JUDGE_SYSTEM, JUDGE_USER, JudgeRuling, LLMJudge, parse_judge_reply
 
@@ -81,6 +84,7 @@ def parse_integer(answer: str | None) -> int | None:
             text = text.strip("$")
         if text.startswith("\\(") and text.endswith("\\)"):
             text = text[2:-2]
+        text = surface(text)     # the shared surface forms: \displaystyle, {{123}}, "only" (exact_values)
         match = _WRAPPERS.match(text)
         if match:
             text = match["body"]
@@ -180,10 +184,12 @@ class ImoGrader:
         self.judge = judge
         self.judge_policy = judge_policy
 
-    def rule(self, answer: str | None, gold: str, *, text_shortcut: bool = True) -> Verdict:
+    def rule(self, answer: str | None, gold: str, *, text_shortcut: bool = True, problem: str | None = None) -> Verdict:
         """The rules alone (`sao_core.envs.exact`). `text_shortcut=False` makes the exact rules decide even
-        identical texts (used to measure what they settle by themselves). The rule that decided is in
-        ``extra["rule"]``."""
+        identical texts (used to measure what they settle by themselves). `problem` (the problem statement)
+        lets the rules place named tuples in the problem's order and respect a variable's declared domain.
+        The rule that decided is in ``extra["rule"]``."""
+        context = {"problem_text": problem} if problem else {}     # a math grader without it still works
         started = time.monotonic()
         if answer is None or not answer.strip():
             return Verdict(False, "no_answer", self.name, answer, "no final \\boxed{} answer")
@@ -196,7 +202,8 @@ class ImoGrader:
                                extra={"rule": "words"})
         prose = [name for name, text in (("reference", gold), ("answer", answer)) if is_prose(text)]
         if len(prose) == 1:   # prose against a formula: the exact rules' prose-set rule may settle it
-            result = self.math_grader.grade(answer, gold, self.timeout_s, text_shortcut=text_shortcut, mode="exact")
+            result = self.math_grader.grade(answer, gold, self.timeout_s, text_shortcut=text_shortcut, mode="exact",
+                                            **context)
             if result.reason in ("match", "mismatch"):
                 return Verdict(result.correct, result.reason, self.name, answer, result.detail,
                                seconds=time.monotonic() - started, extra={"rule": result.rule})
@@ -205,14 +212,16 @@ class ImoGrader:
                            f"the {' and the '.join(prose)} {'is' if len(prose) == 1 else 'are'} worded in prose: "
                            "rules cannot compare them", settled=False, seconds=time.monotonic() - started,
                            extra={"rule": "prose"})
-        result = self.math_grader.grade(answer, gold, self.timeout_s, text_shortcut=text_shortcut, mode="exact")
+        result = self.math_grader.grade(answer, gold, self.timeout_s, text_shortcut=text_shortcut, mode="exact",
+                                        **context)
         settled = result.reason in ("match", "mismatch")
         grade = result.reason if result.reason in ("match", "mismatch", "timeout", "error") else "unsettled"
         return Verdict(result.correct, grade, self.name, answer, result.detail, settled=settled,
                        seconds=time.monotonic() - started, extra={"rule": result.rule or result.reason})
 
     def grade(self, answer: str | None, gold: str, problem: Mapping[str, Any] | None = None) -> Verdict:
-        verdict = self.rule(answer, gold)
+        text = (problem or {}).get("problem")
+        verdict = self.rule(answer, gold, problem=str(text) if text else None)
         wants_judge = (not verdict.settled) or (self.judge_policy == "rejected" and verdict.grade == "mismatch")
         if self.judge is None or not wants_judge or verdict.grade == "no_answer":
             return verdict
@@ -278,7 +287,8 @@ def grade_swe_patch(record: Mapping[str, Any], patch: str, options: Mapping[str,
 
     `options` are the `SWEEnv` settings used for the benchmark (``sandbox_kind``, ``sandbox_limits``,
     ``sandbox_options``, ``repo_source``, ``test_command``, ``log_parser``, ``test_timeout_s``,
-    ``setup_command``; see :func:`sao_core.eval.run.swe_env_options`). A record with the harness's
+    ``setup_command``, ``keep_logs``; see :func:`sao_core.eval.run.swe_env_options`). The report keeps
+    the tests' log only with ``keep_logs`` (default False: test names and verdicts). A record with the harness's
     ``eval_script`` (swebench 5.x) runs that script and ``test_command`` / ``log_parser`` do not apply
     (`sao_core.envs.swe.grade_in_shell`). `SandboxError` propagates.
     """
@@ -296,5 +306,6 @@ def grade_swe_patch(record: Mapping[str, Any], patch: str, options: Mapping[str,
     task = task_from_swe_record(record)
     report = grade_patch(task, patch or "", factory, test_command=opts.get("test_command"),
                          log_parser=opts.get("log_parser"), test_timeout_s=test_timeout_s,
-                         repo_source=opts.get("repo_source"), setup_command=opts.get("setup_command", SWEBENCH_SETUP))
+                         repo_source=opts.get("repo_source"), setup_command=opts.get("setup_command", SWEBENCH_SETUP),
+                         keep_logs=bool(opts.get("keep_logs", False)))
     return verdict_from_swe_report(report.to_dict(), patch)

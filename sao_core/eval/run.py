@@ -277,12 +277,11 @@ class _Graders:
         self.integer = IntegerGrader()
 
     def warm_up(self, workers: int) -> None:
-        """Start the math-verify workers now (spawning one and importing sympy takes seconds), so the
-        first samples' timings and timeouts do not pay for it."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(lambda _: self.math.grade("0", "1"), range(workers)))
+        """Have the math-verify workers started and ready now (a new one takes about a second: an interpreter
+        and sympy's import; an earlier evaluation's, kept by this process, none), so the first samples'
+        timings and timeouts do not pay for it."""
+        for problem in self.math.warm_up(workers):
+            log.warning("math grader worker: %s", problem)
 
     def for_benchmark(self, name: str):
         return self.integer if name == "beyond_aime" else self.imo
@@ -433,10 +432,19 @@ def _make_engine(config: EvalConfig, model: str | None = None) -> Any:
 async def _generate(config: EvalConfig, loaded: list[LoadedBenchmark], todo: list[tuple[int, dict, int]],
                     store: _SampleStore, output: _Output, progress: Progress | None, total: int,
                     done_before: int, given_engine: Any = None, model: str | None = None) -> int:
-    engine = given_engine if given_engine is not None else _make_engine(config, model)
     graders = _Graders(config)
-    if any(b.spec.grader == "math_rule" for b in loaded):
-        await asyncio.to_thread(graders.warm_up, config.grader_workers)
+    # The math-verify workers start in a thread (now: run_in_executor submits at once) while the model loads.
+    warming = (asyncio.get_running_loop().run_in_executor(None, graders.warm_up, config.grader_workers)
+               if any(b.spec.grader == "math_rule" for b in loaded) else None)
+    try:
+        engine = given_engine if given_engine is not None else _make_engine(config, model)
+    except BaseException:
+        if warming is not None:
+            await asyncio.gather(warming, return_exceptions=True)
+        await asyncio.to_thread(graders.close)
+        raise
+    if warming is not None:
+        await warming
     slots = asyncio.Semaphore(config.concurrency)
     swe_slots = asyncio.Semaphore(config.swe_concurrency)
     # A thread per concurrent sample for environment calls (sandboxed tests wait on processes).
