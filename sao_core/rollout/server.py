@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from sao_core.rollout.auth import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, is_loopback, resolve_token
 from sao_core.http_limits import HeaderCount, HttpLimits, limited_protocol
+from sao_core.rollout.auth import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, is_loopback, resolve_token
 from sao_core.rollout.manager import RolloutManager, RolloutPlan
 from sao_core.rollout.service import DEFAULT_MAX_BODY_BYTES, create_app
 
