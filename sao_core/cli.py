@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sao_core.config import ConfigError, _base_type, field_types, literal_choices, load_config
+from sao_core.config import ConfigError, _base_type, field_types, literal_choices, load_config, section_of
 
 log = logging.getLogger("sao")
 
@@ -26,27 +26,89 @@ def default_cache_dir() -> str:
 
 # ----------------------------------------------------------------------------- dataclass <-> argparse
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One `--field-name` option per dataclass field; values left unset fall back to YAML, then defaults."""
+    """One `--field-name` option per dataclass field, listed in argument groups by the setting's section
+    (`sao_core.config.section_of`); values left unset fall back to YAML, then defaults."""
     parser.add_argument("--config", metavar="YAML", help="YAML file with field: value pairs (flags override it)")
     docs = _field_docs(cls)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    names: set[str] = set()
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
         annotation = field_types(cls)[field.name]
         inner, _ = _base_type(annotation)
         choices = literal_choices(annotation)
-        default = field.default if field.default is not dataclasses.MISSING else (
-            "(required)" if field.default_factory is dataclasses.MISSING else "(computed)")
+        if field.default is not dataclasses.MISSING:
+            default = show_default(field.default)
+        elif field.default_factory is not dataclasses.MISSING:
+            try:
+                default = "(computed)" if field.name == "cache_dir" else show_default(field.default_factory())
+            except Exception:  # a factory that reads the environment and fails here: shown as computed
+                default = "(computed)"
+        else:
+            default = "(required)"
         unit = field.metadata.get("unit")
         help_text = field.metadata.get("help") or docs.get(field.name, "")
-        help_text = f"{help_text}{f' ({unit})' if unit else ''} [default: {default}]".strip()
+        shown = "(required)" if default == "(required)" else f"[default: {default}]"
+        help_text = f"{help_text}{f' ({unit})' if unit else ''} {shown}".strip()
+        title = section_of(cls, field)
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        group = groups[title]
+        names.add(field.name)
         flag = "--" + field.name.replace("_", "-")
         if inner is bool:
-            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
         else:
-            parser.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"),
-                                metavar="{" + ",".join(map(str, choices)) + "}" if choices else field.name.upper())
+            group.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"),
+                               metavar="{" + ",".join(map(str, choices)) + "}" if choices else field.name.upper())
+    parser._sao_settings = names   # the compact usage line (`_compact_usage`) folds these into one word
+
+
+def show_default(value: Any) -> str:
+    """A default as a user would type it: lists and tuples as `a,b` (empty: none), mappings as JSON (empty:
+    none), None as none, '' as ''."""
+    if value is None:
+        return "none"
+    if isinstance(value, list | tuple):
+        return ",".join(map(str, value)) if value else "none"
+    if isinstance(value, dict):
+        return json.dumps(value) if value else "none"
+    if isinstance(value, str):
+        return value if value else "''"
+    return str(value)
+
+
+def _usage_word(action: argparse.Action) -> str:
+    if not action.option_strings:
+        return "..." if action.nargs == argparse.REMAINDER else action.metavar or action.dest
+    flag = action.option_strings[0]
+    if action.nargs == 0:
+        word = flag
+    else:
+        metavar = action.metavar or ("{" + ",".join(map(str, action.choices)) + "}" if action.choices
+                                     else action.dest.upper())
+        word = f"{flag} {metavar}"
+    return word if action.required else f"[{word}]"
+
+
+def _compact_usage(parser: argparse.ArgumentParser) -> None:
+    """Usage lines of the config-driven commands: their other arguments, then `[--SETTING VALUE ...]` instead of
+    every setting (--help lists them by section); recurses into subcommands."""
+    settings = getattr(parser, "_sao_settings", None)
+    if settings:
+        words = [_usage_word(a) for a in parser._actions if a.dest not in settings]
+        import textwrap
+
+        indent = " " * len(f"usage: {parser.prog} ")
+        parser.usage = textwrap.fill(" ".join(words + ["[--SETTING VALUE ...]"]), 100 - len(indent),
+                                     subsequent_indent=indent, break_on_hyphens=False)
+        parser.usage = parser.prog + " " + parser.usage.replace("%", "%%")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _compact_usage(child)
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -74,6 +136,18 @@ def config_from_args(cls: type, args: argparse.Namespace, extra: dict[str, Any] 
     overrides = {k: v for k, v in vars(args).items() if k in names}
     overrides.update(extra or {})
     return load_config(cls, getattr(args, "config", None), overrides)
+
+
+def _given_settings(cls: type, args: argparse.Namespace) -> set[str]:
+    """The settings of `cls` the user set: by a flag or in the --config YAML (the rest are at their defaults)."""
+    import yaml
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    given = {k for k in vars(args) if k in names}
+    if getattr(args, "config", None):
+        loaded = yaml.safe_load(Path(args.config).read_text(encoding="utf-8"))   # load_config has checked it
+        given |= set(loaded or {}) & names
+    return given
 
 
 def _progress_bar(total: int | None, desc: str, quiet: bool):
@@ -189,9 +263,10 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from sao_core.eval.config import EvalConfig
-    from sao_core.eval.run import evaluate
+    from sao_core.eval.run import evaluate, fit_budget_to_context
 
     config = config_from_args(EvalConfig, args, {"cache_dir": args.cache_dir})
+    config = fit_budget_to_context(config, _given_settings(EvalConfig, args))
     with _progress_bar(None, f"evaluate {','.join(config.benchmark_list)}", args.quiet) as bar:
         def show(done: int, total: int) -> None:
             bar.total = total
@@ -243,7 +318,7 @@ def _cluster_help(parser: argparse.ArgumentParser, cls: type) -> None:
         if dataclasses.is_dataclass(klass):
             docs.update(_field_docs(klass))
     for action in parser._actions:
-        if action.dest in docs and (action.help or "").startswith("[default"):
+        if action.dest in docs and (action.help or "").startswith(("[default", "(required)")):
             action.help = f"{docs[action.dest]} {action.help}"
 
 
@@ -719,7 +794,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for p in simulate_sub.choices.values():
         p.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("demo", help="the main job on the embedded default: data preparation and a short SFT run")
+    p = sub.add_parser("demo", help="demos on the embedded tiny model, on CPU: with --pipeline (what `make demo` "
+                                    "runs) the whole sao_rl pipeline locally (data, SFT warm start, SAO RL with "
+                                    "held-out evaluation, benchmark evaluation, HTML report); without it a short SFT "
+                                    "run (data preparation, SFT, checkpoint, tool-call accuracy)")
     p.add_argument("--output", default="local_outputs/demo", help="output directory [default: local_outputs/demo]")
     p.add_argument("--steps", type=int, default=None, help="SFT steps [default: 300; with --pipeline the "
                                                             "warm start's, 190]")
@@ -727,7 +805,24 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                                                            "SFT warm start, SAO, evaluation, HTML report")
     p.set_defaults(func=cmd_demo)
     _add_kfp_parsers(sub)
+    _describe(parser)
+    _compact_usage(parser)
     return parser
+
+
+def _describe(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand its one-line `help` as the first line of its --help (`description`), before any
+    description it already has; recurses."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        helps = {choice.dest: choice.help for choice in action._choices_actions}
+        for name, child in action.choices.items():
+            line = helps.get(name)
+            if line and not (child.description or "").startswith(line):
+                line = line[0].upper() + line[1:] + ("" if line.endswith(".") else ".")
+                child.description = f"{line} {child.description}" if child.description else line
+            _describe(child)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,13 +29,17 @@ _NO_DEFAULT: Any = dataclasses.MISSING
 
 
 def setting(default: Any = _NO_DEFAULT, help: str = "", *, factory: Any = None, unit: str = "",
-            methods: tuple[str, ...] = (), placements: tuple[str, ...] = (), allow_nonfinite: bool = False) -> Any:
+            methods: tuple[str, ...] = (), placements: tuple[str, ...] = (), allow_nonfinite: bool = False,
+            section: str = "") -> Any:
     """A dataclass field that is a user-facing setting: its default (or `factory` for a mutable one; neither
-    for a required field), its one-line `help`, its `unit` (tokens, seconds, versions, ...), and the `methods`
-    and `placements` (single_pod, trainjob) that use it (empty: all of them)."""
+    for a required field), its one-line `help`, its `unit` (tokens, seconds, versions, ...), the `methods`
+    and `placements` (single_pod, trainjob) that use it (empty: all of them), and its `section` (the
+    --help group it is listed in; empty: derived by :func:`section_of`)."""
     if not help:
         raise ValueError("a setting needs its help text")
     metadata = {"help": help, "unit": unit, "methods": tuple(methods), "placements": tuple(placements)}
+    if section:
+        metadata["section"] = section
     if allow_nonfinite:
         metadata["allow_nonfinite"] = True
     if factory is not None:
@@ -56,6 +60,7 @@ class Setting:
     methods: tuple[str, ...]
     placements: tuple[str, ...]
     owner: str                         # the dataclass that defines it
+    section: str = ""                  # the --help group it is listed in (`section_of`)
 
     @property
     def required(self) -> bool:
@@ -90,8 +95,71 @@ def settings_of(cls: type) -> dict[str, Setting]:
         owner = next(k.__name__ for k in cls.__mro__ if f.name in getattr(k, "__annotations__", {}))
         out[f.name] = Setting(f.name, types_by_name[f.name], default, f.metadata["help"], f.metadata["unit"],
                               literal_choices(types_by_name[f.name]), f.metadata["methods"],
-                              f.metadata["placements"], owner)
+                              f.metadata["placements"], owner, section_of(cls, f))
     return out
+
+
+# Sections of fields made without an explicit `setting(section=...)`, per config dataclass (looked up along the
+# MRO of the config): title -> names; a name ending in "_" is a prefix. Exact names win over prefixes. A field
+# in none of them is listed under its defining dataclass's title (`_OWNER_TITLES`, else "<Name> settings").
+# Giving a setting `section=` where it is defined overrides this.
+_DERIVED_SECTIONS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "CoreConfig": (
+        ("model and data", ("data", "output", "model", "seed", "cache_dir", "unverified")),
+        ("optimisation", ("steps", "schedule", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip",
+                          "precision", "gradient_checkpointing")),
+        ("checkpoints and logging", ("checkpoint_every", "keep_checkpoints", "pin_checkpoints", "resume",
+                                     "log_every", "report_every")),
+        ("LoRA", ("lora_",)),
+    ),
+    "TrainConfig": (
+        ("optimisation", ("batch_size", "grad_accum", "lr", "max_tokens")),
+    ),
+    "RLConfig": (
+        ("rollout services", ("services", "service_token_file", "service_retry_s", "shutdown_services", "engine",
+                              "rollout_", "take_wait_s", "env_options", "max_new_tokens_per_turn",
+                              "max_total_tokens", "max_in_flight")),
+        ("staleness and admission", ("max_staleness", "admission", "hard_staleness", "failed_episodes",
+                                     "failed_reward")),
+        ("weight publishing", ("keep_weight_versions", "weight_transport", "publish_every", "lora_publish",
+                               "delivery_")),
+        ("critic (sao)", ("critic_", "freeze_critic_attention", "value_clip")),
+        ("optimisation", ("policy_lr", "micro_batch_tokens")),
+        ("checkpoints and logging", ("metrics_port",)),
+        ("evaluation during training", ("eval_",)),
+    ),
+    "EvalConfig": (
+        ("model and run", ("model", "output", "adapter", "engine", "engine_options", "seed", "concurrency",
+                           "resume", "previous_summary", "response_chars", "upload_every_s", "cache_dir",
+                           "unverified")),
+        ("benchmarks and data", ("benchmarks", "k", "limit", "swe_verified_source", "beyond_aime_source",
+                                 "imo_answerbench_source", "splits", "max_reject_fraction")),
+        ("sampling and token budget", ("max_new_tokens", "max_total_tokens", "temperature", "top_p", "top_k",
+                                       "sample_timeout_s", "math_prompt", "system_prompt")),
+        ("SWE-bench", ("swe_", "sandbox", "env_options")),
+        ("grading and LLM judge", ("grader_workers", "grade_timeout_s", "judge_")),
+    ),
+}
+_OWNER_TITLES = {"RLConfig": "RL method and objective", "DPOConfig": "DPO", "GKDConfig": "GKD",
+                 "PrepareConfig": "data preparation", "ServeConfig": "rollout service",
+                 "ProjectConfig": "simulated cluster and workload", "RuntimeSpec": "runtime shape",
+                 "LaunchConfig": "TrainJob"}
+
+
+def section_of(cls: type, f: dataclasses.Field) -> str:
+    """The --help section of field `f` of config dataclass `cls`: its ``setting(section=...)``, else derived
+    from the config's class hierarchy and the field's name (`_DERIVED_SECTIONS`), else the title of the
+    dataclass that defines it."""
+    if f.metadata.get("section"):
+        return f.metadata["section"]
+    klasses = [k for k in cls.__mro__ if dataclasses.is_dataclass(k)]
+    for exact in (True, False):
+        for klass in klasses:
+            for title, names in _DERIVED_SECTIONS.get(klass.__name__, ()):
+                if any(f.name == n if exact else (n.endswith("_") and f.name.startswith(n)) for n in names):
+                    return title
+    owner = next((k.__name__ for k in klasses if f.name in getattr(k, "__annotations__", {})), cls.__name__)
+    return _OWNER_TITLES.get(owner, f"{owner.removesuffix('Config') or owner} settings")
 
 
 class ConfigError(ValueError):

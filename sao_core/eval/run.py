@@ -52,7 +52,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -502,6 +502,35 @@ def _check_context(config: EvalConfig, engine: Any) -> None:
     if chosen and chosen < config.max_total_tokens:
         raise EvalError(f"max_total_tokens {config.max_total_tokens} exceeds the engine's context of {chosen} tokens "
                         "(engine_options max_model_len); raise max_model_len or lower max_total_tokens")
+
+
+def fit_budget_to_context(config: EvalConfig, explicit: Collection[str]) -> EvalConfig:
+    """`config` with its token budget fitted to the model's context (`sao evaluate`): max_total_tokens (and
+    max_new_tokens, where it then exceeds it) left at its default and above the context (the model's, or a vllm
+    max_model_len in engine_options when lower) is lowered to the context, with one log line; one the user set
+    (named in `explicit`) above it raises EvalError naming the setting and both numbers. Unknown context: as is."""
+    from sao_core.models.loading import model_context_length
+
+    limits = [n for n in (model_context_length(config.model, config.cache_dir),
+                          config.engine_options.get("max_model_len") if config.engine == "vllm" else None)
+              if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    if not limits:
+        return config
+    limit = min(limits)
+    changes: dict[str, int] = {}
+    for name in ("max_total_tokens", "max_new_tokens"):
+        value = getattr(config, name)
+        if value <= limit:
+            continue
+        if name in explicit:
+            raise EvalError(f"{name} {value} (set explicitly) exceeds the context of model {config.model!r}: "
+                            f"{limit} tokens; set {name} to at most {limit}")
+        changes[name] = limit
+    if changes:
+        log.info("fitting the token budget to the model's %d-token context: %s", limit,
+                 ", ".join(f"{name} {getattr(config, name)} -> {value}" for name, value in changes.items()))
+        config = dataclasses.replace(config, **changes)
+    return config
 
 
 def _check_swe_settings(config: EvalConfig) -> None:
