@@ -18,10 +18,12 @@ from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one buil
 from sao_core import storage
 from sao_core.cli import main
 from sao_core.reporting.training import (
+    SECTIONS,
     TRAINING_REPORT,
     ReportError,
     build_training_report,
     chart_data,
+    constant_series,
     moving_average,
     parse_metrics,
     write_training_report,
@@ -142,9 +144,11 @@ def _rl_rows(method: str, steps: int = 40) -> list[dict]:
     return rows
 
 
-_RL_PLOTS = {"reward", "policy_loss", "entropy", "advantage", "ratio", "logp_diff", "staleness", "drops", "drops_total",
+# the held-out reward (greedy and sampled) is one chart; "ratio" (policy_ratio_mean 1.0) and "lr" (policy_lr and
+# critic_lr constant) are flat in these lines, so they are listed as constant metrics instead (_CONSTANT_RL)
+_RL_PLOTS = {"reward", "policy_loss", "entropy", "advantage", "logp_diff", "staleness", "drops", "drops_total",
              "length_turns", "length_tokens", "trajectories_per_s", "tokens_per_s", "generator_idle", "learner_wait",
-             "step_seconds", "weight_push", "lr", "grad_norm", "eval-eval_sampled_reward", "eval-eval_greedy_reward",
+             "step_seconds", "weight_push", "grad_norm", "heldout_reward",
              "turn_cut", "end_of_turn_logprob", "end_of_turn_update", "token_lag", "token_lag_percentiles",
              "tokens_beyond_bound", "token_lag_by_turns", "fragments"}
 EXPECTED = {
@@ -158,8 +162,10 @@ EXPECTED = {
     "grpo_dis": _RL_PLOTS | {"dis", "dis_pos", "dis_neg", "dis_kept_by_lag"},
 }
 _RL = ("sao", "grpo", "grpo_dis")
-_OTHER_RL = {"other-version", "other-action_tokens", "other-positions_owed", "other-stream_low_water_mark",
-             "other-seconds", "other-lambda_mean"}
+_OTHER_RL = {"other-version", "other-action_tokens", "other-stream_low_water_mark", "other-seconds"}
+#: series of _rl_rows that hold one value throughout: one line each, no chart
+_CONSTANT_RL = {"policy_ratio_mean", "policy_lr", "positions_owed"}
+_CONSTANT_SAO = _CONSTANT_RL | {"critic_lr", "lambda_mean"}
 
 
 def _write_run(root: Path, rows: list[dict], summary: dict | None = None) -> Path:
@@ -185,6 +191,10 @@ def test_every_method_plots_exactly_its_metrics(method, tmp_path):
     # One self-contained file: no external assets, no script that runs.
     assert not re.search(r"<link|<img|\ssrc=|(?<!xmlns=\")https?://|<script(?! type=\"application/json\")", html)
     assert "finished: step" in html and "Summary" in html and "<td>lr</td>" in html
+    if method in _RL:
+        constant = {name for name, _ in constant_series(rows)}
+        assert constant == (_CONSTANT_SAO if method == "sao" else _CONSTANT_RL), constant
+        assert "<li><code>positions_owed</code>: 0 throughout (steps 1–40, 40 logged)</li>" in html
     if method == "sao":
         assert "Not in this run" not in html, "every RL chart is there"
 
@@ -252,12 +262,18 @@ def test_a_real_sao_run_reports_its_health_curves(tmp_path, sao_cache, tiny_mode
     html = (out / TRAINING_REPORT).read_text()
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     blocks = check_values(html, rows)
+    # 3 steps: a curve that holds one value (or was logged once) is listed as a constant metric, not charted
+    constant = dict(constant_series(rows))
+    keys = {c.id: c.keys for _, charts in SECTIONS for c in charts}
     for plot in ("reward", "critic_loss", "explained_variance", "dis", "dis_pos", "dis_neg", "staleness",
                  "logp_diff", "entropy", "length_turns", "trajectories_per_s", "tokens_per_s", "generator_idle",
                  "learner_wait", "weight_push"):
-        assert plot in blocks, plot
+        logged = [k for k in keys[plot] if any(k in r for r in rows)] or [plot]
+        assert plot in blocks or (logged and all(k in constant and f"<code>{k}</code>" in html for k in logged)), plot
+    assert "reward" in blocks                          # the result's curve is drawn however flat
     assert blocks["reward"]["series"]["reward_mean"] == [r["reward_mean"] for r in rows]
-    assert blocks["dis"]["x"] == [2, 3], "the DIS mask is logged from the first policy step (after the warm-up)"
+    # the DIS mask is logged from the first policy step (after the warm-up): charted, or constant over steps 2-3
+    assert (blocks["dis"]["x"] == [2, 3]) if "dis" in blocks else "(steps 2–3, 2 logged)" in constant["policy_kept"]
     assert "finished: step 3 of 3" in html and "<td>method</td><td>sao</td>" in html and "critic" in html
 
 
@@ -411,7 +427,7 @@ def test_the_evaluation_report_shows_the_training_run_next_to_it(tmp_path):
                 f"{first['eval_greedy_reward']:.3f} (step 10) → {last['eval_greedy_reward']:.3f} (step 30) over 3 "
                 "evaluations")
     assert f"<b>Training: {headline}.</b>" in page                  # at the top of the evaluation page
-    assert f"<b>H{headline[1:]}.</b>" in page                       # and under the training report's title
+    assert f"<b>H{headline[1:]}.</b>" not in page                   # once: not again under the section's title
     assert "Training report" not in render_report(summary, [])     # no training run: the page as before
 
     missing = Path(write_report(summary, [], str(tmp_path / "report2"),

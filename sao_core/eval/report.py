@@ -1,8 +1,10 @@
 """The evaluation report: one self-contained HTML file with inline SVG charts (no scripts, no network;
 every value of the summary and the samples is escaped, see :mod:`sao_core.reporting.html`).
 
-:func:`write_report` is the public entry point (the evaluation KFP component calls it). The report
-shows the run's settings, an overview table, the score per benchmark, pass@k curves, the score per
+:func:`write_report` is the public entry point (the evaluation KFP component calls it). With the
+training run of the evaluated model (the pipelines' final report) the page is titled by that run and shows
+its training section (held-out reward first) before the benchmarks. The benchmarks part shows the run's
+settings, an overview table, the score per benchmark, pass@k curves, the score per
 category / subcategory (IMO-AnswerBench) and per repository (SWE-Bench Verified), the response-length
 histogram (correct vs wrong), which grader decided how many answers, the answers no grader could
 settle, errors, the data sets used, a per-problem table, and the comparison with a previous run's
@@ -79,6 +81,17 @@ def _length_histogram(title: str, samples: Sequence[Mapping[str, Any]]) -> str:
     return plots.histogram(f"{title}: response length", series, x_label="generated tokens per sample")
 
 
+def _all_zero(benchmarks: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Whether no benchmark has a score above 0 (nothing solved: the charts would be empty)."""
+    return bool(benchmarks) and not any(float(v or 0) > 0 for b in benchmarks.values()
+                                        for v in (b.get("scores") or {}).values() if isinstance(v, int | float))
+
+
+def _folded(what: str, charts: Sequence[str]) -> str:
+    """Charts of nothing but zeros, kept (their data stay on the page) but folded away."""
+    return f"<details><summary>{_esc(what)}</summary>{''.join(charts)}</details>"
+
+
 def _groups_section(name: str, b: Mapping[str, Any]) -> str:
     k = int(b["k"])
     parts = []
@@ -88,7 +101,8 @@ def _groups_section(name: str, b: Mapping[str, Any]) -> str:
         labels = list(values)
         scores = [float(values[v].get(f"avg@{k}", 0.0)) for v in labels]
         counts = [int(values[v].get("problems", 0)) for v in labels]
-        parts.append(plots.hbar_chart(f"{b.get('title', name)}: avg@{k} per {level}", labels, scores, counts=counts))
+        chart = plots.hbar_chart(f"{b.get('title', name)}: avg@{k} per {level}", labels, scores, counts=counts)
+        parts.append(chart if any(scores) else _folded(f"avg@{k} per {level}: 0 in every {level} (chart)", [chart]))
         rows = [[v, values[v]["problems"], _pct(values[v].get(f"avg@{k}")), _pct(values[v].get("pass@1")),
                  _pct(values[v].get(f"pass@{k}")), _pct(values[v].get(f"maj@{k}"))] for v in labels]
         table = _table([level, "problems", f"avg@{k}", "pass@1", f"pass@{k}", f"maj@{k}"], rows, numeric=range(1, 6))
@@ -224,14 +238,18 @@ def _intro(name: str, b: Mapping[str, Any], samples: Sequence[Mapping[str, Any]]
 def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any]],
                   previous: Mapping[str, Any] | None = None, training: TrainingSection | None = None) -> str:
     """The report as an HTML string (see :func:`write_report`); `training` is the training run's section
-    (:func:`sao_core.reporting.training.training_section`): its headline opens the page, the section
-    follows the evaluation's overview."""
+    (:func:`sao_core.reporting.training.training_section`): the page is then titled by the run (method,
+    model, steps) when its model is known, its headline opens the page and the training section (its
+    held-out reward first) comes before the benchmarks, which follow as the held-out evaluation of the
+    final model. Benchmarks where nothing was solved say so in one line; their all-zero charts are folded."""
     benchmarks = summary.get("benchmarks", {})
     config = summary.get("config", {})
     by_bench: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for s in samples:
         by_bench[str(s.get("benchmark"))].append(s)
     title = f"Evaluation of {summary.get('model', '?')}"
+    if training and training.title:
+        title = f"{training.title}: training and evaluation"
     meta = [["model", summary.get("model")]]
     if summary.get("adapter"):
         title += " + LoRA adapter"
@@ -247,21 +265,34 @@ def render_report(summary: Mapping[str, Any], samples: Sequence[Mapping[str, Any
                           f"seed {config.get('seed')}"],
              ["LLM judge", f"{config.get('judge_model')} at {config.get('judge_url')} ({config.get('judge_policy')})"
               if config.get("judge_url") else "none (answers rules cannot settle count as wrong and are listed)"]]
-    html = [f"<h1>{_esc(title)}</h1>", _table(["run", ""], meta)]
+    html = [f"<h1>{_esc(title)}</h1>"]
     if training:
+        # the training result first: its headline, then the training section (held-out reward on top);
+        # the evaluation's settings move down to the benchmarks
+        html.append(f'<p>Evaluated model: <code>{_esc(summary.get("model"))}</code></p>')
         if training.headline:
             html.append(f'<p class="headline"><b>Training: {_esc(training.headline)}.</b></p>')
-        html.append('<p class="contents">Contents: <a href="#training">the training run</a> (curves, health, '
-                    'checkpoints), then the evaluation: '
+        html.append('<p class="contents">Contents: <a href="#training">the training run</a> (held-out reward, '
+                    'curves, health, checkpoints), then <a href="#benchmarks">the benchmarks</a>: '
                     + ", ".join(f'<a href="#{_slug(n)}">{_esc(b.get("title", n))}</a>' for n, b in benchmarks.items())
                     + ".</p>")
+        html.append(training.html)
+    what = "the final model" if training else "the model"
+    html.append(f'<h2 id="benchmarks">Benchmarks (held-out evaluation of {what})</h2>')
+    html.append(_table(["run", ""], meta))
     if benchmarks:
-        html += ["<h2>Overview</h2>", _overview(benchmarks), _score_chart(benchmarks), _pass_curve(benchmarks)]
+        html.append(_overview(benchmarks))
+        charts = [_score_chart(benchmarks), _pass_curve(benchmarks)]
+        if _all_zero(benchmarks):
+            solved = "; ".join(f"{_esc(b.get('title', n))}: {_esc(b.get('problems'))} problems × {_esc(b.get('k'))} "
+                               "samples" for n, b in benchmarks.items())
+            html.append(f'<p class="zero"><b>No benchmark problem was solved</b> (every score 0: {solved}).</p>')
+            html.append(_folded("score and pass@k charts (all 0)", charts))
+        else:
+            html += charts
     else:
         html.append('<p class="muted">No benchmark results.</p>')
     html.append(_comparison(summary, previous))
-    if training:
-        html.append(training.html)
     for name, b in benchmarks.items():
         mine = by_bench.get(name, [])
         html += [f'<h2 id="{_slug(name)}">{_esc(b.get("title", name))}</h2>',

@@ -28,6 +28,9 @@ th { background: #f2f4f7; } td.num { text-align: right; font-variant-numeric: ta
 .up { color: #1d7a35; } .down { color: #b8323a; } .muted { color: #777; }
 code { font-size: 12px; } svg.chart { display: block; margin: 8px 0 16px; max-width: 100%; height: auto; }
 details { margin: 8px 0; } summary { cursor: pointer; }
+ul.constant { columns: 2 320px; font-size: 13px; margin: 4px 0 16px; padding-left: 20px; }
+ul.constant li { break-inside: avoid; } p.zero { font-size: 14px; }
+table.inner { margin: 0; font-size: 12px; } table.inner th, table.inner td { padding: 1px 6px; }
 """
 
 
@@ -130,6 +133,21 @@ def csp_meta(scripts: Sequence[str] = ()) -> str:
     """The ``<meta http-equiv="Content-Security-Policy">`` tag of :func:`content_security_policy`; it
     must come first in ``<head>``, before anything the policy governs."""
     return f'<meta http-equiv="Content-Security-Policy" content="{esc(content_security_policy(scripts))}">'
+
+
+def num(value: Any, digits: int = 4) -> str:
+    """A number as a reader wants it: integers (and floats that are whole) in full, other floats to `digits`
+    significant digits (``7.526751268999988`` -> ``7.527``, ``1e-06`` stays ``1e-06``); NaN and infinities as
+    written; anything else as ``str``. The result is text: the caller escapes it like any other."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        return str(value)
+    if value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.{digits}g}"
 
 
 def pct(value: Any) -> str:

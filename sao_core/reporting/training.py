@@ -6,9 +6,13 @@ The trainer (sft, cpt, dpo, gkd) and the RL learner (sao, grpo, ...) call it eve
 where they sync their metrics, and at the end of the run; ``sao report training RUN_DIR`` renders it from
 a run directory; the KFP training components return it as their HTML artifact.
 
-The page: the run's state (method, steps, last update), the summary (once the run has finished), one chart
-per group of metrics found in ``metrics.jsonl`` (a chart whose metrics the run does not log is left out),
-the run's config and the checkpoints and models written so far. Loss and reward curves carry a trailing
+The page leads with the result: its title names the run (:func:`run_title`: method, starting model, steps,
+e.g. "SAO on embedded:tiny + SFT, 100 steps"), then the one-line headline and the held-out reward (greedy
+and sampled on one chart, when the run evaluates during training); then the run's state (method, steps, last
+update), the summary (once the run has finished; readable rows, :func:`field_rows`), one chart per group of
+metrics found in ``metrics.jsonl`` (a chart whose metrics the run does not log is left out; one whose every
+series holds a single value is listed as one line per series instead, :func:`constant_series`), the run's
+config and the checkpoints and models written so far. Loss and reward curves carry a trailing
 moving average. Every chart is a ``<figure class="plot" data-plot=ID>`` (its element id ``plot-`` and the
 :func:`~sao_core.reporting.html.slug` of ID, as ID may be any metric's name) holding its SVG and a
 ``<script type="application/json" class="plot-data">`` block with exactly the values plotted (the steps
@@ -31,7 +35,7 @@ from urllib.parse import quote
 
 from sao_core import storage
 from sao_core.reporting import plots
-from sao_core.reporting.html import Raw, esc, link, page, script_json, slug, table
+from sao_core.reporting.html import Raw, esc, link, num, page, pct, script_json, slug, table
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +61,19 @@ class Chart:
     note: str = ""
 
 
+#: the section of the run's result: the held-out rewards of the evaluation during training, first on the page
+RESULT_SECTION = "Held-out reward"
+#: charts drawn however flat their values (the run's result: held-out reward, batch reward, loss), never
+#: collapsed into a line
+_ALWAYS_CHARTED = {"heldout_reward", "reward", "loss"}
+
 # Sections of the page and their charts, in order. A chart appears when at least one of its keys is in the file.
 SECTIONS: tuple[tuple[str, tuple[Chart, ...]], ...] = (
+    (RESULT_SECTION, (
+        Chart("heldout_reward", "Held-out reward (evaluation during training)",
+              ("eval_greedy_reward", "eval_sampled_reward"),
+              note="the mean reward on the held-out prompts at the weights of that step: greedy and sampled"),
+    )),
     ("Loss and reward", (
         Chart("loss", "Training loss", ("loss",), smooth=True),
         Chart("reward", "Reward (batch mean)", ("reward_mean",), smooth=True),
@@ -324,10 +339,58 @@ def bucketed(data: dict[str, Any], max_points: int = MAX_POINTS) -> dict[str, An
 
 def chart_data(rows: Sequence[Mapping[str, Any]], max_points: int = MAX_POINTS
                ) -> list[tuple[str, Chart, dict[str, Any]]]:
-    """(section, chart, data) of every chart the rows have data for: the fixed sections, held-out evaluation
-    (every ``eval_*`` number), then any other number the rows carry, one chart each; each chart's data in
-    buckets of steps beyond `max_points` points (:func:`bucketed`)."""
-    return [(section, chart, bucketed(data, max_points)) for section, chart, data in _all_chart_data(rows)]
+    """(section, chart, data) of every chart the page draws: the fixed sections (the held-out reward first),
+    held-out evaluation (every other ``eval_*`` number), then any other number the rows carry, one chart
+    each; each chart's data in buckets of steps beyond `max_points` points (:func:`bucketed`). A chart whose
+    every series is constant is not drawn but listed as one line per series (:func:`constant_series`)."""
+    return [(section, chart, bucketed(data, max_points)) for section, chart, data in _layout(rows)[0]]
+
+
+def constant_series(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(metric, what it was) of the series not charted because they hold one value at every logged step,
+    e.g. ``("eval_prompts", "128 throughout (steps 0–100)")``, in the page's order."""
+    return [line for _, _, lines in _layout(rows)[1] for line in lines]
+
+
+def _layout(rows: Sequence[Mapping[str, Any]]
+            ) -> tuple[list[tuple[str, Chart, dict[str, Any]]], list[tuple[str, Chart, list[tuple[str, str]]]]]:
+    """The charts to draw (unbucketed data) and the charts collapsed into lines (:func:`_flat_lines`)."""
+    drawn, flat = [], []
+    for section, chart, data in _all_chart_data(rows):
+        lines = _flat_lines(chart, data)
+        if lines is None:
+            drawn.append((section, chart, data))
+        else:
+            flat.append((section, chart, lines))
+    return drawn, flat
+
+
+def _constant(values: Sequence[float | None]) -> float | None:
+    """The one value of `values` (None ignored) when they hold one (up to float noise), else None."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    first = known[0]
+    return first if all(math.isclose(v, first, rel_tol=1e-9, abs_tol=1e-12) for v in known) else None
+
+
+def _flat_lines(chart: Chart, data: Mapping[str, Any]) -> list[tuple[str, str]] | None:
+    """(series, text) per series when every series of a line chart is constant (a chart would be a flat
+    line: ``eval_prompts`` 128, a constant learning rate, a count that stays 0), else None. Dict charts and
+    the result's charts (:data:`_ALWAYS_CHARTED`) are always drawn."""
+    if chart.id in _ALWAYS_CHARTED or chart.keys[0] in _DICT_CHARTS or data.get("kind") != "line":
+        return None
+    lines = []
+    for name, values in data["series"].items():
+        value = _constant(values)
+        if value is None:
+            return None
+        steps = [x for x, v in zip(data["x"], values, strict=True) if v is not None]
+        shown = pct(value) if chart.percent and not chart.id.startswith("eval-") else num(value)
+        when = (f"at step {steps[0]} only" if len(steps) == 1
+                else f"throughout (steps {steps[0]}–{steps[-1]}, {len(steps)} logged)")
+        lines.append((name, f"{shown} {when}"))
+    return lines
 
 
 def _all_chart_data(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, Chart, dict[str, Any]]]:
@@ -358,10 +421,11 @@ def _all_chart_data(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, Chart,
 
 def missing_charts(method: str, shown: Sequence[Chart]) -> list[str]:
     """Titles of the charts a run of `method` is expected to have but whose metrics its lines lack (RL only:
-    every RL chart but the other family's policy-loss health chart)."""
+    every RL chart but the other family's policy-loss health chart; the held-out reward is optional). `shown`:
+    the charts drawn or collapsed into lines."""
     if method not in RL_METHODS:
         return []
-    skip = {"loss", "dpo_reward", "dpo_accuracy"} | ({"dis", "dis_pos", "dis_neg"} if method in ("grpo", "grpo_async")
+    skip = {"loss", "dpo_reward", "dpo_accuracy", "heldout_reward"} | ({"dis", "dis_pos", "dis_neg"} if method in ("grpo", "grpo_async")
                                                      else {"clip"})
     if method != "sao":
         skip |= {"critic_loss", "explained_variance"}
@@ -390,12 +454,56 @@ def _figure(chart: Chart, data: Mapping[str, Any]) -> str:
             f'<script type="application/json" class="plot-data">{blob}</script></figure>')
 
 
-def _value(value: Any) -> str:
-    if isinstance(value, dict | list | tuple):
-        return json.dumps(value, default=str)
-    if isinstance(value, float):
-        return f"{value:.6g}"
+def _empty(value: Any) -> bool:
+    return value is None or value == "" or (isinstance(value, Mapping | list | tuple) and not value)
+
+
+def _text(value: Any) -> str:
+    """`value` as plain text: numbers by :func:`~sao_core.reporting.html.num`, booleans yes / no, lists
+    joined by commas, mappings as ``key: value`` pairs (empty parts left out); never JSON."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float):
+        return num(value)
+    if isinstance(value, Mapping):
+        return "; ".join(f"{k}: {_text(v)}" for k, v in value.items() if not _empty(v))
+    if isinstance(value, list | tuple):
+        return ", ".join(_text(v) for v in value if not _empty(v))
     return "" if value is None else str(value)
+
+
+def _cell(value: Any) -> str | Raw:
+    """A field's value cell: a list of records (the summary's ``evaluations``) as a small table, else
+    :func:`_text`."""
+    if isinstance(value, list | tuple) and value and all(isinstance(v, Mapping) for v in value):
+        keys = list(dict.fromkeys(k for v in value for k in v))
+        rows = [[_text(v.get(k)) for k in keys] for v in value]
+        numeric = [i for i, k in enumerate(keys) if all(isinstance(v.get(k), int | float) for v in value)]
+        return Raw(table([str(k) for k in keys], rows, numeric=numeric, cls="inner"))
+    return _text(value)
+
+
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def field_rows(fields: Mapping[str, Any], prefix: str = "") -> list[list[Any]]:
+    """(name, value) rows of a summary or config for people: nested mappings of named fields flattened into
+    ``key.sub`` rows, a histogram (plain values by bucket: ``{"1": 0.0, "3-4": 0.0}``) as one row of
+    ``bucket: value`` pairs, numbers rounded to 4 significant digits, lists of records as small tables, and
+    no row for an empty value (None, "", {}, [])."""
+    rows: list[list[Any]] = []
+    for key, value in fields.items():
+        name = f"{prefix}{key}"
+        if _empty(value):
+            continue
+        if isinstance(value, Mapping) and (any(_WORD.fullmatch(str(k)) for k in value)
+                                           or any(isinstance(v, Mapping | list | tuple) for v in value.values())):
+            rows += field_rows(value, f"{name}.")
+            continue
+        cell = _cell(value)
+        if cell != "":
+            rows.append([name, cell])
+    return rows
 
 
 def _link(uri: str, run: str) -> Raw:
@@ -415,6 +523,44 @@ def _href_in_run(uri: str, run: str) -> str | None:
     except ValueError:
         return None
     return "./" if below == "." else quote(below) + "/"
+
+
+def _model_name(model: Any, depth: int = 0) -> str:
+    """How the title names the model a run started from: a model id as written (``embedded:tiny``,
+    ``Qwen/Qwen3-0.6B``); a local ``<run>/model`` folder of an earlier run (the demo's SFT warm start) as
+    that run's own starting model plus its method (``embedded:tiny + SFT``); any other path or s3:// URI by
+    its last two parts. "" when there is none."""
+    if not isinstance(model, str) or not model.strip():
+        return ""
+    if storage.is_s3_uri(model):
+        return "…/" + "/".join(model.rstrip("/").split("/")[-2:])
+    path = Path(model).expanduser()
+    try:
+        is_dir = path.is_dir()
+    except OSError:
+        is_dir = False
+    if is_dir and depth < 3:
+        state = _latest_state(str(path.parent)) or {}
+        earlier = _read_json(str(path.parent / SUMMARY_FILE)) or {}
+        config = state.get("config") if isinstance(state.get("config"), dict) else {}
+        method = state.get("method") or earlier.get("method") or config.get("method")
+        base = _model_name(config.get("model"), depth + 1)
+        if base and isinstance(method, str):
+            return f"{base} + {method.upper()}"
+    if is_dir or model.startswith(("/", "~", "./", "../")):
+        return "…/" + "/".join(path.parts[-2:])
+    return model
+
+
+def run_title(method: Any, config: Mapping[str, Any] | None, summary: Mapping[str, Any] | None) -> str:
+    """The run named for a title: method, starting model and steps, e.g. ``SAO on embedded:tiny + SFT, 100
+    steps`` (steps done when it has finished, else those configured). "" when the model is not known."""
+    config = config or {}
+    model = _model_name(config.get("model"))
+    if not model or not method or method == "?":
+        return ""
+    steps = (summary or {}).get("steps") or config.get("steps")
+    return f"{str(method).upper()} on {model}" + (f", {steps} steps" if steps else "")
 
 
 def weights_trained(config: Mapping[str, Any], summary: Mapping[str, Any] | None) -> str:
@@ -453,25 +599,41 @@ def training_body(rows: Sequence[Mapping[str, Any]], *, run: str, method: str | 
     if isinstance(last.get("seconds"), int | float):
         meta.append(["seconds at the last line", f"{float(last['seconds']):.1f}"])
     sub = level + 1
-    body = [heading(level, f"Training report: {method}")]
+    title = run_title(method, config, summary)
+    # the page's own title names the run; embedded in the evaluation report (whose title names it) the
+    # section keeps its plain name
+    body = [heading(level, f"Training report: {title}" if title and level == 1 else f"Training report: {method}")]
     headline = training_headline(rows)
-    if headline:
+    if headline and level == 1:      # embedded, the page above opens with it
         body.append(f'<p class="headline"><b>{esc(headline[0].upper() + headline[1:])}.</b></p>')
+    drawn, flat = _layout(rows)
+    charts = [(name, chart, bucketed(data)) for name, chart, data in drawn]
+    lead = [c for c in charts if c[0] == RESULT_SECTION]     # the result first: the held-out reward
+    rest = [c for c in charts if c[0] != RESULT_SECTION]
+    if lead:
+        body.append(heading(sub, RESULT_SECTION) + '<div class="plots">' + "".join(_figure(c, d) for _, c, d in lead)
+                    + "</div>")
     body.append(table(["run", ""], meta))
     if summary:
-        body += [heading(sub, "Summary"), table(["field", "value"], [[k, _value(v)] for k, v in summary.items()])]
-    charts = chart_data(rows)
-    body.append(heading(sub, "Contents") + "<p>" + ", ".join(f'<a href="#plot-{slug(c.id)}">{esc(c.title)}</a>'
-                                                            for _, c, _ in charts) + "</p>")
+        body += [heading(sub, "Summary"), table(["field", "value"], field_rows(summary), cls="summary")]
+    links = [f'<a href="#plot-{slug(c.id)}">{esc(c.title)}</a>' for _, c, _ in charts]
+    if flat:
+        links.append('<a href="#constant">constant metrics</a>')
+    body.append(heading(sub, "Contents") + "<p>" + ", ".join(links) + "</p>")
     section = None
-    for name, chart, data in charts:
+    for name, chart, data in rest:
         if name != section:
             body.append(("</div>" if section else "") + heading(sub, name) + '<div class="plots">')
             section = name
         body.append(_figure(chart, data))
     if section:
         body.append("</div>")
-    missing = missing_charts(method, [c for _, c, _ in charts])
+    if flat:
+        items = "".join(f"<li><code>{esc(name)}</code>: {esc(text)}</li>"
+                        for _, _, lines in flat for name, text in lines)
+        body.append(f'<h{min(6, sub)} id="constant">Constant metrics (one line each instead of a flat chart)'
+                    f'</h{min(6, sub)}><ul class="constant">{items}</ul>')
+    missing = missing_charts(method, [c for _, c, _ in charts] + [c for _, c, _ in flat])
     if missing:
         body.append('<p class="muted missing">Not in this run\'s metrics (no chart): ' + esc("; ".join(missing))
                     + ".</p>")
@@ -482,7 +644,7 @@ def training_body(rows: Sequence[Mapping[str, Any]], *, run: str, method: str | 
         body.append('<p class="muted">None written yet.</p>')
     body.append(heading(sub, "Config"))
     if config:
-        body.append(table(["field", "value"], [[k, _value(v)] for k, v in config.items()], cls="config"))
+        body.append(table(["field", "value"], field_rows(config), cls="config"))
     else:
         body.append('<p class="muted">Not recorded yet (the config is kept in each checkpoint).</p>')
     body.append('<p class="muted">Generated by sao_core.reporting.training from metrics.jsonl.</p>')
@@ -495,7 +657,8 @@ def render_training_report(rows: Sequence[Mapping[str, Any]], *, run: str, metho
     """The training report as an HTML string (see the module docstring)."""
     body = training_body(rows, run=run, method=method, config=config, summary=summary, artifacts=artifacts)
     method = method or (summary or {}).get("method") or dict(config or {}).get("method") or "?"
-    return page(f"Training report: {method}", body, extra_css=TRAINING_CSS)
+    title = run_title(method, config, summary)
+    return page(f"Training report: {title or method}", body, extra_css=TRAINING_CSS)
 
 
 def _run_parts(run: str, metrics: str | Path | None, config: Mapping[str, Any] | None,
@@ -515,10 +678,12 @@ def _run_parts(run: str, metrics: str | Path | None, config: Mapping[str, Any] |
 
 
 class TrainingSection(NamedTuple):
-    """A run's training report as a section of another page, and its one-line headline."""
+    """A run's training report as a section of another page, its one-line headline and the run's name for
+    a title (:func:`run_title`; "" when its model is not known)."""
 
     html: str
     headline: str
+    title: str = ""
 
 
 def training_section(run: str) -> TrainingSection:
@@ -527,7 +692,8 @@ def training_section(run: str) -> TrainingSection:
     its :func:`training_headline`. ReportError when the run has no metrics."""
     parts = _run_parts(run, None, None, None, None)
     html = '<section id="training">' + "\n".join(training_body(**parts, level=2)) + "</section>"
-    return TrainingSection(html, training_headline(parts["rows"]))
+    method = parts["method"] or (parts["summary"] or {}).get("method") or (parts["config"] or {}).get("method")
+    return TrainingSection(html, training_headline(parts["rows"]), run_title(method, parts["config"], parts["summary"]))
 
 
 def training_headline(rows: Sequence[Mapping[str, Any]]) -> str:
