@@ -2,7 +2,8 @@
 
 The target of recurring runs (``sao kfp schedule``, e.g. every night at 02:00 with cron
 ``0 0 2 * * *``); ``c_previous_summary`` compares with an earlier run's summary. The run form's fields are
-grouped by prefix for the KFP UI's alphabetical list: a_ what and where, c_ evaluation settings, d_ cluster.
+grouped by prefix for the KFP UI's alphabetical list: a0_ the two required fields (first), a_ what else,
+c_ evaluation settings, d_ cluster.
 """
 
 from kfp import dsl
@@ -14,10 +15,12 @@ NAME = "sao-evaluation"
 LITERALS = {"c_engine": ["vllm", "hf"], "c_sandbox": ["kubernetes", "local"]}
 #: The pipeline's description in the KFP UI.
 DESCRIPTION = (
+    "Required: `a0_model` (what to evaluate) and `a0_output_root` (where to).\n\n"
     "Evaluate a model on SWE-Bench Verified, BeyondAIME and IMO-AnswerBench (one parallel step each) and write one "
-    "HTML report; the target of recurring runs. Required: a_model and a_output_root (a_adapter: an optional LoRA "
-    "adapter merged into a_model). Fields are grouped by prefix: a_: what to evaluate and where to write; c_: "
-    "evaluation settings (c_eval_options: other EvalConfig fields); d_: cluster. Every field is described in pipelines/README.md.")
+    "HTML report; the target of recurring runs. The two `a0_` fields come first in the form; every other field has "
+    "a default (`a_adapter`: an optional LoRA adapter merged into `a0_model`). Fields are grouped by prefix: `a0_` "
+    "required, `a_` what else to evaluate; `c_` evaluation settings (`c_eval_options`: other EvalConfig fields); "
+    "`d_` cluster. Every field is described in pipelines/README.md.")
 DEFAULT_BENCHMARKS = ["swe_verified", "beyond_aime", "imo_answerbench"]
 
 
@@ -29,8 +32,8 @@ def build_evaluation(settings: k8s.ClusterSettings | None = None):
 
     @dsl.pipeline(name=NAME, description=DESCRIPTION)
     def evaluation(
-        a_model: str,
-        a_output_root: str,
+        a0_model: str,
+        a0_output_root: str,
         a_adapter: str = "",
         c_benchmarks: list = DEFAULT_BENCHMARKS,  # noqa: B006 (a pipeline parameter's default, never mutated)
         c_engine: str = "vllm",
@@ -51,29 +54,29 @@ def build_evaluation(settings: k8s.ClusterSettings | None = None):
         """Evaluate a model on SWE-Bench Verified, BeyondAIME and IMO-AnswerBench; one HTML report.
 
         Args:
-            a_model: Required. Model to evaluate: an s3:// checkpoint (e.g. a training run's OUTPUT_ROOT/RUN_ID/sao/model), a directory, embedded:tiny or a Hugging Face id.
-            a_adapter: Optional LoRA adapter applied to a_model: a peft folder with a manifest or an s3:// checkpoint (e.g. a LoRA run's OUTPUT_ROOT/RUN_ID/sao/weights/vNNNNNN); each evaluation step merges it into a_model and evaluates the merged model ('' = none: a_model as it is).
-            a_output_root: Required. Where evaluation runs are written: s3://bucket/prefix in a cluster (a local directory for local runs). Each run writes OUTPUT_ROOT/RUN_ID/eval-BENCHMARK and OUTPUT_ROOT/RUN_ID/report.
-            c_benchmarks: Benchmarks to run, each in its own parallel step: swe_verified, beyond_aime, imo_answerbench.
+            a0_model: Required. Model to evaluate: an `s3://` checkpoint (e.g. a training run's `OUTPUT_ROOT/RUN_ID/sao/model`), a directory, `embedded:tiny` or a Hugging Face id.
+            a0_output_root: Required. Where evaluation runs are written: `s3://bucket/prefix` in a cluster (a local directory for local runs). Each run writes `OUTPUT_ROOT/RUN_ID/eval-BENCHMARK` and `OUTPUT_ROOT/RUN_ID/report`.
+            a_adapter: Optional; empty = none, `a0_model` as it is. A LoRA adapter applied to `a0_model`: a peft folder with a manifest or an `s3://` checkpoint (e.g. a LoRA run's `OUTPUT_ROOT/RUN_ID/sao/weights/vNNNNNN`); each evaluation step merges it into `a0_model` and evaluates the merged model.
+            c_benchmarks: Benchmarks to run, each in its own parallel step: `swe_verified`, `beyond_aime`, `imo_answerbench`.
             c_engine: Generation engine: vllm (GPU) or hf (transformers).
-            c_eval_options: Other evaluation settings as JSON (EvalConfig fields), e.g. {"concurrency": 32, "judge_url": "http://judge/v1", "judge_model": "..."}.
+            c_eval_options: Other evaluation settings as JSON (EvalConfig fields), e.g. `{"concurrency": 32, "judge_url": "http://judge/v1", "judge_model": "..."}`.
             c_k: Samples per problem (avg@k, pass@k, maj@k).
             c_limit: Evaluate only the first N problems of each benchmark (0 = all).
             c_max_new_tokens: Tokens per model turn.
             c_max_total_tokens: Tokens of a whole episode (prompt, turns, tool output).
-            c_previous_summary: summary.json of an earlier evaluation (path or s3://) to compare against in the report ('' = none).
+            c_previous_summary: Optional; empty = no comparison. `summary.json` of an earlier evaluation (path or `s3://`) to compare against in the report.
             c_sandbox: Where SWE-Bench agent commands and tests run: kubernetes (one pod per episode with the instance's image; needs a service account allowed to create pods) or local (bubblewrap inside the evaluation pod).
             c_temperature: Sampling temperature.
-            d_accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
+            d_accelerator_type: Kubernetes resource name of the GPUs, e.g. `nvidia.com/gpu`.
             d_gpu_count: GPUs of each evaluation pod (0 = none).
-            d_node_selector: Node labels evaluation pods require, e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
-            d_s3_secret_name: Kubernetes secret with the S3 credentials (keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL); optional.
-            d_tolerations: Tolerations of evaluation pods, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}].
+            d_node_selector: Node labels evaluation pods require, e.g. `{"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}`.
+            d_s3_secret_name: Kubernetes secret with the S3 credentials (keys `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`); optional.
+            d_tolerations: Tolerations of evaluation pods, e.g. `[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]`.
         """
         # The run form's grouped names (a_ inputs, b_ method, c_ evaluation, d_ cluster), as the steps name them.
-        model = a_model
+        model = a0_model
         adapter = a_adapter
-        output_root = a_output_root
+        output_root = a0_output_root
         benchmarks = c_benchmarks
         k = c_k
         limit = c_limit

@@ -5,9 +5,9 @@ method's data kind -> one ``dsl.If``/``dsl.Elif``/``dsl.Else`` branch per method
 an optional SFT warm start, in one pod or, with ``placement=trainjob``, as one Kubeflow Trainer
 TrainJob) -> evaluation of the trained model (one parallel step per benchmark) and
 a report. The pipeline's output is the trained model's URI. ``a_method`` is a dropdown in the KFP
-UI (and ``d_placement``); the run form's fields are grouped by prefix (a_ inputs and method, b_ method
-settings, c_ evaluation, d_ cluster) because the UI lists them alphabetically: :func:`sao_core.kfp.spec.compile_pipeline` patches their ``literals`` into the
-compiled spec.
+UI (and ``d_placement``): :func:`sao_core.kfp.spec.compile_pipeline` patches their ``literals`` into the
+compiled spec. The run form's fields are grouped by prefix because the UI lists them alphabetically: a0_
+the two required fields (first), a_ inputs and method, b_ method settings, c_ evaluation, d_ cluster.
 """
 
 from kfp import dsl
@@ -29,12 +29,14 @@ LITERALS = {"a_method": list(POST_TRAINING_METHODS), "d_placement": list(PLACEME
             "c_eval_sandbox": ["kubernetes", "local"]}
 #: The pipeline's description in the KFP UI (the fields' own descriptions are in the IR and pipelines/README.md).
 DESCRIPTION = (
-    "Post-train a model with the method picked in a_method: sft, cpt, dpo, gkd, grpo or sao. Required: "
-    "a_train_source and a_output_root. Fields are grouped by prefix, in the order listed: a_: what to train on, "
-    "how and where to write; b_: method settings; c_: evaluation; d_: cluster (TrainJob shape d_trainjob_*). "
-    "b_method_options takes the chosen method's other settings as JSON (SFTConfig / CPTConfig / DPOConfig / "
-    "GKDConfig / RLConfig fields, each listed with its default in components/README.md, Settings reference); an "
-    "unknown key fails the first step, naming it.")
+    "Required: `a0_train_source` and `a0_output_root`; the method: `a_method`.\n\n"
+    "Post-train a model with the method picked in `a_method`: sft, cpt, dpo, gkd, grpo or sao. The two `a0_` fields "
+    "come first in the form; every other field has a default. Fields are grouped by prefix, in the order listed: "
+    "`a0_` required, `a_` what to train on, how and where to write; `b_` method settings; `c_` evaluation; `d_` "
+    "cluster (TrainJob shape `d_trainjob_*`). `b_method_options` takes the chosen method's other settings as JSON "
+    "(SFTConfig / CPTConfig / DPOConfig / GKDConfig / RLConfig fields, each listed with its default in "
+    "components/README.md, Settings reference); an unknown key fails the first step, naming it. Every field is "
+    "described in pipelines/README.md.")
 DEFAULT_EVAL_BENCHMARKS = ["swe_verified", "beyond_aime", "imo_answerbench"]
 
 
@@ -48,8 +50,8 @@ def build_post_training(settings: k8s.ClusterSettings | None = None):
 
     @dsl.pipeline(name=NAME, description=DESCRIPTION)
     def post_training(
-        a_train_source: str,
-        a_output_root: str,
+        a0_train_source: str,
+        a0_output_root: str,
         a_base_model: str = "embedded:tiny",
         a_method: str = "sao",
         a_reference_model: str = "",
@@ -90,48 +92,48 @@ def build_post_training(settings: k8s.ClusterSettings | None = None):
         """Post-train a model with the method picked in the run form: SFT, CPT, DPO, GKD, GRPO or SAO.
 
         Args:
-            a_base_model: Model to start from: embedded:tiny, an s3:// checkpoint, a directory or a Hugging Face id.
+            a0_train_source: Required. Training data: a Hugging Face id, a file, or an `s3://` URI; its rows must fit the method's kind (sft and gkd: chat messages; cpt: text; dpo: prompt/chosen/rejected; grpo and sao: rl prompts with answers or tests).
+            a0_output_root: Required. Where checkpoints and models are written: `s3://bucket/prefix` in a cluster (a local directory for local runs). Each run writes `OUTPUT_ROOT/RUN_ID/METHOD`.
+            a_base_model: Model to start from: `embedded:tiny`, an `s3://` checkpoint, a directory or a Hugging Face id.
             a_method: Training method: sft, cpt, dpo, gkd, grpo (synchronous GRPO baseline) or sao (Single-rollout Asynchronous Optimization).
-            a_output_root: Required. Where checkpoints and models are written: s3://bucket/prefix in a cluster (a local directory for local runs). Each run writes OUTPUT_ROOT/RUN_ID/METHOD.
-            a_reference_model: dpo only: reference policy ('' = the initial policy).
-            a_teacher_model: gkd only (required there): teacher model reference sharing the tokenizer.
+            a_reference_model: Optional; empty = the initial policy. dpo only: the reference policy.
+            a_teacher_model: Optional; empty = none, but gkd requires it: the teacher model, sharing the tokenizer.
             a_train_limit: Use at most this many training rows (0 = all).
-            a_train_source: Required. Training data: a Hugging Face id, a file, or an s3:// URI; its rows must fit the method's kind (sft and gkd: chat messages; cpt: text; dpo: prompt/chosen/rejected; grpo and sao: rl prompts with answers or tests).
             a_train_split: Split of a Hugging Face training dataset.
-            a_warm_start_source: grpo and sao: SFT data for a warm start before RL ('' = none).
+            a_warm_start_source: Optional; empty = no warm start. grpo and sao: SFT data for a warm start before RL (`b_warm_start_steps` sets its length).
             b_batch_size: Examples per step (sft, cpt, dpo, gkd) or trajectories per step (grpo, sao).
             b_engine: Rollout engine of grpo and sao: vllm (GPU) or hf (transformers).
             b_learning_rate: Peak learning rate; for grpo and sao the policy learning rate.
             b_max_tokens: Token limit of examples (sft, cpt, dpo, gkd and the warm start).
-            b_method_options: Other settings of the chosen method as JSON (fields of its config), e.g. {"beta": 0.1} for dpo, {"critic_lr": 5e-6, "max_staleness": 4} or {"admission": "version_order"} for sao, {"group_size": 8} for grpo.
+            b_method_options: Other settings of the chosen method as JSON (fields of its config), e.g. `{"beta": 0.1}` for dpo, `{"critic_lr": 5e-6, "max_staleness": 4}` or `{"admission": "version_order"}` for sao, `{"group_size": 8}` for grpo.
             b_steps: Optimiser steps (sft, cpt, dpo, gkd) or learner steps (grpo, sao).
             b_warm_start_lr: Learning rate of the warm-start SFT.
-            b_warm_start_steps: grpo and sao: SFT steps of the warm start (0 = no warm start).
-            c_eval_benchmarks: Benchmarks of the final evaluation: swe_verified, beyond_aime, imo_answerbench.
+            b_warm_start_steps: grpo and sao: SFT steps of the warm start (0 = no warm start; needs `a_warm_start_source`).
+            c_eval_benchmarks: Benchmarks of the final evaluation: `swe_verified`, `beyond_aime`, `imo_answerbench`.
             c_eval_k: Samples per problem in the evaluation.
             c_eval_limit: Evaluate only the first N problems of each benchmark (0 = all).
             c_eval_max_new_tokens: Evaluation: tokens per model turn.
             c_eval_max_total_tokens: Evaluation: tokens of a whole episode.
-            c_eval_options: Other evaluation settings as JSON (EvalConfig fields), e.g. {"concurrency": 32}.
+            c_eval_options: Other evaluation settings as JSON (EvalConfig fields), e.g. `{"concurrency": 32}`.
             c_eval_sandbox: Where SWE-Bench agent commands and tests run: kubernetes (one pod per episode) or local (bubblewrap in the evaluation pod).
-            c_previous_summary: summary.json of an earlier evaluation (path or s3://) to compare against in the report ('' = none).
+            c_previous_summary: Optional; empty = no comparison. `summary.json` of an earlier evaluation (path or `s3://`) to compare against in the report.
             c_run_evaluation: Evaluate the trained model at the end (one step per benchmark, then a report).
-            d_accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
+            d_accelerator_type: Kubernetes resource name of the GPUs, e.g. `nvidia.com/gpu`.
             d_eval_gpu_count: GPUs of each evaluation pod (0 = none).
             d_gpu_count: GPUs of each training pod (0 = none).
-            d_node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
-            d_placement: grpo and sao: where the RL step runs: single_pod (rollout service and learner in one pod with gpu_count GPUs) or trainjob (one Kubeflow Trainer TrainJob: rollout replicas + a multi-node torchrun learner, admitted by Kueue as one workload; output_root must be s3://; see deploy/README.md). The warm start runs in one pod either way.
-            d_s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
-            d_tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}].
-            d_trainjob_gpus_per_node: placement=trainjob: GPUs per learner node = torchrun processes per node (0: one CPU process).
-            d_trainjob_num_nodes: placement=trainjob: Learner nodes (pods of the node job); torchrun --nnodes.
-            d_trainjob_rollout_gpus: placement=trainjob: GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size).
-            d_trainjob_rollout_replicas: placement=trainjob: Rollout service replicas (one pod and one Job each).
-            d_trainjob_tensor_parallel_size: placement=trainjob: VLLM tensor-parallel size inside one replica.
+            d_node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. `{"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}`.
+            d_placement: grpo and sao: where the RL step runs: `single_pod` (rollout service and learner in one pod with `d_gpu_count` GPUs) or `trainjob` (one Kubeflow Trainer TrainJob shaped by `d_trainjob_*`: rollout replicas + a multi-node torchrun learner, admitted by Kueue as one workload; `a0_output_root` must be `s3://`; see deploy/README.md). The warm start runs in one pod either way.
+            d_s3_secret_name: Kubernetes Secret with the S3 credentials: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` (+ `AWS_ENDPOINT_URL`, `AWS_DEFAULT_REGION`).
+            d_tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. `[{"key": "nvidia.com/gpu", "operator": "Exists"}]`.
+            d_trainjob_gpus_per_node: `d_placement=trainjob`: GPUs per learner node = torchrun processes per node (0: one CPU process).
+            d_trainjob_num_nodes: `d_placement=trainjob`: Learner nodes (pods of the node job); `torchrun --nnodes`.
+            d_trainjob_rollout_gpus: `d_placement=trainjob`: GPUs per rollout replica (vllm: `tensor_parallel_size` x `data_parallel_size`).
+            d_trainjob_rollout_replicas: `d_placement=trainjob`: Rollout service replicas (one pod and one Job each).
+            d_trainjob_tensor_parallel_size: `d_placement=trainjob`: VLLM tensor-parallel size inside one replica.
         """
         # The run form's grouped names (a_ inputs, b_ method, c_ evaluation, d_ cluster), as the steps name them.
-        train_source = a_train_source
-        output_root = a_output_root
+        train_source = a0_train_source
+        output_root = a0_output_root
         method = a_method
         base_model = a_base_model
         train_split = a_train_split

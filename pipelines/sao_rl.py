@@ -2,8 +2,8 @@
 
 The SAO path with SAO's everyday settings in the run form and the others in ``b_options`` (post_training has
 them all in ``method_options``). The run form is grouped for the KFP UI, which lists fields alphabetically:
-``a_`` what to train on and where to write (the two required fields are here), ``b_`` SAO settings, ``c_``
-evaluation, ``d_`` cluster (TrainJob shape as ``d_trainjob_*``). Past the prefix each name is the setting's
+``a0_`` the two required fields (first in the form), ``a_`` what else to train on, ``b_`` SAO settings,
+``c_`` evaluation, ``d_`` cluster (TrainJob shape as ``d_trainjob_*``). Past the prefix each name is the setting's
 own (``b_max_staleness`` is RLConfig ``max_staleness``). The first step checks every argument as the steps
 will (``check_sao_rl_arguments``): an unknown ``b_options`` key fails it, by name, before data preparation.
 The RL data is prepared next; ``dsl.If(placement == "trainjob")`` picks where SAO runs: one pod with
@@ -189,8 +189,8 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
 
     @dsl.pipeline(name=NAME, description=sao_rl_description(TOP_LEVEL_SETTINGS))
     def sao_rl(
-        a_rl_source: str,
-        a_output_root: str,
+        a0_rl_source: str,
+        a0_output_root: str,
         a_base_model: str = "embedded:tiny",
         a_rl_split: str = "train",
         a_rl_limit: int = 0,
@@ -228,47 +228,47 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
         """SAO end to end: data preparation, optional SFT warm start, SAO training, evaluation and a report.
 
         Args:
-            a_rl_source: Required. RL prompts (prompt, reference answer or tests, environment): a Hugging Face id, a file, or an s3:// URI.
-            a_output_root: Required. Where checkpoints, models and evaluations are written: s3://bucket/prefix in a cluster (a local directory for local runs). Each run writes OUTPUT_ROOT/RUN_ID/{sft,sao,eval-*,report}.
-            a_base_model: Model to start from: embedded:tiny, an s3:// checkpoint, a directory or a Hugging Face id.
+            a0_rl_source: Required. RL prompts (prompt, reference answer or tests, environment): a Hugging Face id, a file, or an `s3://` URI.
+            a0_output_root: Required. Where checkpoints, models and evaluations are written: `s3://bucket/prefix` in a cluster (a local directory for local runs). Each run writes `OUTPUT_ROOT/RUN_ID/{sft,sao,eval-*,report}`.
+            a_base_model: Model to start from: `embedded:tiny`, an `s3://` checkpoint, a directory or a Hugging Face id.
             a_rl_split: Split of a Hugging Face RL dataset.
             a_rl_limit: Use at most this many RL prompts (0 = all).
-            a_warm_start_source: SFT data (chat messages) for a warm start before SAO ('' = none; b_warm_start_steps sets its length).
+            a_warm_start_source: Optional; empty = no warm start. SFT data (chat messages) for a warm start before SAO (`b_warm_start_steps` sets its length).
             b_steps: Optimiser steps (RL: learner steps) in total.
-            b_batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
+            b_batch_size: Trajectories per step (B), one per prompt (GRPO: groups of `group_size`).
             b_policy_lr: Policy learning rate (peak, after the warm-up).
-            b_max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
-            b_admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
-            b_eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).
-            b_eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding).
+            b_max_staleness: S, the most weights versions a trained token may lag (`window` / `version_order` / `requeue` drop trajectories beyond it; `no_drop` / `fragments` drop only past the safety bound).
+            b_admission: How the run admits episodes and batches them: `no_drop`, `window`, `version_order`, `requeue` or `fragments`. `no_drop` (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound `hard_staleness`, default 4·S, is dropped); `window`: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; `version_order`: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); `requeue`: window, and a prompt dropped as stale is rolled out once more; `fragments` (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than `no_drop`, at a lower throughput).
+            b_eps_low: DIS band lower width: tokens with ratio <= 1 - `eps_low` are masked (0.3 math with tools, 0.8 agentic coding).
+            b_eps_high: DIS band upper width: tokens with ratio >= 1 + `eps_high` are masked (5.0 math with tools, 3.0 agentic coding).
             b_engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
-            b_options: Any other RLConfig setting as JSON, e.g. {"critic_lr": 5e-6, "critic_warmup_steps": 10, "max_total_tokens": 32768, "checkpoint_every": 50}; the pipeline's description lists every key and its default (an unknown key fails the first step).
-            b_warm_start_steps: SFT steps of the warm start (0 = no warm start). RL from a model whose sampled reward is near 0 learns little: warm-start until it is about 0.2.
-            b_warm_start_options: SFTConfig settings of the warm start as JSON (defaults {"lr": 1e-5, "batch_size": 16, "max_tokens": 512}).
-            c_eval_benchmarks: Benchmarks of the final evaluation: swe_verified, beyond_aime, imo_answerbench.
+            b_options: Any other RLConfig setting as JSON, e.g. `{"critic_lr": 5e-6, "critic_warmup_steps": 10, "max_total_tokens": 32768, "checkpoint_every": 50}`; the pipeline's description lists every key and its default (an unknown key fails the first step).
+            b_warm_start_steps: SFT steps of the warm start (0 = no warm start; needs `a_warm_start_source`). RL from a model whose sampled reward is near 0 learns little: warm-start until it is about 0.2.
+            b_warm_start_options: SFTConfig settings of the warm start as JSON (defaults `{"lr": 1e-5, "batch_size": 16, "max_tokens": 512}`).
+            c_eval_benchmarks: Benchmarks of the final evaluation: `swe_verified`, `beyond_aime`, `imo_answerbench`.
             c_eval_k: Samples per problem in the evaluation.
             c_eval_limit: Evaluate only the first N problems of each benchmark (0 = all).
             c_eval_sandbox: Where SWE-Bench agent commands and tests run: kubernetes (one pod per episode) or local (bubblewrap in the evaluation pod).
-            c_eval_options: Other evaluation settings as JSON (EvalConfig fields), e.g. {"max_new_tokens": 4096, "max_total_tokens": 32768, "imo_answerbench_source": "s3://..."}.
-            c_previous_summary: summary.json of an earlier evaluation (path or s3://) to compare against in the report ('' = none).
-            d_placement: Where SAO runs: single_pod (rollout service and learner in one pod with d_gpu_count GPUs) or trainjob (one Kubeflow Trainer TrainJob shaped by d_trainjob_*: rollout replicas + a multi-node torchrun learner, admitted by Kueue as one workload; a_output_root must be s3://; see deploy/README.md). The warm start runs in one pod either way.
-            d_gpu_count: GPUs of the SFT and (single_pod) SAO pods (0 = none).
+            c_eval_options: Other evaluation settings as JSON (EvalConfig fields), e.g. `{"max_new_tokens": 4096, "max_total_tokens": 32768, "imo_answerbench_source": "s3://..."}`.
+            c_previous_summary: Optional; empty = no comparison. `summary.json` of an earlier evaluation (path or `s3://`) to compare against in the report.
+            d_placement: Where SAO runs: `single_pod` (rollout service and learner in one pod with `d_gpu_count` GPUs) or `trainjob` (one Kubeflow Trainer TrainJob shaped by `d_trainjob_*`: rollout replicas + a multi-node torchrun learner, admitted by Kueue as one workload; `a0_output_root` must be `s3://`; see deploy/README.md). The warm start runs in one pod either way.
+            d_gpu_count: GPUs of the SFT and (`single_pod`) SAO pods (0 = none).
             d_eval_gpu_count: GPUs of each evaluation pod (0 = none).
-            d_accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
-            d_node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
-            d_tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}].
-            d_s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
-            d_trainjob_num_nodes: placement=trainjob: Learner nodes (pods of the node job); torchrun --nnodes.
-            d_trainjob_gpus_per_node: placement=trainjob: GPUs per learner node = torchrun processes per node (0: one CPU process).
-            d_trainjob_rollout_replicas: placement=trainjob: Rollout service replicas (one pod and one Job each).
-            d_trainjob_rollout_gpus: placement=trainjob: GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size).
-            d_trainjob_tensor_parallel_size: placement=trainjob: VLLM tensor-parallel size inside one replica.
+            d_accelerator_type: Kubernetes resource name of the GPUs, e.g. `nvidia.com/gpu`.
+            d_node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. `{"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}`.
+            d_tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. `[{"key": "nvidia.com/gpu", "operator": "Exists"}]`.
+            d_s3_secret_name: Kubernetes Secret with the S3 credentials: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` (+ `AWS_ENDPOINT_URL`, `AWS_DEFAULT_REGION`).
+            d_trainjob_num_nodes: `d_placement=trainjob`: Learner nodes (pods of the node job); `torchrun --nnodes`.
+            d_trainjob_gpus_per_node: `d_placement=trainjob`: GPUs per learner node = torchrun processes per node (0: one CPU process).
+            d_trainjob_rollout_replicas: `d_placement=trainjob`: Rollout service replicas (one pod and one Job each).
+            d_trainjob_rollout_gpus: `d_placement=trainjob`: GPUs per rollout replica (vllm: `tensor_parallel_size` x `data_parallel_size`).
+            d_trainjob_tensor_parallel_size: `d_placement=trainjob`: VLLM tensor-parallel size inside one replica.
         """
         params = k8s.ClusterParams(gpu_count=d_gpu_count, accelerator_type=d_accelerator_type,
                                    node_selector=d_node_selector, tolerations=d_tolerations,
                                    s3_secret_name=d_s3_secret_name)
         check = check_sao_rl_arguments(
-            output_root=a_output_root, steps=b_steps, batch_size=b_batch_size, policy_lr=b_policy_lr,
+            output_root=a0_output_root, steps=b_steps, batch_size=b_batch_size, policy_lr=b_policy_lr,
             max_staleness=b_max_staleness, admission=b_admission, eps_low=b_eps_low, eps_high=b_eps_high,
             engine=b_engine, warm_start_source=a_warm_start_source, warm_start_steps=b_warm_start_steps,
             options=b_options, warm_start_options=b_warm_start_options, eval_options=c_eval_options,
@@ -276,9 +276,9 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
             rollout_replicas=d_trainjob_rollout_replicas, rollout_gpus=d_trainjob_rollout_gpus,
             tensor_parallel_size=d_trainjob_tensor_parallel_size, s3_secret_name=d_s3_secret_name)
         k8s.apply(check.set_display_name("check arguments"), "cpu", params, settings, image_kind="cpu")
-        rl_data = prepare_data(source=a_rl_source, kind="rl", split=a_rl_split, limit=a_rl_limit).after(check)
+        rl_data = prepare_data(source=a0_rl_source, kind="rl", split=a_rl_split, limit=a_rl_limit).after(check)
         k8s.apply(rl_data.set_display_name("prepare rl data"), "data", params, settings, image_kind="cpu")
-        stage = dict(data=rl_data.outputs["dataset"], output_root=a_output_root, base_model=a_base_model,
+        stage = dict(data=rl_data.outputs["dataset"], output_root=a0_output_root, base_model=a_base_model,
                      warm_start_source=a_warm_start_source, warm_start_steps=b_warm_start_steps,
                      warm_start_options=b_warm_start_options, steps=b_steps, batch_size=b_batch_size,
                      policy_lr=b_policy_lr, max_staleness=b_max_staleness, admission=b_admission, eps_low=b_eps_low,
@@ -295,7 +295,7 @@ def build_sao_rl(settings: k8s.ClusterSettings | None = None):
         trained = dsl.OneOf(multi.output, single.output)
         # max_new_tokens / max_total_tokens at the evaluate component's defaults: c_eval_options may set them.
         evaluation = evaluation_stage(
-            model=trained, output_root=a_output_root, benchmarks=c_eval_benchmarks, k=c_eval_k, limit=c_eval_limit,
+            model=trained, output_root=a0_output_root, benchmarks=c_eval_benchmarks, k=c_eval_k, limit=c_eval_limit,
             engine=b_engine, max_new_tokens=4096, max_total_tokens=32768, temperature=1.0, sandbox=c_eval_sandbox,
             previous_summary=c_previous_summary, eval_options=c_eval_options, gpu_count=d_eval_gpu_count,
             accelerator_type=d_accelerator_type, node_selector=d_node_selector, tolerations=d_tolerations,

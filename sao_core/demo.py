@@ -206,7 +206,7 @@ def run_sao_rl_demo(output: str | Path, cache_dir: str | Path, *, warm_start_ste
     from sao_core.kfp.local import LocalRunError, run_pipeline
 
     arguments = dict(
-        a_rl_source=str(rl), a_output_root=str(out / "runs"), a_base_model=EMBEDDED_TINY,
+        a0_rl_source=str(rl), a0_output_root=str(out / "runs"), a_base_model=EMBEDDED_TINY,
         a_warm_start_source=str(warm), b_warm_start_steps=warm_start_steps,
         b_warm_start_options={"lr": 3e-3, "batch_size": 16, "max_tokens": 256},
         b_steps=sao_steps, b_batch_size=batch_size, b_policy_lr=policy_lr, b_engine="hf",

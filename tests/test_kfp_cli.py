@@ -63,17 +63,17 @@ def test_upload_run_schedule_list_disable(server, capsys):
 
     code, out, _ = _sao(capsys, "kfp", "run", "--host", server.url, "--experiment", "evals", "--run-name", "r1",
                         "--pipeline-id", uploaded["pipeline_id"], "--version-id", uploaded["version_id"],
-                        "--param", "a_model=s3://b/m", "--param", "a_output_root=s3://b/runs", "--param", "c_k=8",
+                        "--param", "a0_model=s3://b/m", "--param", "a0_output_root=s3://b/runs", "--param", "c_k=8",
                         "--param", 'c_benchmarks=["beyond_aime"]')
     assert code == 0, out
     body = server.of("RunService_CreateRun")[0]["body"]
-    assert body["runtime_config"]["parameters"] == {"a_model": "s3://b/m", "a_output_root": "s3://b/runs", "c_k": 8,
+    assert body["runtime_config"]["parameters"] == {"a0_model": "s3://b/m", "a0_output_root": "s3://b/runs", "c_k": 8,
                                                     "c_benchmarks": ["beyond_aime"]}
     assert json.loads(out)["run_id"] == body.get("run_id", json.loads(out)["run_id"])
 
     code, out, _ = _sao(capsys, "kfp", "schedule", "--host", server.url, "--experiment", "evals", "--name", "nightly",
-                        "--cron", "0 0 2 * * *", "--pipeline", "evaluation", "--param", "a_model=s3://b/m",
-                        "--param", "a_output_root=s3://b/runs", "--start-time", "2026-12-01T00:00:00+00:00")
+                        "--cron", "0 0 2 * * *", "--pipeline", "evaluation", "--param", "a0_model=s3://b/m",
+                        "--param", "a0_output_root=s3://b/runs", "--start-time", "2026-12-01T00:00:00+00:00")
     assert code == 0, out
     created = json.loads(out)
     body = server.of("RecurringRunService_CreateRecurringRun")[0]["body"]
@@ -99,7 +99,7 @@ def test_upload_run_schedule_list_disable(server, capsys):
 ])
 def test_schedule_errors_are_one_line_before_any_request(server, capsys, argv, message):
     code, _, err = _sao(capsys, "kfp", "schedule", "--host", server.url, "--experiment", "e", "--name", "n",
-                        "--pipeline", "evaluation", "--param", "a_model=m", "--param", "a_output_root=r", *argv)
+                        "--pipeline", "evaluation", "--param", "a0_model=m", "--param", "a0_output_root=r", *argv)
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert err.startswith("sao kfp: error: ")
     assert server.requests == []

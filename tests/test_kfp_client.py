@@ -342,7 +342,7 @@ def test_upload_sends_the_packages_own_description_by_default(server, packages):
     (upload,) = server.of("UploadPipeline")
     said = upload["query"]["description"]
     assert said == kfp_client.package_description(packages["sao_rl"])
-    assert "Required: a_rl_source and a_output_root" in said and "critic_lr=5e-06" in said
+    assert said.startswith("Required: `a0_rl_source`") and "`critic_lr=5e-06`" in said
     assert kfp_client.package_description(packages["sao_rl"].parent / "missing.yaml") is None
 
 
@@ -357,7 +357,7 @@ def test_upload_refuses_a_missing_package_before_any_request(server, tmp_path):
 # ------------------------------------------------------------------------------------ runs
 def test_run_sends_the_exact_body(server, packages):
     api = _api(server)
-    result = kfp_client.run(api, "nightly", "eval-1", {"a_model": "s3://b/m", "a_output_root": "s3://b/runs", "c_k": 8,
+    result = kfp_client.run(api, "nightly", "eval-1", {"a0_model": "s3://b/m", "a0_output_root": "s3://b/runs", "c_k": 8,
                                                         "c_benchmarks": ["imo_answerbench"]},
                             package_path=packages["evaluation"])
     (create,) = server.of("RunService_CreateRun")
@@ -365,21 +365,21 @@ def test_run_sends_the_exact_body(server, packages):
     assert result == {"run_id": next(iter(server.runs)), "experiment_id": next(iter(server.experiments))}
     body = create["body"]
     assert body["display_name"] == "eval-1" and body["experiment_id"] == result["experiment_id"]
-    assert body["runtime_config"] == {"parameters": {"a_model": "s3://b/m", "a_output_root": "s3://b/runs", "c_k": 8,
+    assert body["runtime_config"] == {"parameters": {"a0_model": "s3://b/m", "a0_output_root": "s3://b/runs", "c_k": 8,
                                                      "c_benchmarks": ["imo_answerbench"]}}
     # The package has two documents, so the Kubernetes platform spec travels with the pipeline spec.
     assert body["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "sao-evaluation"
     assert "kubernetes" in body["pipeline_spec"]["platform_spec"]["platforms"]
     assert experiment_id["body"] == {"display_name": "nightly", "namespace": ""}
     # A second run reuses the experiment.
-    kfp_client.run(api, "nightly", "eval-2", {"a_model": "m", "a_output_root": "r"}, package_path=packages["evaluation"])
+    kfp_client.run(api, "nightly", "eval-2", {"a0_model": "m", "a0_output_root": "r"}, package_path=packages["evaluation"])
     assert len(server.of("ExperimentService_CreateExperiment")) == 1 and len(server.runs) == 2
 
 
 def test_run_of_an_uploaded_version_checks_arguments_against_the_server_spec(server, packages):
     api = _api(server)
     uploaded = kfp_client.upload(api, packages["post_training"], "sao-post-training")
-    kfp_client.run(api, "exp", "pt-1", {"a_train_source": "s3://b/d.jsonl", "a_output_root": "s3://b/r", "a_method": "dpo"},
+    kfp_client.run(api, "exp", "pt-1", {"a0_train_source": "s3://b/d.jsonl", "a0_output_root": "s3://b/r", "a_method": "dpo"},
                    pipeline_id=uploaded["pipeline_id"], version_id=uploaded["version_id"])
     body = server.of("RunService_CreateRun")[0]["body"]
     assert body["pipeline_version_reference"] == {"pipeline_id": uploaded["pipeline_id"],
@@ -387,18 +387,18 @@ def test_run_of_an_uploaded_version_checks_arguments_against_the_server_spec(ser
     assert "pipeline_spec" not in body
     count = len(server.requests)
     with pytest.raises(KFPError, match="'a_method' must be one of sft, cpt, dpo, gkd, grpo, sao"):
-        kfp_client.run(api, "exp", "pt-2", {"a_train_source": "x", "a_output_root": "y", "a_method": "ppo"},
+        kfp_client.run(api, "exp", "pt-2", {"a0_train_source": "x", "a0_output_root": "y", "a_method": "ppo"},
                        pipeline_id=uploaded["pipeline_id"], version_id=uploaded["version_id"])
     assert [r["operation"] for r in server.requests[count:]] == ["PipelineService_GetPipelineVersion"]
 
 
 @pytest.mark.parametrize("arguments, message", [
-    ({"a_model": "m"}, "missing required pipeline parameter\\(s\\): a_output_root"),
-    ({"a_model": "m", "a_output_root": "r", "kk": 1}, "unknown pipeline parameter\\(s\\) kk"),
-    ({"a_model": "m", "a_output_root": "r", "c_k": "four"}, "'c_k' must be integer"),
-    ({"a_model": "m", "a_output_root": "r", "c_k": True}, "'c_k' must be integer"),
-    ({"a_model": "m", "a_output_root": "r", "c_benchmarks": "imo_answerbench"}, "'c_benchmarks' must be list"),
-    ({"a_model": "m", "a_output_root": "r", "c_engine": "trt"}, "'c_engine' must be one of vllm, hf"),
+    ({"a0_model": "m"}, "missing required pipeline parameter\\(s\\): a0_output_root"),
+    ({"a0_model": "m", "a0_output_root": "r", "kk": 1}, "unknown pipeline parameter\\(s\\) kk"),
+    ({"a0_model": "m", "a0_output_root": "r", "c_k": "four"}, "'c_k' must be integer"),
+    ({"a0_model": "m", "a0_output_root": "r", "c_k": True}, "'c_k' must be integer"),
+    ({"a0_model": "m", "a0_output_root": "r", "c_benchmarks": "imo_answerbench"}, "'c_benchmarks' must be list"),
+    ({"a0_model": "m", "a0_output_root": "r", "c_engine": "trt"}, "'c_engine' must be one of vllm, hf"),
 ])
 def test_bad_arguments_are_refused_before_any_request(server, packages, arguments, message):
     api = _api(server)
@@ -416,7 +416,7 @@ def test_schedule_sends_the_exact_body_then_list_and_disable(server, packages):
     import datetime as dt
 
     created = kfp_client.schedule(api, "nightly", "nightly-eval", "0  0 2 * * *",
-                                  {"a_model": "s3://b/m", "a_output_root": "s3://b/runs"},
+                                  {"a0_model": "s3://b/m", "a0_output_root": "s3://b/runs"},
                                   package_path=packages["evaluation"], max_concurrency=2,
                                   start_time=dt.datetime(2026, 12, 1, 3, 0, tzinfo=dt.timezone(dt.timedelta(hours=1))))
     (request,) = server.of("RecurringRunService_CreateRecurringRun")
@@ -427,12 +427,12 @@ def test_schedule_sends_the_exact_body_then_list_and_disable(server, packages):
     assert body == {
         "display_name": "nightly-eval", "experiment_id": created["experiment_id"],
         "max_concurrency": 2, "mode": "ENABLE", "no_catchup": True,
-        "runtime_config": {"parameters": {"a_model": "s3://b/m", "a_output_root": "s3://b/runs"}},
+        "runtime_config": {"parameters": {"a0_model": "s3://b/m", "a0_output_root": "s3://b/runs"}},
         "trigger": {"cron_schedule": {"cron": "0 0 2 * * *", "start_time": "2026-12-01T02:00:00Z"}},
     }
 
     for i in range(3):  # enough for two pages of two
-        kfp_client.schedule(api, "other", f"job-{i}", "0 30 * * * MON-FRI", {"a_model": "m", "a_output_root": "r"},
+        kfp_client.schedule(api, "other", f"job-{i}", "0 30 * * * MON-FRI", {"a0_model": "m", "a0_output_root": "r"},
                             package_path=packages["evaluation"], enabled=False, no_catchup=False)
     everything = kfp_client.list_recurring_runs(api, page_size=2)
     assert [r["name"] for r in everything] == ["nightly-eval", "job-0", "job-1", "job-2"]
@@ -462,7 +462,7 @@ def test_bad_cron_is_refused_before_any_request(server, packages, cron, message)
     api = _api(server)
     before = len(server.requests)
     with pytest.raises(KFPError, match=message):
-        kfp_client.schedule(api, "exp", "s", cron, {"a_model": "m", "a_output_root": "r"},
+        kfp_client.schedule(api, "exp", "s", cron, {"a0_model": "m", "a0_output_root": "r"},
                             package_path=packages["evaluation"])
     assert len(server.requests) == before
 
@@ -476,7 +476,7 @@ def test_bad_cron_is_refused_before_any_request(server, packages, cron, message)
 def test_bad_schedule_settings_are_refused_before_any_request(server, packages, kwargs, message):
     api = _api(server)
     before = len(server.requests)
-    arguments = dict(experiment="exp", name="s", cron="0 0 2 * * *", arguments={"a_model": "m", "a_output_root": "r"},
+    arguments = dict(experiment="exp", name="s", cron="0 0 2 * * *", arguments={"a0_model": "m", "a0_output_root": "r"},
                      package_path=packages["evaluation"])
     arguments.update(kwargs)
     with pytest.raises(KFPError, match=message):
@@ -528,9 +528,9 @@ def test_argument_strings_are_typed_by_the_pipeline(packages):
     parameters = kfp_client.parameters_of(packages["post_training"])
     assert kfp_client.parse_argument_strings(parameters, [
         "a_method=sao", "b_steps=200", "b_learning_rate=1", "b_method_options={\"critic_lr\": 1e-5}", "c_run_evaluation=false",
-        "c_eval_benchmarks=[\"imo_answerbench\"]", "a_train_source=s3://b/x.jsonl"]) == {
+        "c_eval_benchmarks=[\"imo_answerbench\"]", "a0_train_source=s3://b/x.jsonl"]) == {
         "a_method": "sao", "b_steps": 200, "b_learning_rate": 1.0, "b_method_options": {"critic_lr": 1e-5},
-        "c_run_evaluation": False, "c_eval_benchmarks": ["imo_answerbench"], "a_train_source": "s3://b/x.jsonl"}
+        "c_run_evaluation": False, "c_eval_benchmarks": ["imo_answerbench"], "a0_train_source": "s3://b/x.jsonl"}
     with pytest.raises(KFPError, match="needs a JSON value"):
         kfp_client.parse_argument_strings(parameters, ["b_steps=many"])
     with pytest.raises(KFPError, match="name=value"):

@@ -106,7 +106,7 @@ def test_sao_rl_admission_is_a_dropdown_that_reaches_every_sao_step(compiled):
     assert verify_package(path, {"b_admission": list(ADMISSION_RULES)})["literals"]["b_admission"] == \
         list(ADMISSION_RULES)
     parameters = parameters_of(path)
-    required = {"a_rl_source": "s3://b/rl.jsonl", "a_output_root": "s3://b/runs"}
+    required = {"a0_rl_source": "s3://b/rl.jsonl", "a0_output_root": "s3://b/runs"}
     assert check_arguments(parameters, {**required, "b_admission": "version_order"})["b_admission"] == \
         "version_order"
     with pytest.raises(KFPError, match="pipeline parameter 'b_admission' must be one of window, version_order, "
@@ -306,7 +306,7 @@ def test_verify_refuses_broken_packages(tmp_path, compiled):
 
 def test_the_sao_rl_form_reads_in_groups_in_the_order_the_kfp_ui_lists_it(compiled):
     """The KFP UI lists a run's fields alphabetically by name (the IR's parameter map). Rendered in that order,
-    sao_rl's form runs a_ (inputs and outputs, with both required fields) -> b_ (SAO) -> c_ (evaluation) -> d_
+    sao_rl's form runs a0_ (the two required fields) -> a_ (other inputs) -> b_ (SAO) -> c_ (evaluation) -> d_
     (cluster), the TrainJob shape sits together, every field has a description, and the pipeline's description
     names the required fields and lists every b_options key with its default."""
     from sao_core.config import settings_of
@@ -316,15 +316,15 @@ def test_the_sao_rl_form_reads_in_groups_in_the_order_the_kfp_ui_lists_it(compil
     parameters = spec["root"]["inputDefinitions"]["parameters"]
     form = sorted(parameters)                      # the UI's order
     groups = [name.split("_", 1)[0] for name in form]
-    assert groups == sorted(groups) and set(groups) == {"a", "b", "c", "d"}, form
+    assert groups == sorted(groups, key=lambda g: g + "_") and set(groups) == {"a0", "a", "b", "c", "d"}, form
     required = [n for n in form if not parameters[n].get("isOptional")]
-    assert required == ["a_output_root", "a_rl_source"] and form.index("a_rl_source") < 4
+    assert required == ["a0_output_root", "a0_rl_source"] == form[:2]
     shape = [n for n in form if n.startswith("d_trainjob_")]
     assert len(shape) == 5 and form.index(shape[-1]) - form.index(shape[0]) == 4   # one block
     assert form.index(shape[0]) - form.index("d_placement") <= 3
     assert all(parameters[n].get("description") for n in form) and len(form) == 35
     described = spec["pipelineInfo"]["description"]
-    assert "Required: a_rl_source and a_output_root" in described
+    assert described.startswith("Required: `a0_rl_source` (RL prompts) and `a0_output_root`")
     fields = {n.split("_", 1)[1] for n in form}
     for setting in settings_of(RLConfig).values():
         if setting.name not in fields | {"data", "output", "model", "method", "resume", "cache_dir", "services",

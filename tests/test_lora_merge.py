@@ -321,7 +321,7 @@ def test_the_evaluation_pipeline_passes_a_adapter_to_every_step(adapters, sao_ca
     from sao_core.kfp.local import run_pipeline
 
     report_uri = run_pipeline(evaluation, dict(
-        a_model=EMBEDDED_TINY, a_adapter=adapters["sealed"], a_output_root=str(tmp_path / "runs"),
+        a0_model=EMBEDDED_TINY, a_adapter=adapters["sealed"], a0_output_root=str(tmp_path / "runs"),
         c_benchmarks=["beyond_aime"], c_k=1, c_limit=2, c_engine="hf", c_max_new_tokens=8, c_max_total_tokens=256,
         c_sandbox="local", c_eval_options={"beyond_aime_source": str(BEYOND), "grader_workers": 1}),
         tmp_path / "root", cache_dir=sao_cache, threads=1)

@@ -54,7 +54,7 @@ def _only_run(root: Path) -> Path:
 def test_post_training_sft_branch(tmp_path, inputs, sao_cache):
     from pipelines.post_training import post_training
 
-    model_uri = _run(post_training, dict(a_train_source=inputs["sft"], a_output_root=str(tmp_path / "runs"),
+    model_uri = _run(post_training, dict(a0_train_source=inputs["sft"], a0_output_root=str(tmp_path / "runs"),
                                          a_method="sft", b_steps=3, b_batch_size=4, b_learning_rate=1e-3,
                                          b_max_tokens=128, c_run_evaluation=False), tmp_path, sao_cache)
     run = _only_run(tmp_path / "runs")
@@ -70,7 +70,7 @@ def test_post_training_sao_branch_with_warm_start_and_evaluation(tmp_path, input
     from pipelines.post_training import post_training
 
     model_uri = _run(post_training, dict(
-        a_train_source=inputs["rl"], a_output_root=str(tmp_path / "runs"), a_method="sao", b_steps=2, b_batch_size=4,
+        a0_train_source=inputs["rl"], a0_output_root=str(tmp_path / "runs"), a_method="sao", b_steps=2, b_batch_size=4,
         b_learning_rate=1e-4, b_max_tokens=128, b_engine="hf",
         b_method_options={**TINY_SAO, "admission": "version_order"}, a_warm_start_source=inputs["sft"],
         b_warm_start_steps=3, b_warm_start_lr=1e-3, c_eval_benchmarks=["imo_answerbench"], **TINY_EVAL),
@@ -94,7 +94,7 @@ def test_evaluation_pipeline_runs_benchmarks_in_parallel_steps(tmp_path, inputs,
     from pipelines.evaluation import evaluation
 
     report_uri = _run(evaluation, dict(
-        a_model="embedded:tiny", a_output_root=str(tmp_path / "runs"), c_benchmarks=["imo_answerbench", "beyond_aime"],
+        a0_model="embedded:tiny", a0_output_root=str(tmp_path / "runs"), c_benchmarks=["imo_answerbench", "beyond_aime"],
         c_k=2, c_limit=2, c_engine="hf", c_max_new_tokens=16, c_max_total_tokens=256, c_sandbox="local",
         c_eval_options={"beyond_aime_source": inputs["beyond_aime"], "grader_workers": 1}), tmp_path, sao_cache)
     run = _only_run(tmp_path / "runs")
@@ -112,7 +112,7 @@ def test_unknown_method_stops_at_the_check_before_any_data(tmp_path, inputs, sao
     from pipelines.post_training import post_training
 
     with pytest.raises(LocalRunError, match="check-post-training-arguments"):
-        _run(post_training, dict(a_train_source=inputs["sft"], a_output_root=str(tmp_path / "runs"), a_method="ppo"),
+        _run(post_training, dict(a0_train_source=inputs["sft"], a0_output_root=str(tmp_path / "runs"), a_method="ppo"),
              tmp_path, sao_cache)
     assert not (tmp_path / "runs").exists()
     assert not list((tmp_path / "root").rglob("prepare-data*")), "no data step may start after a failed check"
@@ -122,7 +122,7 @@ def test_trainjob_placement_with_a_local_output_root_stops_at_the_check(tmp_path
     from pipelines.post_training import post_training
 
     with pytest.raises(LocalRunError, match="check-post-training-arguments"):
-        _run(post_training, dict(a_train_source=inputs["rl"], a_output_root=str(tmp_path / "runs"), a_method="sao",
+        _run(post_training, dict(a0_train_source=inputs["rl"], a0_output_root=str(tmp_path / "runs"), a_method="sao",
                                  d_placement="trainjob"), tmp_path, sao_cache)
     assert not (tmp_path / "runs").exists()
     assert not list((tmp_path / "root").rglob("prepare-data*")), "no data step may start after a failed check"
@@ -134,7 +134,7 @@ def test_sao_rl_refuses_an_unknown_options_key_by_name_at_its_first_step(tmp_pat
     from pipelines.sao_rl import sao_rl
 
     with pytest.raises(LocalRunError, match="check-sao-rl-arguments"):
-        _run(sao_rl, dict(a_rl_source=inputs["rl"], a_output_root=str(tmp_path / "runs"), b_engine="hf",
+        _run(sao_rl, dict(a0_rl_source=inputs["rl"], a0_output_root=str(tmp_path / "runs"), b_engine="hf",
                           b_options={"critic_lrr": 1e-5}), tmp_path, sao_cache)
     out, err = capfd.readouterr()   # the step's own output (the local runner's subprocess)
     assert "unknown field(s) critic_lrr for RLConfig" in out + err
@@ -212,8 +212,8 @@ def test_sao_rl_end_to_end_like_make_demo(tmp_path, sao_cache):
     assert "<b>Training: held-out sampled reward " in page                 # and its outcome at the top
     plotted = {m["id"]: m for m in (json.loads(b) for b in re.findall(
         r'<script type="application/json" class="plot-data">(.*?)</script>', page, re.S))}
-    assert {"reward", "eval-eval_sampled_reward", "dis", "critic_loss", "staleness"} <= set(plotted)
-    sampled = plotted["eval-eval_sampled_reward"]
+    assert {"reward", "heldout_reward", "dis", "critic_loss", "staleness"} <= set(plotted)
+    sampled = plotted["heldout_reward"]
     assert sampled["x"] == result["held_out"]["steps"]
     assert sampled["series"]["eval_sampled_reward"] == [e["eval_sampled_reward"] for e in result["held_out"]["by_step"]]
     assert "imo_answerbench/avg@2" in result["evaluation_metrics"]

@@ -57,7 +57,7 @@ NOT_A_SETTING = {
                            ("sao_rl", ("c_eval_limit", "c_eval_options"))) for name in names},
 }
 #: what a description may say before the setting's help (the context the parameter applies in)
-CONTEXTS = ("placement=trainjob: ",)
+CONTEXTS = ("placement=trainjob: ", "`d_placement=trainjob`: ")
 
 
 def registry() -> dict[str, dict[str, Setting]]:
@@ -142,8 +142,9 @@ def _same(text: str, value: Any) -> bool:
 
 
 def _clean(text: str) -> str:
-    """Whitespace, a first capital and a closing full stop do not count."""
-    text = " ".join(text.split()).rstrip(".")
+    """Whitespace, a first capital, a closing full stop and code-span backticks (the KFP UI renders descriptions
+    as Markdown, so the pipelines write names in code spans) do not count."""
+    text = " ".join(text.replace("`", "").split()).rstrip(".")
     return text[:1].upper() + text[1:]
 
 

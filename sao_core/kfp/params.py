@@ -138,7 +138,7 @@ def check_trainjob(method: str, output_root: str, *, steps: int, batch_size: int
 
 
 #: The sao_rl pipeline's parameter groups, in the order the KFP UI lists them (alphabetically by name).
-SAO_RL_GROUPS = {"a": "what to train on and where to write", "b": "SAO settings", "c": "evaluation",
+SAO_RL_GROUPS = {"a0": "required", "a": "what else to train on", "b": "SAO settings", "c": "evaluation",
                  "d": "cluster"}
 #: sao_rl's warm-start SFT: the SFTConfig fields it sets itself (its data, steps and model come from the run).
 WARM_START_DEFAULTS = {"lr": 1e-5, "batch_size": 16, "max_tokens": 512}
@@ -186,13 +186,17 @@ def sao_rl_description(top_level: set[str]) -> str:
 
     reserved = {"data", "output", "model", "method", "resume", "cache_dir", "services", "service_token_file",
                 "shutdown_services"}
-    keys = [f"{s.name}={s.default!r}" for s in settings_of(RLConfig).values()
+    keys = [f"`{s.name}={s.default!r}`" for s in settings_of(RLConfig).values()
             if s.name not in top_level | reserved and s.name != "engine"]
-    groups = "; ".join(f"{k}_: {v}" for k, v in SAO_RL_GROUPS.items())
-    return ("SAO end to end: data preparation, optional SFT warm start, SAO training (one pod or a TrainJob), "
-            "evaluation and a report. Required: a_rl_source and a_output_root. Fields are grouped by prefix, in "
-            f"the order listed: {groups}. Every field and setting is described in components/README.md "
-            "(Settings reference) and pipelines/README.md. b_options takes any of these RLConfig settings as "
-            f"JSON (defaults shown; an unknown key fails the first step): {', '.join(keys)}. "
-            f"b_warm_start_options takes SFTConfig settings (defaults {WARM_START_DEFAULTS}); c_eval_options "
-            "takes EvalConfig settings (e.g. max_new_tokens=4096, max_total_tokens=32768).")
+    groups = "; ".join(f"`{k}_` {v}" for k, v in SAO_RL_GROUPS.items())
+    warm = ", ".join(f"`{k}={v!r}`" for k, v in WARM_START_DEFAULTS.items())
+    # The first line is what the KFP UI's pipeline list shows (~75 characters); names in code spans, because the UI
+    # renders the description as Markdown and would turn the underscores of bare names into italics.
+    return ("Required: `a0_rl_source` (RL prompts) and `a0_output_root` (where to).\n\n"
+            "SAO end to end: data preparation, optional SFT warm start, SAO training (one pod or a TrainJob), "
+            "evaluation and a report. The two `a0_` fields come first in the form; every other field has a default. "
+            f"Fields are grouped by prefix, in the order listed: {groups}. Every field and setting is described in "
+            "components/README.md (Settings reference) and pipelines/README.md. `b_options` takes any of these "
+            f"RLConfig settings as JSON (defaults shown; an unknown key fails the first step): {', '.join(keys)}. "
+            f"`b_warm_start_options` takes SFTConfig settings (defaults {warm}); `c_eval_options` takes EvalConfig "
+            "settings (e.g. `max_new_tokens=4096`, `max_total_tokens=32768`).")
