@@ -160,7 +160,7 @@ def test_placement_is_a_dropdown_and_the_shape_parameters_are_described(compiled
     assert pipelines.build(name).literals[placement] == ["single_pod", "trainjob"]
     for key, default in SHAPE.items():
         assert parameters[_root(name, key)]["defaultValue"] == default, key
-        assert parameters[_root(name, key)]["description"].startswith("placement=trainjob: "), key
+        assert parameters[_root(name, key)]["description"].startswith("`d_placement=trainjob`: "), key
     assert "trainjob" in parameters[placement]["description"]
 
 
