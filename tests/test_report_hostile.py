@@ -17,13 +17,13 @@ import json
 import os
 import re
 import select
-import shutil
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_training_report import _chromium
 
 from sao_core.reporting.html import (
     Raw,
@@ -100,15 +100,6 @@ def hostile_evaluation() -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 # ----------------------------------------------------------------------------- Chromium over DevTools
-def _chromium() -> str:
-    for name in ("chromium", "chromium-browser"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.skip("chromium is not installed (`make system-deps` installs Debian's chromium as root: "
-                "apt-get install -y chromium); the hostile-report browser test needs it")
-
-
 #: what the test reads from a loaded page (after half a second for late handlers: failed image loads,
 #: timers); DevTools evaluation is not subject to the page's Content-Security-Policy
 _PROBE = """new Promise(done => setTimeout(done, 500)).then(() => ({

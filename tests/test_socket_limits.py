@@ -82,13 +82,22 @@ def _scrape_status(port: int) -> int:
 # ------------------------------------------------------------------------------------ the metrics port
 
 
+@contextlib.contextmanager
+def _metrics_port(tmp_path, max_connections: int):
+    """A learner's metrics port on loopback (head timeout 1 s, at most `max_connections`) serving one logged
+    step; yields its port."""
+    port = _free_port()
+    sink = live.PrometheusSink(port, host="127.0.0.1",
+                               limits=_limits(header_timeout_s=1.0, max_connections=max_connections))
+    with MetricsLog(str(tmp_path), tmp_path / "metrics.jsonl", resume=False, sinks=[sink]) as metrics:
+        metrics.append({"step": 7, "version": 2})
+        yield port
+
+
 def test_half_sent_requests_to_the_metrics_port_are_closed_and_hold_no_thread_each(tmp_path):
     """40 half-sent requests: before, 40 more threads in the learner, none ever closed. Now the server stays one
     thread, a scrape still answers while they are open, and each gets 408 and is closed after the head timeout."""
-    port = _free_port()
-    sink = live.PrometheusSink(port, host="127.0.0.1", limits=_limits(header_timeout_s=1.0, max_connections=64))
-    with MetricsLog(str(tmp_path), tmp_path / "metrics.jsonl", resume=False, sinks=[sink]) as metrics:
-        metrics.append({"step": 7, "version": 2})
+    with _metrics_port(tmp_path, max_connections=64) as port:
         threads = threading.active_count()
         held = _half_sent(port, 40)
         try:
@@ -111,10 +120,7 @@ def test_half_sent_requests_to_the_metrics_port_are_closed_and_hold_no_thread_ea
 def test_connections_above_the_metrics_cap_get_503_until_they_time_out(tmp_path):
     """Before, every connection got a thread and none was refused. With a cap of 6, six open connections make a
     scrape a 503 (no thread added); once the head timeout closes them, scrapes answer again."""
-    port = _free_port()
-    sink = live.PrometheusSink(port, host="127.0.0.1", limits=_limits(header_timeout_s=1.0, max_connections=6))
-    with MetricsLog(str(tmp_path), tmp_path / "metrics.jsonl", resume=False, sinks=[sink]) as metrics:
-        metrics.append({"step": 7, "version": 2})
+    with _metrics_port(tmp_path, max_connections=6) as port:
         threads = threading.active_count()
         held = _half_sent(port, 6)
         try:
