@@ -334,3 +334,15 @@ def test_the_weights_lock_passes_over_cancelled_waiters():
         assert not lock.locked()
 
     asyncio.run(scenario())
+
+
+def test_retry_after_is_read_as_bounded_seconds():
+    """The client's reading of a 429's Retry-After: delta seconds bounded to [0.1, 30]; absent, an HTTP date or
+    garbage: 1 s (the service sends whole seconds)."""
+    from sao_core.rollout.client import _retry_after_s
+
+    assert _retry_after_s("2") == 2.0
+    assert _retry_after_s("0") == 0.1 and _retry_after_s("-5") == 0.1
+    assert _retry_after_s("3600") == 30.0
+    assert _retry_after_s(None) == 1.0
+    assert _retry_after_s("Wed, 21 Oct 2026 07:28:00 GMT") == 1.0
