@@ -71,11 +71,12 @@ def _wordy(text: str) -> bool:
                for w in re.finditer(r"(?<![A-Za-z])[A-Za-z]{3,}", plain))
 
 
-def _split_items(text: str) -> list[tuple[str, str]]:
-    """The top-level items of `text` (outside brackets), each with the connective before it:
-    ``""`` (first), ``","``, ``"and"`` or ``"or"``."""
+def _split_top_level(text: str, separator_at: Callable[[str, int], tuple[int, str] | None]) -> list[tuple[str, str]]:
+    """The parts of `text` between the separators outside brackets, each with the label of the separator before
+    it (``""`` for the first). `separator_at(text, i)` says whether a separator starts at index `i`: None, or
+    ``(index just past it, its label)``."""
     out: list[tuple[str, str]] = []
-    depth, start, sep, i = 0, 0, "", 0
+    depth, start, label, i = 0, 0, "", 0
     while i < len(text):
         ch = text[i]
         if ch in "([{":
@@ -83,35 +84,42 @@ def _split_items(text: str) -> list[tuple[str, str]]:
         elif ch in ")]}":
             depth -= 1
         elif depth == 0:
-            m = _CONN_RE.match(text, i)
-            if m and not (text[i] == "\\" and m.group(3) is None):
-                out.append((sep, text[start:i].strip()))
-                word = m.group(1) or m.group(2) or m.group(3) or ","
-                sep = {"land": "and", "wedge": "and", "lor": "or", "vee": "or"}.get(word, word)
-                sep = "," if sep == ";" else sep
-                i = start = m.end()
+            found = separator_at(text, i)
+            if found is not None:
+                out.append((label, text[start:i].strip()))
+                i = start = found[0]
+                label = found[1]
                 continue
         i += 1
-    out.append((sep, text[start:].strip()))
+    out.append((label, text[start:].strip()))
     return out
+
+
+def _connective_at(text: str, i: int) -> tuple[int, str] | None:
+    """A list connective at `i` (comma, semicolon, and/or, ``\\land``...): its end and ``","``, ``"and"`` or
+    ``"or"``."""
+    m = _CONN_RE.match(text, i)
+    if not m or (text[i] == "\\" and m.group(3) is None):
+        return None
+    word = m.group(1) or m.group(2) or m.group(3) or ","
+    label = {"land": "and", "wedge": "and", "lor": "or", "vee": "or"}.get(word, word)
+    return m.end(), "," if label == ";" else label
+
+
+def _split_items(text: str) -> list[tuple[str, str]]:
+    """The top-level items of `text` (outside brackets), each with the connective before it:
+    ``""`` (first), ``","``, ``"and"`` or ``"or"``."""
+    return _split_top_level(text, _connective_at)
 
 
 def _top_split(text: str, sep: str) -> list[str]:
     """`text` split at the top-level occurrences of the command `sep` (``\\cup``, ``\\setminus``)."""
-    parts, depth, start, i = [], 0, 0, 0
-    while i < len(text):
-        ch = text[i]
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif depth == 0 and text.startswith(sep, i) and not text[i + len(sep):i + len(sep) + 1].isalpha():
-            parts.append(text[start:i].strip())
-            i = start = i + len(sep)
-            continue
-        i += 1
-    parts.append(text[start:].strip())
-    return parts
+
+    def command_at(text: str, i: int) -> tuple[int, str] | None:
+        end = i + len(sep)
+        return (end, sep) if text.startswith(sep, i) and not text[end:end + 1].isalpha() else None
+
+    return [part for _, part in _split_top_level(text, command_at)]
 
 
 def _unwrap_set(text: str) -> str | None:

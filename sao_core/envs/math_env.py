@@ -8,12 +8,13 @@
 from __future__ import annotations
 
 from sao_core.envs.base import StepResult, Task
+from sao_core.envs.episode import Episode
 from sao_core.envs.grading import MathGrader, default_grader, extract_boxed
 
 NAME = "math"
 
 
-class MathEnv:
+class MathEnv(Episode):
     """Single-turn math: reward 1.0 when the final boxed answer equals ``task.answer``, else 0.0.
 
     `grader` defaults to the process-wide shared `MathGrader`; `grade_timeout_s` overrides its
@@ -30,23 +31,18 @@ class MathEnv:
         grade_timeout_s: float | None = None,
         system_prompt: str | None = None,
     ):
+        super().__init__()
         self.max_turns = max_turns
         self.grader = grader
         self.grade_timeout_s = grade_timeout_s
         self.system_prompt = system_prompt
-        self.task: Task | None = None
-        self._done = False
 
     def reset(self, task: Task) -> list[dict]:
-        self.task = task
-        self._done = False
+        self._begin(task)
         return with_system_prompt(task.prompt, self.system_prompt)
 
     def step(self, action_text: str) -> StepResult:
-        if self.task is None:
-            raise RuntimeError("reset() must be called before step()")
-        if self._done:
-            raise RuntimeError("the episode is over")
+        self._check_step()
         self._done = True
         return grade_final(action_text, self.task, self.grader, self.grade_timeout_s, turns=1)
 

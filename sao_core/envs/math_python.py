@@ -19,31 +19,23 @@ directly starts none) and closed by `close()`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from typing import Any
 
 from sao_core.envs.base import StepResult, Task
+from sao_core.envs.episode import Episode
 from sao_core.envs.grading import MathGrader, answer_region
 from sao_core.envs.math_env import grade_final, with_system_prompt
-from sao_core.envs.tool_calls import TOOL_CALL, format_exec_output, parse_tool_call
-from sao_core.sandbox.base import ExecResult, Sandbox, SandboxError
+from sao_core.envs.tool_calls import TOOL_CALL, CommandTool
+from sao_core.sandbox.base import Sandbox
 
 NAME = "math_python"
 
+#: The tool: the code is run as a file with ``python3``; a run's status is shown only when the program failed.
+PYTHON = CommandTool(name="python", argument="code", placeholder="<program>",
+                     description="Run a Python 3 program and return what it prints (stdout, then stderr).",
+                     argument_description="The complete program to run.", always_status=False)
 #: The tool, as an OpenAI-style function spec (for chat templates that render a `tools` list).
-PYTHON_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "python",
-        "description": "Run a Python 3 program and return what it prints (stdout, then stderr).",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "description": "The complete program to run."}},
-            "required": ["code"],
-        },
-    },
-}
+PYTHON_TOOL = PYTHON.spec()
 
 DEFAULT_SYSTEM_PROMPT = (
     "You can run Python code: write "
@@ -52,18 +44,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
-
-def parse_python_call(body: str) -> tuple[str | None, str | None]:
-    """``(code, None)`` for a valid python call body, else ``(None, error observation)``."""
-    return parse_tool_call(body, "python", "code", "<program>")
-
-
-def format_exec(result: ExecResult, timeout_s: float, max_chars: int) -> str:
-    """The observation text of one run (status shown only when the program failed)."""
-    return format_exec_output(result, timeout_s, max_chars, always_status=False)
-
-
-class MathPythonEnv:
+class MathPythonEnv(Episode):
     """One math-with-python episode (see the module docstring)."""
 
     name = NAME
@@ -82,6 +63,7 @@ class MathPythonEnv:
     ):
         if max_turns < 1:
             raise ValueError("max_turns must be >= 1")
+        super().__init__()
         self.sandbox_factory = sandbox_factory
         self.max_turns = max_turns
         self.call_timeout_s = call_timeout_s
@@ -91,23 +73,14 @@ class MathPythonEnv:
         self.system_prompt = system_prompt
         self.python = python
         self.sandbox: Sandbox | None = None
-        self.task: Task | None = None
-        self.turns = 0
-        self.calls = 0
-        self._done = False
 
     def reset(self, task: Task) -> list[dict]:
         self.close()
-        self.task = task
-        self.turns = self.calls = 0
-        self._done = False
+        self._begin(task)
         return with_system_prompt(task.prompt, self.system_prompt)
 
     def step(self, action_text: str) -> StepResult:
-        if self.task is None:
-            raise RuntimeError("reset() must be called before step()")
-        if self._done:
-            raise RuntimeError("the episode is over")
+        self._check_step()
         self.turns += 1
         calls = TOOL_CALL.findall(answer_region(action_text) or "")
         if not calls:
@@ -116,22 +89,7 @@ class MathPythonEnv:
                                turns=self.turns, calls=self.calls)
         if self.turns >= self.max_turns:
             return self._end("length", calls=len(calls))
-        outputs = []
-        tool_seconds = 0.0
-        for body in calls:
-            code, problem = parse_python_call(body.strip())
-            if code is None:
-                outputs.append(problem)
-                continue
-            started = time.monotonic()
-            try:
-                outputs.append(self._run(code))
-            except (SandboxError, OSError) as exc:
-                tool_seconds += time.monotonic() - started
-                return self._end("tool_error", tool_seconds=tool_seconds, error=f"{type(exc).__name__}: {exc}")
-            tool_seconds += time.monotonic() - started
-        return StepResult(done=False, observation="\n".join(outputs), tool_seconds=tool_seconds,
-                          info={"turn": self.turns, "calls": self.calls})
+        return self._run_tool_calls([PYTHON.parse(body.strip()) for body in calls], self._run)
 
     def close(self) -> None:
         sandbox, self.sandbox = self.sandbox, None
@@ -145,10 +103,4 @@ class MathPythonEnv:
         path = f"call_{self.calls:03d}.py"
         self.sandbox.write_file(path, code)
         result = self.sandbox.exec([self.python, path], timeout_s=self.call_timeout_s)
-        return format_exec(result, self.call_timeout_s, self.max_output_chars)
-
-    def _end(self, finish_reason: str, tool_seconds: float = 0.0, **info: Any) -> StepResult:
-        self._done = True
-        info.update(turns=self.turns, calls=self.calls)
-        return StepResult(done=True, observation=None, reward=0.0, finish_reason=finish_reason,
-                          tool_seconds=tool_seconds, info=info)
+        return PYTHON.observation(result, self.call_timeout_s, self.max_output_chars)

@@ -91,6 +91,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sao_core.envs.base import StepResult, Task
+from sao_core.envs.episode import RESET_FIRST, Episode
 from sao_core.envs.grading import answer_region
 from sao_core.envs.swe_grading import (
     DEFAULT_TEST_COMMAND,
@@ -109,8 +110,8 @@ from sao_core.envs.swe_grading import (
     script_sha256,
 )
 from sao_core.envs.swebench_harness import HARNESS_ROW_FIELDS, HarnessSpec, harness_test_spec
-from sao_core.envs.tool_calls import TOOL_CALL, format_exec_output, parse_tool_call
-from sao_core.sandbox.base import ExecResult, Sandbox, SandboxError, SandboxLimits
+from sao_core.envs.tool_calls import TOOL_CALL, CommandTool
+from sao_core.sandbox.base import Sandbox, SandboxError, SandboxLimits
 
 __all__ = [
     "BASH_TOOL",
@@ -138,19 +139,14 @@ DEFAULT_REPO_DIR = "/testbed"
 SWEBENCH_SETUP = "if [ -f /opt/miniconda3/bin/activate ]; then . /opt/miniconda3/bin/activate testbed; fi"
 DEFAULT_IMAGE_TEMPLATE = "docker.io/swebench/sweb.eval.x86_64.{key}:latest"
 
+#: The tool: a command run by bash in the repository root; a run's exit code is always shown.
+BASH = CommandTool(name="bash", argument="command", placeholder="<shell command>",
+                   description="Run a bash command in the repository root and return its output and exit code.",
+                   argument_description="The command to run.", always_status=True)
 #: The tool, as an OpenAI-style function spec (for chat templates that render a `tools` list).
-BASH_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "bash",
-        "description": "Run a bash command in the repository root and return its output and exit code.",
-        "parameters": {
-            "type": "object",
-            "properties": {"command": {"type": "string", "description": "The command to run."}},
-            "required": ["command"],
-        },
-    },
-}
+BASH_TOOL = BASH.spec()
+#: ``(command, None)`` for a valid bash call body, else ``(None, error observation)``.
+parse_bash_call = BASH.parse
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are fixing an issue in a software repository, checked out at the issue's base commit in "
@@ -668,21 +664,9 @@ def grade_patch(
         sandbox.close()
 
 
-# ------------------------------------------------------------------------------------------ tool calls
-
-def parse_bash_call(body: str) -> tuple[str | None, str | None]:
-    """``(command, None)`` for a valid bash call body, else ``(None, error observation)``."""
-    return parse_tool_call(body, "bash", "command", "<shell command>")
-
-
-def format_observation(result: ExecResult, timeout_s: float, max_chars: int) -> str:
-    """Output (stdout, then stderr; cut in the middle past `max_chars`) and the exit code."""
-    return format_exec_output(result, timeout_s, max_chars, always_status=True)
-
-
 # ------------------------------------------------------------------------------------------ env
 
-class SWEEnv:
+class SWEEnv(Episode):
     """One SWE episode (see the module docstring)."""
 
     name = NAME
@@ -711,6 +695,7 @@ class SWEEnv:
     ):
         if max_turns < 1:
             raise ValueError("max_turns must be >= 1")
+        super().__init__()
         self._local_default = sandbox_factory is None and sandbox_kind == "local"
         if sandbox_factory is None:
             if sandbox_limits is None:
@@ -736,22 +721,16 @@ class SWEEnv:
         self.keep_logs = bool(keep_logs)   # the tests' log in info["grade"] (default: names and verdicts only)
         self.sandbox: Sandbox | None = None
         self.shell: RepoShell | None = None
-        self.task: Task | None = None
         self.instance: SWEInstance | None = None
         self.base: str | None = None
-        self.turns = 0
-        self.calls = 0
-        self._done = False
 
     # -------------------------------------------------------------------- protocol
 
     def reset(self, task: Task) -> list[dict]:
         self.close()
-        self.task = task
         self.instance = SWEInstance.from_task(task, self.repo_source)
         _check_source(self.instance, self._local_default)
-        self.turns = self.calls = 0
-        self._done = False
+        self._begin(task)
         self.sandbox = _call_factory(self.sandbox_factory, task)
         try:
             self.shell, self.base = prepare_repository(
@@ -762,10 +741,9 @@ class SWEEnv:
         return self._messages(task)
 
     def step(self, action_text: str) -> StepResult:
-        if self._done:
-            raise RuntimeError("the episode is over")
-        if self.task is None or self.shell is None:
-            raise RuntimeError("reset() must be called before step()")
+        self._check_step()
+        if self.shell is None:   # a reset that failed, or the grading sandbox has replaced the agent's
+            raise RuntimeError(RESET_FIRST)
         self.turns += 1
         region = answer_region(action_text) or ""
         bodies = TOOL_CALL.findall(region)
@@ -786,25 +764,10 @@ class SWEEnv:
                 info={"turn": self.turns, "calls": self.calls})
         if commands and not submit and self.turns >= self.max_turns:
             return self._end("length", calls=len(commands))
-        outputs: list[str] = []
-        tool_seconds = 0.0
-        for command, problem in commands:
-            if command is None:
-                outputs.append(problem or "error: invalid tool call")
-                continue
-            started = time.monotonic()
-            try:
-                self.calls += 1
-                result = self.shell.run(command, timeout_s=self.command_timeout_s)
-            except (SandboxError, OSError) as exc:
-                tool_seconds += time.monotonic() - started
-                return self._end("tool_error", tool_seconds=tool_seconds, error=f"{type(exc).__name__}: {exc}")
-            tool_seconds += time.monotonic() - started
-            outputs.append(format_observation(result, self.command_timeout_s, self.max_output_chars))
-        if submit:
-            return self._submit(tool_seconds)
-        return StepResult(done=False, observation="\n".join(outputs), tool_seconds=tool_seconds,
-                          info={"turn": self.turns, "calls": self.calls})
+        result = self._run_tool_calls(commands, self._run_command)
+        if submit and not result.done:
+            return self._submit(result.tool_seconds)
+        return result
 
     def close(self) -> None:
         sandbox, self.sandbox, self.shell = self.sandbox, None, None
@@ -812,6 +775,11 @@ class SWEEnv:
             sandbox.close()
 
     # -------------------------------------------------------------------- internals
+
+    def _run_command(self, command: str) -> str:
+        self.calls += 1
+        result = self.shell.run(command, timeout_s=self.command_timeout_s)
+        return BASH.observation(result, self.command_timeout_s, self.max_output_chars)
 
     def _messages(self, task: Task) -> list[dict]:
         messages = [dict(m) for m in task.prompt] if task.prompt else []
@@ -866,19 +834,9 @@ class SWEEnv:
         except (SandboxError, OSError) as exc:
             return self._end("tool_error", tool_seconds=tool_seconds + time.monotonic() - started,
                              error=f"{type(exc).__name__}: {exc}", patch=_cut(patch), submitted=True)
-        self._done = True
-        return StepResult(
-            done=True, observation=None, reward=1.0 if report.resolved else 0.0, finish_reason="stop",
-            tool_seconds=tool_seconds + time.monotonic() - started,
-            info={"resolved": report.resolved, "grade": report.to_dict(), "patch": _cut(patch),
-                  "failed_tests": report.failed_tests, "turns": self.turns, "calls": self.calls},
-        )
-
-    def _end(self, finish_reason: str, tool_seconds: float = 0.0, **info: Any) -> StepResult:
-        self._done = True
-        info.update(turns=self.turns, calls=self.calls)
-        return StepResult(done=True, observation=None, reward=0.0, finish_reason=finish_reason,
-                          tool_seconds=tool_seconds, info=info)
+        return self._end("stop", tool_seconds=tool_seconds + time.monotonic() - started,
+                         reward=1.0 if report.resolved else 0.0, resolved=report.resolved, grade=report.to_dict(),
+                         patch=_cut(patch), failed_tests=report.failed_tests)
 
 
 def _cut(patch: str) -> str:

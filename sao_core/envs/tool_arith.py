@@ -45,6 +45,7 @@ from sao_core.data.synthetic import (
     tool_arith_value,
 )
 from sao_core.envs.base import StepResult, Task
+from sao_core.envs.episode import Episode
 from sao_core.envs.grading import answer_region, extract_boxed
 from sao_core.envs.tool_calls import TOOL_CALL
 
@@ -115,7 +116,7 @@ def _same_answer(boxed: str, answer: str | None) -> bool:
     return boxed.strip() == answer.strip()
 
 
-class ToolArithEnv:
+class ToolArithEnv(Episode):
     """One tool_arith episode (see the module docstring). Latency: log-normal, `latency_median_s`
     median and `latency_sigma` log-space standard deviation, slept per call; 0 median = no sleep."""
 
@@ -133,37 +134,30 @@ class ToolArithEnv:
             raise ValueError("max_turns must be >= 1")
         if latency_median_s < 0 or latency_sigma < 0:
             raise ValueError("latency_median_s and latency_sigma must be >= 0")
+        super().__init__()
         self.max_turns = max_turns
         self.latency_median_s = latency_median_s
         self.latency_sigma = latency_sigma
         self.fixed_turns = bool(fixed_turns)
         self._rng = random.Random(seed)
-        self.task: Task | None = None
-        self.turns = 0
-        self.calls = 0
         self.errors = 0
         self._steps: list[tuple[int, str, int, int]] | None = None
         self._next = 0
-        self._done = False
         self._target_turns: int | None = None     # fixed_turns: this episode's exact number of turns
 
     # -- protocol -----------------------------------------------------------------------------------
 
     def reset(self, task: Task) -> list[dict]:
-        self.task = task
-        self.turns = self.calls = self.errors = 0
+        self._begin(task)
+        self.errors = 0
         self._next = 0
-        self._done = False
         start, ops = _chain_of(task)
         self._steps = tool_arith_steps(start, ops) if ops is not None else None
         self._target_turns = min(len(ops) + 1, self.max_turns) if self.fixed_turns and ops is not None else None
         return [dict(m) for m in task.prompt]
 
     def step(self, action_text: str) -> StepResult:
-        if self.task is None:
-            raise RuntimeError("reset() must be called before step()")
-        if self._done:
-            raise RuntimeError("the episode is over")
+        self._check_step()
         self.turns += 1
         region = answer_region(action_text) or ""
         calls = TOOL_CALL.findall(region)
@@ -171,7 +165,7 @@ class ToolArithEnv:
             return self._fixed_step(action_text, calls)
         if calls:
             if self.turns >= self.max_turns:
-                return self._end(0.0, "length", calls=len(calls))
+                return self._end("length", calls=len(calls))
             tool_seconds = 0.0
             outputs = []
             for call in calls:
@@ -185,11 +179,7 @@ class ToolArithEnv:
                 tool_seconds=tool_seconds,
                 info={"calls": len(calls), "errors": self.errors, "turn": self.turns},
             )
-        boxed = extract_boxed(action_text)
-        if boxed is None:
-            return self._end(0.0, "stop", outcome="no_answer")
-        correct = _same_answer(boxed, self.task.answer)
-        return self._end(1.0 if correct else 0.0, "stop", outcome="match" if correct else "mismatch", answer=boxed)
+        return self._answer(action_text)
 
     def close(self) -> None:
         self._done = True
@@ -204,20 +194,22 @@ class ToolArithEnv:
 
     # -- helpers ------------------------------------------------------------------------------------
 
-    def _end(self, reward: float, finish_reason: str, **info: Any) -> StepResult:
-        self._done = True
-        info.update(turns=self.turns, calls=self.calls, errors=self.errors)
-        return StepResult(done=True, observation=None, reward=reward, finish_reason=finish_reason, info=info)
+    def _counts(self) -> dict[str, Any]:
+        return {**super()._counts(), "errors": self.errors}
+
+    def _answer(self, action_text: str | None) -> StepResult:
+        """End the episode on the final turn's text: reward 1 when its ``\\boxed{}`` answer is the task's."""
+        boxed = None if action_text is None else extract_boxed(action_text)
+        if boxed is None:
+            return self._end("stop", outcome="no_answer")
+        correct = _same_answer(boxed, self.task.answer)
+        return self._end("stop", reward=1.0 if correct else 0.0, outcome="match" if correct else "mismatch",
+                         answer=boxed)
 
     def _fixed_step(self, action_text: str, calls: list[str]) -> StepResult:
         """fixed_turns mode (see the module docstring): the episode ends after exactly `_target_turns` turns."""
         if self.turns >= self._target_turns:
-            boxed = None if calls else extract_boxed(action_text)
-            if boxed is None:
-                return self._end(0.0, "stop", outcome="no_answer")
-            correct = _same_answer(boxed, self.task.answer)
-            return self._end(1.0 if correct else 0.0, "stop", outcome="match" if correct else "mismatch",
-                             answer=boxed)
+            return self._answer(None if calls else action_text)
         started = time.monotonic()
         expected = self._steps[self.turns - 1]
         for call in calls:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
+from typing import Any
 
 from sao_core.sandbox.base import ExecResult
 
@@ -61,3 +63,42 @@ def format_exec_output(result: ExecResult, timeout_s: float, max_chars: int, alw
     if status:
         return f"{text.rstrip()}\n{status}" if text.strip() else status
     return text if text.strip() else "(no output)"
+
+
+@dataclass(frozen=True)
+class CommandTool:
+    """A tool whose call carries one string argument that the environment runs in its sandbox (a program, a
+    shell command): its function spec for the chat template, the parsing of its calls and the text of a run.
+
+    `placeholder` stands for the argument in the error shown for a call without it; `always_status` shows
+    ``[exit code 0]`` after a successful run too."""
+
+    name: str
+    argument: str
+    placeholder: str
+    description: str
+    argument_description: str
+    always_status: bool
+
+    def spec(self) -> dict[str, Any]:
+        """The tool as an OpenAI-style function spec (for chat templates that render a `tools` list)."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {self.argument: {"type": "string", "description": self.argument_description}},
+                    "required": [self.argument],
+                },
+            },
+        }
+
+    def parse(self, body: str) -> tuple[str | None, str | None]:
+        """``(argument, None)`` for a valid call body of this tool, else ``(None, error observation)``."""
+        return parse_tool_call(body, self.name, self.argument, self.placeholder)
+
+    def observation(self, result: ExecResult, timeout_s: float, max_chars: int) -> str:
+        """The observation text of one run (see `format_exec_output`)."""
+        return format_exec_output(result, timeout_s, max_chars, always_status=self.always_status)

@@ -30,3 +30,10 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` over positions where `mask` is 1 (0 when the mask is empty). Shapes equal."""
     mask = mask.to(values.dtype)
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def check_four_inputs(function: str, tensors: tuple[torch.Tensor, ...], dims: str) -> None:
+    """ValueError naming `function` unless its four input `tensors` share one shape with the dimensions `dims`
+    (``"[B, T]"`` or ``"[B]"``)."""
+    if len({t.shape for t in tensors}) != 1 or tensors[0].dim() != len(dims.split(",")):
+        raise ValueError(f"{function} expects four {dims} tensors of one shape, got {[tuple(t.shape) for t in tensors]}")

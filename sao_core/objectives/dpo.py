@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sao_core.objectives.common import check_four_inputs
+
 
 def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum of per-token log-probs over masked positions.
@@ -46,9 +48,7 @@ def dpo_loss(
         log(0). Metrics: ``loss``, ``reward_accuracy`` (share of pairs with reward_c > reward_r, strictly),
         ``reward_margin`` (mean reward_c − reward_r), ``chosen_reward`` and ``rejected_reward`` (means).
     """
-    tensors = (policy_chosen, policy_rejected, ref_chosen, ref_rejected)
-    if len({t.shape for t in tensors}) != 1 or policy_chosen.dim() != 1:
-        raise ValueError(f"dpo_loss expects four [B] tensors of one shape, got {[tuple(t.shape) for t in tensors]}")
+    check_four_inputs("dpo_loss", (policy_chosen, policy_rejected, ref_chosen, ref_rejected), "[B]")
     if not beta > 0.0:
         raise ValueError(f"beta must be > 0, got {beta}")
     chosen_reward = beta * (policy_chosen.float() - ref_chosen.detach().float())

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from sao_core.objectives.common import check_four_inputs
+
 
 def group_advantages(
     rewards: torch.Tensor,
@@ -84,10 +86,7 @@ def ppo_clip_loss(
         ``clip_frac_high`` (A > 0 and r > 1 + clip_high), ``clip_frac`` (their sum), ``ratio_mean`` over
         action tokens, ``action_tokens`` and ``loss``.
     """
-    tensors = (logprobs, old_logprobs, advantages, action_mask)
-    if len({t.shape for t in tensors}) != 1 or logprobs.dim() != 2:
-        raise ValueError("ppo_clip_loss expects four [B, T] tensors of one shape, got "
-                         f"{[tuple(t.shape) for t in tensors]}")
+    check_four_inputs("ppo_clip_loss", (logprobs, old_logprobs, advantages, action_mask), "[B, T]")
     if not (0.0 <= clip_low <= 1.0 and clip_high >= 0.0):
         raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
     mask = action_mask.bool()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from sao_core.objectives.common import check_four_inputs
+
 
 def dis_policy_loss(
     logprobs: torch.Tensor,
@@ -37,10 +39,7 @@ def dis_policy_loss(
         three split by advantage sign (``*_pos``: A > 0, ``*_neg``: A < 0), ``ratio_mean`` over action
         tokens and ``action_tokens``.
     """
-    shapes = {t.shape for t in (logprobs, rollout_logprobs, advantages, action_mask)}
-    if len(shapes) != 1 or logprobs.dim() != 2:
-        raise ValueError("dis_policy_loss expects four [B, T] tensors of one shape, got "
-                         f"{[tuple(t.shape) for t in (logprobs, rollout_logprobs, advantages, action_mask)]}")
+    check_four_inputs("dis_policy_loss", (logprobs, rollout_logprobs, advantages, action_mask), "[B, T]")
     if not (0.0 <= eps_low <= 1.0 and eps_high >= 0.0):
         raise ValueError(f"need 0 <= eps_low <= 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
     mask = action_mask.bool()

@@ -6,8 +6,10 @@ from typing import Any
 
 import torch
 
+from sao_core.training.chat_batch import EncodedChat, pad_batch
 from sao_core.training.config import TrainConfig
 from sao_core.training.distributed import DistContext
+from sao_core.training.forward import model_logprobs
 
 
 class Method:
@@ -26,7 +28,18 @@ class Method:
         self.ctx = ctx
 
     def build_examples(self, rows: list[dict], source: str) -> list[Any]:
-        """Tokenise rows; raise ValueError naming `source` and the row index for a row it cannot use."""
+        """Tokenise rows, one `build_example` each; raise ValueError naming `source` and the row index for a row
+        it cannot use."""
+        examples = []
+        for index, row in enumerate(rows):
+            try:
+                examples.append(self.build_example(row))
+            except ValueError as err:
+                raise row_error(source, index, str(err)) from err
+        return examples
+
+    def build_example(self, row: dict) -> Any:
+        """The example of one prepared row; ValueError saying what is wrong with a row it cannot use."""
         raise NotImplementedError
 
     def setup(self, model: torch.nn.Module, examples: list[Any]) -> None:
@@ -43,9 +56,22 @@ def row_error(source: str, index: int, message: str) -> ValueError:
     return ValueError(f"{source}: row {index}: {message}")
 
 
-def row_messages(row: dict, source: str, index: int) -> list[dict]:
-    """The `messages` of a prepared sft row; ValueError naming the row otherwise."""
+def row_messages(row: dict) -> list[dict]:
+    """The `messages` of a prepared sft row; ValueError otherwise."""
     messages = row.get("messages")
     if not isinstance(messages, list):
-        raise row_error(source, index, "no 'messages' list (prepare the data with --kind sft)")
+        raise ValueError("no 'messages' list (prepare the data with --kind sft)")
     return messages
+
+
+def padded_batch(encoded: list[EncodedChat], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """`encoded` right-padded into one batch on `device`: input_ids, attention_mask, loss_mask, each [B, T]."""
+    return {k: v.to(device) for k, v in pad_batch(encoded, pad_id).items()}
+
+
+def batch_logprobs(model, encoded: list[EncodedChat], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [B, T] of the tokens of `encoded` under `model`, computed on the loss positions only, and the
+    loss mask [B, T]) of the padded batch on `device`."""
+    tensors = padded_batch(encoded, pad_id, device)
+    logp, _ = model_logprobs(model, tensors["input_ids"], tensors["attention_mask"], positions=tensors["loss_mask"])
+    return logp, tensors["loss_mask"]

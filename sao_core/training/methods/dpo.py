@@ -8,9 +8,8 @@ import torch
 
 from sao_core.models.loading import pad_token_id
 from sao_core.objectives.dpo import dpo_loss, sequence_logprobs
-from sao_core.training.chat_batch import EncodedChat, as_messages, encode_response, pad_batch
-from sao_core.training.forward import model_logprobs
-from sao_core.training.methods.base import Method, row_error
+from sao_core.training.chat_batch import EncodedChat, as_messages, encode_response
+from sao_core.training.methods.base import Method, batch_logprobs
 
 
 @dataclass
@@ -25,27 +24,18 @@ class DPOMethod(Method):
     name = "dpo"
     dataset_kind = "dpo"
 
-    def build_examples(self, rows, source):
-        examples = []
-        for index, row in enumerate(rows):
-            missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
-            if missing:
-                raise row_error(source, index, f"missing {', '.join(missing)} (prepare the data with --kind dpo)")
-            try:
-                prompt = as_messages(row["prompt"], "user")
-                chosen = encode_response(self.tokenizer, prompt, as_messages(row["chosen"], "assistant"),
-                                         self.config.max_tokens)
-                rejected = encode_response(self.tokenizer, prompt, as_messages(row["rejected"], "assistant"),
-                                           self.config.max_tokens)
-            except ValueError as err:
-                raise row_error(source, index, str(err)) from err
-            examples.append(DPOExample(chosen, rejected))
-        return examples
+    def build_example(self, row):
+        missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)} (prepare the data with --kind dpo)")
+        prompt = as_messages(row["prompt"], "user")
+        chosen = encode_response(self.tokenizer, prompt, as_messages(row["chosen"], "assistant"), self.config.max_tokens)
+        rejected = encode_response(self.tokenizer, prompt, as_messages(row["rejected"], "assistant"),
+                                   self.config.max_tokens)
+        return DPOExample(chosen, rejected)
 
     def _sequence_logprobs(self, model, encoded: list[EncodedChat]) -> torch.Tensor:
-        tensors = {k: v.to(self.ctx.device) for k, v in pad_batch(encoded, pad_token_id(self.tokenizer)).items()}
-        logp, _ = model_logprobs(model, tensors["input_ids"], tensors["attention_mask"], positions=tensors["loss_mask"])
-        return sequence_logprobs(logp, tensors["loss_mask"])
+        return sequence_logprobs(*batch_logprobs(model, encoded, pad_token_id(self.tokenizer), self.ctx.device))
 
     def setup(self, model, examples):
         """Reference log-probs for every example, once (the reference is the initial policy unless

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from sao_core.models.loading import pad_token_id
-from sao_core.training.chat_batch import EncodedChat, encode_response, pad_batch
+from sao_core.training.chat_batch import EncodedChat, encode_response
 from sao_core.training.forward import model_distillation_divergence
-from sao_core.training.methods.base import Method, row_error, row_messages
+from sao_core.training.methods.base import Method, padded_batch, row_messages
 from sao_core.training.sampling import sample_continuations
 
 
@@ -24,22 +24,16 @@ class GKDMethod(Method):
     name = "gkd"
     dataset_kind = "sft"
 
-    def build_examples(self, rows, source):
-        examples = []
-        for index, row in enumerate(rows):
-            messages = row_messages(row, source, index)
-            last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
-            if last is None or last == 0:
-                raise row_error(source, index, "needs a prompt followed by an assistant response")
-            prompt = messages[:last]
-            try:
-                offline = encode_response(self.tokenizer, prompt, [messages[last]], self.config.max_tokens)
-            except ValueError as err:
-                raise row_error(source, index, str(err)) from err
-            prompt_ids = self.tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
-                                                            return_dict=True)["input_ids"]
-            examples.append(GKDExample(list(prompt_ids), offline))
-        return examples
+    def build_example(self, row):
+        messages = row_messages(row)
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+        if last is None or last == 0:
+            raise ValueError("needs a prompt followed by an assistant response")
+        prompt = messages[:last]
+        offline = encode_response(self.tokenizer, prompt, [messages[last]], self.config.max_tokens)
+        prompt_ids = self.tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                                        return_dict=True)["input_ids"]
+        return GKDExample(list(prompt_ids), offline)
 
     def setup(self, model, examples):
         from sao_core.models import load_model_and_tokenizer
@@ -66,7 +60,7 @@ class GKDMethod(Method):
                        for e, s in zip(batch, sampled, strict=True) if s]
         else:
             encoded = [e.offline for e in batch]
-        tensors = {k: v.to(self.ctx.device) for k, v in pad_batch(encoded, pad_token_id(self.tokenizer)).items()}
+        tensors = padded_batch(encoded, pad_token_id(self.tokenizer), self.ctx.device)
         # Logits at position t predict token t + 1: learn where the next token is a response token.
         mask = torch.zeros_like(tensors["loss_mask"])
         mask[:, :-1] = tensors["loss_mask"][:, 1:]
