@@ -12,10 +12,15 @@ from typing import NamedTuple, Optional
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
+from components._factory import rl_described
 from sao_core.images import image
 
 
 @dsl.component(base_image=image("rollout"), install_kfp_package=False)
+@rl_described(
+    "GRPO-family RL training (grpo, grpo_async, grpo_dis, running_mean) with colocated rollouts.",
+    base_model="Initial policy checkpoint: embedded:tiny, a directory, s3:// or a hub id.",
+    options='Any other RLConfig field, e.g. {"clip_low": 0.2, "clip_high": 0.28, "max_total_tokens": 32768}.')
 def grpo_train(
     data: Input[Dataset],
     output_root: str,
@@ -35,27 +40,6 @@ def grpo_train(
     options: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
     run_id: str = "",
 ) -> NamedTuple("RLOutputs", model_uri=str, checkpoint_uri=str):
-    """GRPO-family RL training (grpo, grpo_async, grpo_dis, running_mean) with colocated rollouts.
-
-    Args:
-        data: Prepared rl dataset (prompt, reference answer or tests, environment).
-        output_root: Where runs are written: s3://bucket/prefix in a cluster, a local directory for local runs.
-        model: Pointer to the trained policy (checkpoint_uri, sha256, method, step, version).
-        metrics: Summary numbers (reward first/last, dropped trajectories, versions, seconds).
-        summary: Markdown page with the summary and the reward curve.
-        report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
-        method: RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean.
-        base_model: Initial policy checkpoint: embedded:tiny, a directory, s3:// or a hub id.
-        steps: Optimiser steps (RL: learner steps) in total.
-        batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
-        group_size: G, rollouts per prompt of the GRPO methods (batch_size must be a multiple).
-        policy_lr: Policy learning rate (peak, after the warm-up).
-        max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
-        admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
-        engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
-        options: Any other RLConfig field, e.g. {"clip_low": 0.2, "clip_high": 0.28, "max_total_tokens": 32768}.
-        run_id: Run folder name under output_root (pipelines pass the run id; empty: a timestamp).
-    """
     from sao_core.config import ConfigError
     from sao_core.kfp import artifacts, params
     from sao_core.learner.loop import train_rl

@@ -128,7 +128,7 @@ def launch_trainjob(
     given = {"steps": steps, "batch_size": batch_size, "policy_lr": policy_lr, "critic_lr": critic_lr,
              "critic_updates": critic_updates, "critic_warmup_steps": critic_warmup_steps,
              "max_staleness": max_staleness, "admission": admission, "eps_low": eps_low, "eps_high": eps_high}
-    rl_options = merge_options(given, options, config_defaults(RLConfig), "launch_trainjob")
+    rl_options = merge_options(given, options, config_defaults(RLConfig), "launch_trainjob", config=RLConfig)
     explicit = {
         "method": method, "data": data.uri if data.uri.startswith("s3://") else data.path, "output": run,
         "model": base_model, "rl_options": rl_options, "run_id": run_id, "stage": stage, "namespace": namespace,
@@ -143,7 +143,8 @@ def launch_trainjob(
         "s3_secret_name": s3_secret_name, "timeout_s": timeout_s,
     }
     values = merge_options(explicit, launch_options, config_defaults(LaunchConfig), "launch_trainjob launch_options",
-                           reserved=("method", "data", "output", "model", "rl_options", "run_id", "stage"))
+                           reserved=("method", "data", "output", "model", "rl_options", "run_id", "stage"),
+                           config=LaunchConfig)
     config = build_config(LaunchConfig, values, source="launch_trainjob")
     result = launch(config)
     if not result.critic_uri:  # methods without a critic: an empty pointer keeps the output well-formed

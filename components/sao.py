@@ -12,10 +12,16 @@ from typing import NamedTuple, Optional
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
+from components._factory import rl_described
 from sao_core.images import image
 
 
 @dsl.component(base_image=image("rollout"), install_kfp_package=False)
+@rl_described(
+    "SAO training: one rollout per prompt, learned critic, DIS, asynchronous colocated rollouts.",
+    base_model="Initial policy (and critic) checkpoint: embedded:tiny, a directory, s3:// or a hub id.",
+    options='Any other RLConfig field (or one left at its default above), e.g. {"max_total_tokens": 32768, '
+            '"checkpoint_every": 50}.')
 def sao_train(
     data: Input[Dataset],
     output_root: str,
@@ -39,31 +45,6 @@ def sao_train(
     options: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
     run_id: str = "",
 ) -> NamedTuple("RLOutputs", model_uri=str, checkpoint_uri=str):
-    """SAO training: one rollout per prompt, learned critic, DIS, asynchronous colocated rollouts.
-
-    Args:
-        data: Prepared rl dataset (prompt, reference answer or tests, environment).
-        output_root: Where runs are written: s3://bucket/prefix in a cluster, a local directory for local runs.
-        model: Pointer to the trained policy (checkpoint_uri, sha256, method, step, version).
-        critic: Pointer to the trained critic (value model).
-        metrics: Summary numbers (reward first/last, dropped trajectories, versions, seconds).
-        summary: Markdown page with the summary and the reward curve.
-        report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
-        base_model: Initial policy (and critic) checkpoint: embedded:tiny, a directory, s3:// or a hub id.
-        steps: Optimiser steps (RL: learner steps) in total.
-        batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
-        policy_lr: Policy learning rate (peak, after the warm-up).
-        critic_lr: Critic learning rate.
-        critic_updates: Critic updates per policy update (K).
-        critic_warmup_steps: Critic-only steps before the first policy update.
-        max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
-        admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
-        eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).
-        eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding).
-        engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
-        options: Any other RLConfig field (or one left at its default above), e.g. {"max_total_tokens": 32768, "checkpoint_every": 50}.
-        run_id: Run folder name under output_root (pipelines pass the run id; empty: a timestamp).
-    """
     from sao_core.kfp import artifacts, params
     from sao_core.learner.loop import train_rl
 

@@ -1,59 +1,9 @@
 """sft_train: supervised fine-tuning on chat messages (cross-entropy on assistant tokens); data kind sft.
 
-Calls :func:`sao_core.training.trainer.train` with a :class:`sao_core.training.config.SFTConfig`. The
-run (resumable checkpoints, the exported model, metrics.jsonl) goes to ``OUTPUT_ROOT/RUN_ID/sft``; a
-restarted pod resumes from its newest checkpoint. The Model artifact points at the exported model
-(method, step, sha256 of its manifest); ``model_uri`` is the same URI as a string for later steps.
+Written by :func:`components._factory.supervised_component` from the SFTConfig settings: it trains with
+:func:`sao_core.training.trainer.train` into ``OUTPUT_ROOT/RUN_ID/sft`` and resumes from its checkpoints.
 """
 
-from typing import NamedTuple, Optional
+from components._factory import supervised_component
 
-from kfp import dsl
-from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
-
-from sao_core.images import image
-
-
-@dsl.component(base_image=image("train"), install_kfp_package=False)
-def sft_train(
-    data: Input[Dataset],
-    output_root: str,
-    model: Output[Model],
-    metrics: Output[Metrics],
-    summary: Output[Markdown],
-    report: Output[HTML],
-    base_model: str = "embedded:tiny",
-    steps: int = 100,
-    batch_size: int = 16,
-    lr: float = 1e-5,
-    max_tokens: int = 512,
-    options: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
-    run_id: str = "",
-) -> NamedTuple("TrainOutputs", model_uri=str, checkpoint_uri=str):
-    """Supervised fine-tuning on chat messages (cross-entropy on assistant tokens); data kind sft.
-
-    Args:
-        data: Prepared dataset of kind sft.
-        output_root: Where runs are written: s3://bucket/prefix in a cluster, a local directory for local runs.
-        model: Pointer to the exported model (checkpoint_uri, sha256, method, step).
-        metrics: Summary numbers (losses before and after, steps, tokens, seconds).
-        summary: Markdown page with the summary and the loss curve.
-        report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
-        base_model: Model to start from: embedded:tiny, a directory, an s3:// checkpoint or a hub id.
-        steps: Optimiser steps (RL: learner steps) in total.
-        batch_size: Examples per optimiser step, over all ranks.
-        lr: Learning rate (peak, after the warm-up).
-        max_tokens: Examples are cut (or packed) to this many tokens.
-        options: Any other SFTConfig field, e.g. {"schedule": "cosine", "warmup_steps": 10, "checkpoint_every": 100}.
-        run_id: Run folder name under output_root (pipelines pass the run id; empty: a timestamp).
-    """
-    from sao_core.kfp import artifacts, params
-    from sao_core.training.trainer import train
-
-    run = artifacts.run_dir(output_root, run_id, "sft")
-    config = params.training_config("sft", data=data.path, output=run, model=base_model, steps=steps,
-                                    batch_size=batch_size, lr=lr, max_tokens=max_tokens, options=options)
-    result = train("sft", config)
-    model_uri, checkpoint_uri = artifacts.finish_training(result, "sft", base_model, run, model, metrics, summary,
-                                                          curve_key="loss", report_artifact=report)
-    return (model_uri, checkpoint_uri)  # the NamedTuple outputs, in order
+sft_train = supervised_component("sft", __name__, __doc__)

@@ -4,8 +4,9 @@
 
 - ``cli.md``: the ``--help`` of every ``sao`` command and subcommand, rendered from the parser
   (``sao_core.cli.build_parser``) as it is at run time; ``sao train`` once per method (its flags depend on it).
-- ``settings.md``: the settings registry (``sao_core.config.settings_of``), rendered by the function that
-  writes components/README.md's settings tables (``pipelines.compile.readme_with_settings``).
+- ``settings.md``: the settings registry (``sao_core.config.settings_of``), one table per section of each
+  config, rendered by the function that writes components/README.md's settings tables
+  (``pipelines.compile.readme_with_settings``).
 - ``components.md``: one section per KFP component with its inputs, each component compiled on its own and
   tabulated by the function that writes pipelines/README.md's parameter tables
   (``sao_core.kfp.spec.parameters_markdown``).
@@ -88,17 +89,20 @@ def cli_markdown() -> str:
 
 def settings_markdown_page() -> str:
     """The settings tables of components/README.md, rendered by the same function, for every config it tables,
-    and any method config it does not (with what it adds to SFTConfig)."""
+    any method config it does not (with what it adds to SFTConfig), and EvalConfig's; one table per section."""
     from pipelines.compile import readme_with_settings, settings_configs, settings_markdown
+    from sao_core.eval.config import EvalConfig
     from sao_core.training.config import METHOD_CONFIGS, SFTConfig
 
     configs = settings_configs()
     template = "\n".join(f"<!-- settings:{name} -->\n<!-- /settings -->\n" for name in configs)
     lines = ["# Settings", "", GENERATED, "",
              "Every setting of the registry (`sao_core.config.settings_of`): the same names in YAML configs, "
-             "`sao` flags (underscores as dashes), component inputs and pipelines' option maps. Rendered by the "
-             "function that writes `components/README.md`'s tables; DPO's and GKD's tables list what they add "
-             "to SFTConfig, the TrainJob's what RLConfig lacks.", "",
+             "`sao` flags (underscores as dashes), component inputs and pipelines' option maps. Settings are "
+             "grouped in sections, as `sao ... --help` lists them; a YAML config or an `options` map may give a "
+             "setting flat (`max_staleness: 4`) or inside its section (`admission: {max_staleness: 4}`). "
+             "Rendered by the function that writes `components/README.md`'s tables; DPO's and GKD's tables list "
+             "what they add to SFTConfig, the TrainJob's what RLConfig lacks.", "",
              readme_with_settings(template)]
     covered = set(configs.values())
     for method, cls in sorted(METHOD_CONFIGS.items()):
@@ -106,6 +110,8 @@ def settings_markdown_page() -> str:
             added = settings_markdown(cls, (SFTConfig,))
             body = added if added.count("\n") > 2 else f"The settings of SFTConfig (`{method}` adds none).\n"
             lines += [f"### {cls.__name__}", "", body]
+    lines += ["### EvalConfig", "", "The settings of `sao evaluate` and the evaluate component (its `options`).", "",
+              settings_markdown(EvalConfig)]
     return "\n".join(lines).rstrip() + "\n"
 
 

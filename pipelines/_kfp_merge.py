@@ -28,21 +28,29 @@ from google.protobuf import json_format
 SUPPORTED_KFP = "2.17."
 
 
+def _renames(existing, incoming: list[str]) -> dict[str, str]:
+    """New names for the `incoming` names (sorted) already taken in `existing`: KFP's ``-2``, ``-3``, ... suffixes,
+    unique among both; the other names keep theirs (not in the result)."""
+    from kfp.dsl import utils
+
+    taken = sorted(set(existing) | set(incoming))
+    renamed: dict[str, str] = {}
+    for name in incoming:
+        if name in existing:
+            renamed[name] = utils.make_name_unique_by_adding_index(name=name, collection=taken, delimiter="-")
+            taken.append(renamed[name])
+    return renamed
+
+
 def _merge_deployment_spec(main_deployment_config, sub_pipeline_spec, main_platform_spec, sub_platform_spec) -> None:
     """Fold the inner pipeline's executors and platform configs into the outer ones, renaming taken labels."""
     from kfp.compiler import pipeline_spec_builder
-    from kfp.dsl import utils
     from kfp.pipeline_spec import pipeline_spec_pb2
 
     sub_deployment = pipeline_spec_pb2.PipelineDeploymentConfig()
     json_format.ParseDict(json_format.MessageToDict(sub_pipeline_spec.deployment_spec), sub_deployment)
     labels = sorted(sub_deployment.executors)
-    taken = sorted(set(main_deployment_config.executors) | set(labels))
-    renamed: dict[str, str] = {}
-    for label in labels:
-        if label in main_deployment_config.executors:
-            renamed[label] = utils.make_name_unique_by_adding_index(name=label, collection=taken, delimiter="-")
-            taken.append(renamed[label])
+    renamed = _renames(main_deployment_config.executors, labels)
     for component in sub_pipeline_spec.components.values():  # all at once: no chain of renames
         if component.executor_label in renamed:
             component.executor_label = renamed[component.executor_label]
@@ -60,15 +68,8 @@ def _merge_deployment_spec(main_deployment_config, sub_pipeline_spec, main_platf
 
 def _merge_component_spec(main_pipeline_spec, sub_pipeline_spec) -> None:
     """Fold the inner pipeline's components into the outer ones, renaming taken names (sorted order)."""
-    from kfp.dsl import utils
-
     names = sorted(sub_pipeline_spec.components)
-    taken = sorted(set(main_pipeline_spec.components) | set(names))
-    renamed: dict[str, str] = {}
-    for name in names:
-        if name in main_pipeline_spec.components:
-            renamed[name] = utils.make_name_unique_by_adding_index(name=name, collection=taken, delimiter="-")
-            taken.append(renamed[name])
+    renamed = _renames(main_pipeline_spec.components, names)
     dags = [sub_pipeline_spec.root, *(c for c in sub_pipeline_spec.components.values() if c.HasField("dag"))]
     for dag_component in dags:  # all at once: no chain of renames
         for task in dag_component.dag.tasks.values():

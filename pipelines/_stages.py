@@ -15,6 +15,8 @@ choice is its own small pipeline whose output is the trained model's URI (a stri
   no cluster.
 """
 
+from typing import Any
+
 from kfp import dsl, kubernetes
 from kfp.dsl import Dataset, Input
 
@@ -22,11 +24,77 @@ from components.grpo import grpo_train
 from components.prepare_data import prepare_data
 from components.sao import sao_train
 from components.sft import sft_train
+from pipelines._form import REQUIRED, Field, pick, pipeline_of
+from sao_core.cluster.launcher import LaunchConfig
+from sao_core.config import settings_of
 from sao_core.kfp import k8s
+from sao_core.kfp.docs import described, setting_description
+from sao_core.learner.config import RLConfig
 
 RUN_ID = dsl.PIPELINE_JOB_ID_PLACEHOLDER
 #: SAO settings that sao_rl passes as parameters of their own (post_training passes them in method_options).
 SAO_PARAMETERS = ("max_staleness", "admission", "eps_low", "eps_high")
+
+#: The type of every input of the stage pipelines, by name (the stages' signatures are made from it).
+STAGE_TYPES: dict[str, Any] = {
+    "data": Input[Dataset], "output_root": str, "base_model": str, "method": str, "steps": int, "batch_size": int,
+    "learning_rate": float, "policy_lr": float, "max_staleness": int, "admission": str, "eps_low": float,
+    "eps_high": float, "engine": str, "method_options": dict, "sao_options": dict, "warm_start_source": str,
+    "warm_start_steps": int, "warm_start_lr": float, "warm_start_options": dict, "max_tokens": int, "placement": str,
+    "num_nodes": int, "gpus_per_node": int, "rollout_replicas": int, "rollout_gpus": int, "tensor_parallel_size": int,
+    "gpu_count": int, "accelerator_type": str, "node_selector": dict, "tolerations": list, "s3_secret_name": str,
+}
+#: Descriptions of the stage inputs that are not RLConfig / LaunchConfig settings under their own name.
+STAGE_DESCRIPTIONS = {
+    "data": "Prepared rl dataset.",
+    "output_root": "Where runs are written (OUTPUT_ROOT/RUN_ID/STAGE): s3://bucket/prefix (placement trainjob needs "
+                   "s3://), or a local directory for single_pod local runs.",
+    "base_model": "Model to start from: embedded:tiny, a directory, an s3:// checkpoint or a hub id (placement "
+                  "trainjob: one the pods can reach).",
+    "method_options": "Other RLConfig fields.",
+    "sao_options": "Other RLConfig fields.",
+    "warm_start_source": "SFT data source of the warm start.",
+    "warm_start_steps": "SFT steps before RL (0 = no warm start).",
+    "warm_start_lr": "Learning rate of the warm start.",
+    "warm_start_options": "SFTConfig settings of the warm start.",
+    "max_tokens": "Token limit of warm-start examples.",
+    "placement": "single_pod (rollout service and learner in one pod) or trainjob (one Kubeflow Trainer TrainJob).",
+    "gpu_count": "GPUs of each training pod: the warm-start SFT and, with placement single_pod, RL.",
+}
+#: Stage inputs carrying a setting under another name (input -> (config, setting)).
+_ALIASES = {"learning_rate": (RLConfig, "policy_lr"), "accelerator_type": (LaunchConfig, "accelerator")}
+
+#: Groups of stage inputs, in the order the signatures list them.
+RL_TRAINING = ("steps", "batch_size", "learning_rate", "engine", "method_options")
+RL_RUN = ("data", "output_root", "base_model", *RL_TRAINING)
+WARM_START = ("warm_start_source", "warm_start_steps", "warm_start_lr", "max_tokens")
+TRAINJOB_SHAPE = ("num_nodes", "gpus_per_node", "rollout_replicas", "rollout_gpus", "tensor_parallel_size")
+#: Pod settings of the GPU pods, and of the training pods (with their GPU count).
+GPU_PODS = ("accelerator_type", "node_selector", "tolerations", "s3_secret_name")
+TRAINING_PODS = ("gpu_count", *GPU_PODS)
+
+
+def stage_description(name: str) -> str:
+    """The description of stage input `name`: :data:`STAGE_DESCRIPTIONS`, else its setting's help."""
+    if name in STAGE_DESCRIPTIONS:
+        return STAGE_DESCRIPTIONS[name]
+    if name in _ALIASES:
+        return setting_description(*_ALIASES[name])
+    config = RLConfig if name in settings_of(RLConfig) else LaunchConfig
+    return setting_description(config, name)
+
+
+def stage_pipeline(name: str, summary: str, inputs: tuple[str, ...]):
+    """Decorator: ``func(stage)`` as the stage pipeline `name` (:func:`pipelines._form.pipeline_of`) with the
+    inputs `inputs`, typed by :data:`STAGE_TYPES` and described by :func:`stage_description`."""
+    return pipeline_of(name, summary, [Field(n, STAGE_TYPES[n], REQUIRED, stage_description(n)) for n in inputs])
+
+
+def pod_params(stage) -> k8s.ClusterParams:
+    """The Kubernetes settings of a stage's training pods (inputs :data:`TRAINING_PODS`)."""
+    return k8s.ClusterParams(gpu_count=stage.gpu_count, accelerator_type=stage.accelerator_type,
+                             node_selector=stage.node_selector, tolerations=stage.tolerations,
+                             s3_secret_name=stage.s3_secret_name)
 
 
 def warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, params: k8s.ClusterParams,
@@ -44,6 +112,11 @@ def warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps,
                      steps=warm_start_steps, run_id=RUN_ID,
                      **{k: v for k, v in given.items() if v is not None}).set_display_name("warm-start SFT")
     return k8s.apply(warm, "training", params, settings, image_kind="train")
+
+
+#: Inputs of the TrainJob stage (:func:`build_trainjob_stage`), without and with sao_rl's SAO settings.
+TRAINJOB_STAGE = (*RL_RUN, "method", *TRAINJOB_SHAPE, *GPU_PODS)
+SAO_TRAINJOB_STAGE = (*TRAINJOB_STAGE, *SAO_PARAMETERS)
 
 
 def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_parameters: bool = False):
@@ -66,103 +139,31 @@ def build_trainjob_stage(settings: k8s.ClusterSettings, stage: str = "sao", sao_
 
     if sao_parameters and stage != "sao":
         raise ValueError(f"sao_parameters applies to the sao stage only, got stage {stage!r}")
+    what = "SAO" if sao_parameters else "RL"
 
-    def guarded_launch(data, output_root, base_model, method, steps, batch_size, learning_rate, engine,
-                       method_options, num_nodes, gpus_per_node, rollout_replicas, rollout_gpus,
-                       tensor_parallel_size, accelerator_type, node_selector, tolerations, s3_secret_name, **sao):
-        params = k8s.ClusterParams(s3_secret_name=s3_secret_name)
-        cleanup = delete_trainjob(run_id=RUN_ID, stage=stage, output_root=output_root).set_display_name(
+    @stage_pipeline(f"{stage}-trainjob-stage", f"{what} as one TrainJob; the exit step deletes it whatever happens "
+                    "and returns the trained model's URI.", SAO_TRAINJOB_STAGE if sao_parameters else TRAINJOB_STAGE)
+    def trainjob_stage(job) -> str:
+        params = k8s.ClusterParams(s3_secret_name=job.s3_secret_name)
+        cleanup = delete_trainjob(run_id=RUN_ID, stage=stage, output_root=job.output_root).set_display_name(
             "delete trainjob")
         k8s.apply(cleanup, "cpu", params, settings, image_kind="cpu")
         cleanup.set_caching_options(False)  # it deletes a cluster object and checks the model: always run it
+        sao = pick(job, SAO_PARAMETERS) if sao_parameters else {}
         with dsl.ExitHandler(cleanup, name="trainjob"):
             launch = launch_trainjob(
-                data=data, output_root=output_root, method=method, base_model=base_model, steps=steps,
-                batch_size=batch_size, policy_lr=learning_rate, engine=engine, options=method_options, run_id=RUN_ID,
-                stage=stage, queue_name=settings.queue_name, learner_image=settings.image("train"),
-                rollout_image=settings.image("rollout"), num_nodes=num_nodes, gpus_per_node=gpus_per_node,
-                rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
-                tensor_parallel_size=tensor_parallel_size, accelerator_type=accelerator_type,
-                node_selector=node_selector, tolerations=tolerations, s3_secret_name=s3_secret_name,
-                timeout_s=float(settings.training_timeout_s), **sao).set_display_name(f"{stage} trainjob")
+                data=job.data, output_root=job.output_root, method=job.method, base_model=job.base_model,
+                steps=job.steps, batch_size=job.batch_size, policy_lr=job.learning_rate, engine=job.engine,
+                options=job.method_options, run_id=RUN_ID, stage=stage, queue_name=settings.queue_name,
+                learner_image=settings.image("train"), rollout_image=settings.image("rollout"),
+                **pick(job, TRAINJOB_SHAPE), **pick(job, GPU_PODS), timeout_s=float(settings.training_timeout_s),
+                **sao).set_display_name(f"{stage} trainjob")
             k8s.apply(launch, "cpu", params, settings, image_kind="cpu")  # a CPU pod: no GPU, no GPU node
             kubernetes.set_timeout(launch, settings.training_timeout_s)  # it lives as long as the training
             launch.set_caching_options(False)
         return cleanup.outputs["model_uri"]
 
-    if not sao_parameters:
-        @dsl.pipeline(name=f"{stage}-trainjob-stage")
-        def trainjob_stage(data: Input[Dataset], output_root: str, base_model: str, method: str, steps: int,
-                           batch_size: int, learning_rate: float, engine: str, method_options: dict,
-                           num_nodes: int, gpus_per_node: int, rollout_replicas: int, rollout_gpus: int,
-                           tensor_parallel_size: int, accelerator_type: str, node_selector: dict, tolerations: list,
-                           s3_secret_name: str) -> str:
-            """RL as one TrainJob; the exit step deletes it whatever happens and returns the trained model's URI.
-
-            Args:
-                data: Prepared rl dataset.
-                output_root: s3://bucket/prefix; the TrainJob writes OUTPUT_ROOT/RUN_ID/STAGE.
-                base_model: Model to start from (an s3:// checkpoint or a hub id the pods can reach).
-                method: RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean.
-                steps: Optimiser steps (RL: learner steps) in total.
-                batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
-                learning_rate: Policy learning rate.
-                engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
-                method_options: Other RLConfig fields.
-                num_nodes: Learner nodes (pods of the node job); torchrun --nnodes.
-                gpus_per_node: GPUs per learner node = torchrun processes per node (0: one CPU process).
-                rollout_replicas: Rollout service replicas (one pod and one Job each).
-                rollout_gpus: GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size).
-                tensor_parallel_size: VLLM tensor-parallel size inside one replica.
-                accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
-                node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
-                tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}].
-                s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
-            """
-            return guarded_launch(data, output_root, base_model, method, steps, batch_size, learning_rate, engine,
-                                  method_options, num_nodes, gpus_per_node, rollout_replicas, rollout_gpus,
-                                  tensor_parallel_size, accelerator_type, node_selector, tolerations, s3_secret_name)
-
-        return trainjob_stage
-
-    @dsl.pipeline(name=f"{stage}-trainjob-stage")
-    def sao_trainjob_stage(data: Input[Dataset], output_root: str, base_model: str, method: str, steps: int,
-                           batch_size: int, learning_rate: float, max_staleness: int, admission: str, eps_low: float,
-                           eps_high: float, engine: str, method_options: dict, num_nodes: int, gpus_per_node: int,
-                           rollout_replicas: int, rollout_gpus: int, tensor_parallel_size: int, accelerator_type: str,
-                           node_selector: dict, tolerations: list, s3_secret_name: str) -> str:
-        """SAO as one TrainJob; the exit step deletes it whatever happens and returns the trained model's URI.
-
-        Args:
-            data: Prepared rl dataset.
-            output_root: s3://bucket/prefix; the TrainJob writes OUTPUT_ROOT/RUN_ID/sao.
-            base_model: Model to start from (an s3:// checkpoint or a hub id the pods can reach).
-            method: RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean.
-            steps: Optimiser steps (RL: learner steps) in total.
-            batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
-            learning_rate: Policy learning rate.
-            max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound).
-            admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput).
-            eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding).
-            eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding).
-            engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
-            method_options: Other RLConfig fields.
-            num_nodes: Learner nodes (pods of the node job); torchrun --nnodes.
-            gpus_per_node: GPUs per learner node = torchrun processes per node (0: one CPU process).
-            rollout_replicas: Rollout service replicas (one pod and one Job each).
-            rollout_gpus: GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size).
-            tensor_parallel_size: VLLM tensor-parallel size inside one replica.
-            accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
-            node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
-            tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}].
-            s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
-        """
-        return guarded_launch(data, output_root, base_model, method, steps, batch_size, learning_rate, engine,
-                              method_options, num_nodes, gpus_per_node, rollout_replicas, rollout_gpus,
-                              tensor_parallel_size, accelerator_type, node_selector, tolerations, s3_secret_name,
-                              max_staleness=max_staleness, admission=admission, eps_low=eps_low, eps_high=eps_high)
-
-    return sao_trainjob_stage
+    return trainjob_stage
 
 
 def build_rl_stage(method: str, settings: k8s.ClusterSettings):
@@ -172,199 +173,47 @@ def build_rl_stage(method: str, settings: k8s.ClusterSettings):
     rl_component = sao_train if method == "sao" else grpo_train
     trainjob_stage = build_trainjob_stage(settings, stage=method)  # grpo_train writes to RUN_ID/<method>
 
-    def rl_task(data, base_model, output_root, steps, batch_size, learning_rate, engine, method_options, params):
-        kwargs = dict(data=data, output_root=output_root, base_model=base_model, steps=steps, batch_size=batch_size,
-                      policy_lr=learning_rate, engine=engine, options=method_options, run_id=RUN_ID)
+    def rl_task(stage, base_model, params):
+        kwargs = dict(data=stage.data, output_root=stage.output_root, base_model=base_model, steps=stage.steps,
+                      batch_size=stage.batch_size, policy_lr=stage.learning_rate, engine=stage.engine,
+                      options=stage.method_options, run_id=RUN_ID)
         if method == "grpo":
             kwargs["method"] = "grpo"
         task = rl_component(**kwargs).set_display_name(f"{method} training")
         return k8s.apply(task, "training", params, settings, image_kind="rollout")
 
-    @dsl.pipeline(name=f"{method}-single-pod-stage")
-    def single_pod_rl_stage(
-        data: Input[Dataset],
-        output_root: str,
-        base_model: str,
-        steps: int,
-        batch_size: int,
-        learning_rate: float,
-        engine: str,
-        method_options: dict,
-        warm_start_source: str,
-        warm_start_steps: int,
-        warm_start_lr: float,
-        max_tokens: int,
-        gpu_count: int,
-        accelerator_type: str,
-        node_selector: dict,
-        tolerations: list,
-        s3_secret_name: str,
-    ) -> str:
-        """RL in one pod (colocated rollout service) with an optional SFT warm start; returns the model's URI.
+    def warm_start(stage, params):
+        return warm_start_sft(stage.base_model, stage.output_root, stage.warm_start_source, stage.warm_start_steps,
+                              params, settings, lr=stage.warm_start_lr, max_tokens=stage.max_tokens)
 
-        Args:
-            data: Prepared rl dataset.
-            output_root: Where runs are written (s3://bucket/prefix or a local directory).
-            base_model: Model to start from.
-            steps: RL learner steps.
-            batch_size: Trajectories per step.
-            learning_rate: Policy learning rate.
-            engine: Rollout engine: vllm or hf.
-            method_options: Other RLConfig fields.
-            warm_start_source: SFT data source of the warm start.
-            warm_start_steps: SFT steps before RL (0 = no warm start).
-            warm_start_lr: Learning rate of the warm start.
-            max_tokens: Token limit of warm-start examples.
-            gpu_count: GPUs of the training pods.
-            accelerator_type: Kubernetes resource name of the GPUs.
-            node_selector: Node labels the training pods require.
-            tolerations: Tolerations of the training pods.
-            s3_secret_name: Secret with the S3 credentials.
-        """
-        params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
-                                   node_selector=node_selector, tolerations=tolerations,
-                                   s3_secret_name=s3_secret_name)
-        with dsl.If(warm_start_steps > 0, name="warm-start"):
-            warm = warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, params, settings,
-                                  lr=warm_start_lr, max_tokens=max_tokens)
-            after_warm = rl_task(data, warm.outputs["model_uri"], output_root, steps, batch_size, learning_rate,
-                                 engine, method_options, params)
+    @stage_pipeline(f"{method}-single-pod-stage", "RL in one pod (colocated rollout service) with an optional SFT "
+                    "warm start; returns the model's URI.", (*RL_RUN, *WARM_START, *TRAINING_PODS))
+    def single_pod_rl_stage(stage) -> str:
+        params = pod_params(stage)
+        with dsl.If(stage.warm_start_steps > 0, name="warm-start"):
+            after_warm = rl_task(stage, warm_start(stage, params).outputs["model_uri"], params)
         with dsl.Else(name="no-warm-start"):
-            cold = rl_task(data, base_model, output_root, steps, batch_size, learning_rate, engine, method_options,
-                           params)
+            cold = rl_task(stage, stage.base_model, params)
         return dsl.OneOf(after_warm.outputs["model_uri"], cold.outputs["model_uri"])
 
-    @dsl.pipeline(name=f"{method}-trainjob-rl-stage")
-    def trainjob_rl_stage(
-        data: Input[Dataset],
-        output_root: str,
-        base_model: str,
-        steps: int,
-        batch_size: int,
-        learning_rate: float,
-        engine: str,
-        method_options: dict,
-        warm_start_source: str,
-        warm_start_steps: int,
-        warm_start_lr: float,
-        max_tokens: int,
-        num_nodes: int,
-        gpus_per_node: int,
-        rollout_replicas: int,
-        rollout_gpus: int,
-        tensor_parallel_size: int,
-        gpu_count: int,
-        accelerator_type: str,
-        node_selector: dict,
-        tolerations: list,
-        s3_secret_name: str,
-    ) -> str:
-        """RL as one TrainJob with an optional SFT warm start (in one pod); returns the trained model's URI.
-
-        Args:
-            data: Prepared rl dataset.
-            output_root: s3://bucket/prefix where runs are written.
-            base_model: Model to start from.
-            steps: RL learner steps.
-            batch_size: Trajectories per step.
-            learning_rate: Policy learning rate.
-            engine: Rollout engine: vllm or hf.
-            method_options: Other RLConfig fields.
-            warm_start_source: SFT data source of the warm start.
-            warm_start_steps: SFT steps before RL (0 = no warm start).
-            warm_start_lr: Learning rate of the warm start.
-            max_tokens: Token limit of warm-start examples.
-            num_nodes: Learner nodes of the TrainJob.
-            gpus_per_node: GPUs per learner node.
-            rollout_replicas: Rollout service replicas of the TrainJob.
-            rollout_gpus: GPUs per rollout replica.
-            tensor_parallel_size: vLLM tensor-parallel size inside a replica.
-            gpu_count: GPUs of the warm-start SFT pod.
-            accelerator_type: Kubernetes resource name of the GPUs.
-            node_selector: Node labels the GPU pods require.
-            tolerations: Tolerations of the GPU pods.
-            s3_secret_name: Secret with the S3 credentials.
-        """
-        params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
-                                   node_selector=node_selector, tolerations=tolerations,
-                                   s3_secret_name=s3_secret_name)
-        rl = dict(data=data, output_root=output_root, method=method, steps=steps, batch_size=batch_size,
-                  learning_rate=learning_rate, engine=engine, method_options=method_options, num_nodes=num_nodes,
-                  gpus_per_node=gpus_per_node, rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
-                  tensor_parallel_size=tensor_parallel_size, accelerator_type=accelerator_type,
-                  node_selector=node_selector, tolerations=tolerations, s3_secret_name=s3_secret_name)
-        with dsl.If(warm_start_steps > 0, name="warm-start"):
-            warm = warm_start_sft(base_model, output_root, warm_start_source, warm_start_steps, params, settings,
-                                  lr=warm_start_lr, max_tokens=max_tokens)
+    @stage_pipeline(f"{method}-trainjob-rl-stage", "RL as one TrainJob with an optional SFT warm start (in one pod); "
+                    "returns the trained model's URI.", (*RL_RUN, *WARM_START, *TRAINJOB_SHAPE, *TRAINING_PODS))
+    def trainjob_rl_stage(stage) -> str:
+        rl = dict(pick(stage, ("data", "output_root", *RL_TRAINING, *TRAINJOB_SHAPE, *GPU_PODS)), method=method)
+        with dsl.If(stage.warm_start_steps > 0, name="warm-start"):
+            warm = warm_start(stage, pod_params(stage))
             after_warm = trainjob_stage(base_model=warm.outputs["model_uri"], **rl).set_display_name(
                 f"{method} trainjob")
         with dsl.Else(name="no-warm-start"):
-            cold = trainjob_stage(base_model=base_model, **rl).set_display_name(f"{method} trainjob")
+            cold = trainjob_stage(base_model=stage.base_model, **rl).set_display_name(f"{method} trainjob")
         return dsl.OneOf(after_warm.output, cold.output)
 
-    @dsl.pipeline(name=f"{method}-stage")
-    def rl_stage(
-        data: Input[Dataset],
-        output_root: str,
-        base_model: str,
-        steps: int,
-        batch_size: int,
-        learning_rate: float,
-        engine: str,
-        method_options: dict,
-        warm_start_source: str,
-        warm_start_steps: int,
-        warm_start_lr: float,
-        max_tokens: int,
-        placement: str,
-        num_nodes: int,
-        gpus_per_node: int,
-        rollout_replicas: int,
-        rollout_gpus: int,
-        tensor_parallel_size: int,
-        gpu_count: int,
-        accelerator_type: str,
-        node_selector: dict,
-        tolerations: list,
-        s3_secret_name: str,
-    ) -> str:
-        """RL training with an optional SFT warm start, in one pod or as a TrainJob; returns the model's URI.
-
-        Args:
-            data: Prepared rl dataset.
-            output_root: Where runs are written (s3://bucket/prefix; a local directory for single_pod local runs).
-            base_model: Model to start from.
-            steps: RL learner steps.
-            batch_size: Trajectories per step.
-            learning_rate: Policy learning rate.
-            engine: Rollout engine: vllm or hf.
-            method_options: Other RLConfig fields.
-            warm_start_source: SFT data source of the warm start.
-            warm_start_steps: SFT steps before RL (0 = no warm start).
-            warm_start_lr: Learning rate of the warm start.
-            max_tokens: Token limit of warm-start examples.
-            placement: single_pod (rollout service and learner in one pod) or trainjob (one Kubeflow Trainer TrainJob).
-            num_nodes: trainjob: learner nodes.
-            gpus_per_node: trainjob: GPUs per learner node.
-            rollout_replicas: trainjob: rollout service replicas.
-            rollout_gpus: trainjob: GPUs per rollout replica.
-            tensor_parallel_size: trainjob: vLLM tensor-parallel size inside a replica.
-            gpu_count: GPUs of the training pods (single_pod RL and the warm-start SFT).
-            accelerator_type: Kubernetes resource name of the GPUs.
-            node_selector: Node labels the GPU pods require.
-            tolerations: Tolerations of the GPU pods.
-            s3_secret_name: Secret with the S3 credentials.
-        """
-        common = dict(data=data, output_root=output_root, base_model=base_model, steps=steps, batch_size=batch_size,
-                      learning_rate=learning_rate, engine=engine, method_options=method_options,
-                      warm_start_source=warm_start_source, warm_start_steps=warm_start_steps,
-                      warm_start_lr=warm_start_lr, max_tokens=max_tokens, gpu_count=gpu_count,
-                      accelerator_type=accelerator_type, node_selector=node_selector, tolerations=tolerations,
-                      s3_secret_name=s3_secret_name)
-        with dsl.If(placement == "trainjob", name="trainjob"):
-            multi = trainjob_rl_stage(**common, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
-                                      rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
-                                      tensor_parallel_size=tensor_parallel_size).set_display_name(
+    @stage_pipeline(f"{method}-stage", "RL training with an optional SFT warm start, in one pod or as a TrainJob; "
+                    "returns the model's URI.", (*RL_RUN, *WARM_START, "placement", *TRAINJOB_SHAPE, *TRAINING_PODS))
+    def rl_stage(stage) -> str:
+        common = pick(stage, (*RL_RUN, *WARM_START, *TRAINING_PODS))
+        with dsl.If(stage.placement == "trainjob", name="trainjob"):
+            multi = trainjob_rl_stage(**common, **pick(stage, TRAINJOB_SHAPE)).set_display_name(
                 f"{method} as a TrainJob (optional warm start)")
         with dsl.Else(name="single-pod"):
             single = single_pod_rl_stage(**common).set_display_name(f"{method} in one pod (optional warm start)")
@@ -373,12 +222,36 @@ def build_rl_stage(method: str, settings: k8s.ClusterSettings):
     return rl_stage
 
 
+#: Descriptions of the evaluation stage's inputs that the other stages lack (or describe otherwise).
+EVALUATION_DESCRIPTIONS = {
+    "model": "Model reference to evaluate.",
+    "benchmarks": "Benchmark names.",
+    "k": "Samples per problem.",
+    "limit": "First N problems of each benchmark (0 = all).",
+    "engine": "vllm or hf.",
+    "max_new_tokens": "Tokens per model turn.",
+    "max_total_tokens": "Tokens of a whole episode.",
+    "temperature": "Sampling temperature.",
+    "sandbox": "SWE sandbox: kubernetes or local.",
+    "previous_summary": "Earlier summary.json to compare against ('' = none).",
+    "eval_options": "Other EvalConfig fields.",
+    "gpu_count": "GPUs of each evaluation pod.",
+    "trained_model": "The model the pipeline trained (= model), whose training run the report shows ('' = none).",
+    "adapter": "LoRA adapter merged into model before it is evaluated ('' = none).",
+}
+
+
 def build_evaluation_stage(settings: k8s.ClusterSettings):
     """Evaluation of one model on a list of benchmarks (one parallel step each) and one report."""
     from components.evaluate import evaluate
     from components.report import report
 
+    def describe(name: str) -> str:
+        return EVALUATION_DESCRIPTIONS.get(name) or stage_description(name)
+
     @dsl.pipeline(name="evaluation-stage")
+    @described("Evaluate `model` on each benchmark in parallel, then write one report; returns the report's URI.",
+               describe)
     def evaluation_stage(
         model: str,
         output_root: str,
@@ -400,29 +273,6 @@ def build_evaluation_stage(settings: k8s.ClusterSettings):
         trained_model: str = "",
         adapter: str = "",
     ) -> str:
-        """Evaluate `model` on each benchmark in parallel, then write one report; returns the report's URI.
-
-        Args:
-            model: Model reference to evaluate.
-            output_root: Where runs are written.
-            benchmarks: Benchmark names.
-            k: Samples per problem.
-            limit: First N problems of each benchmark (0 = all).
-            engine: vllm or hf.
-            max_new_tokens: Tokens per model turn.
-            max_total_tokens: Tokens of a whole episode.
-            temperature: Sampling temperature.
-            sandbox: SWE sandbox: kubernetes or local.
-            previous_summary: Earlier summary.json to compare against ('' = none).
-            eval_options: Other EvalConfig fields.
-            gpu_count: GPUs of each evaluation pod.
-            accelerator_type: Kubernetes resource name of the GPUs.
-            node_selector: Node labels the evaluation pods require.
-            tolerations: Tolerations of the evaluation pods.
-            s3_secret_name: Secret with the S3 credentials.
-            trained_model: The model the pipeline trained (= model), whose training run the report shows ('' = none).
-            adapter: LoRA adapter merged into model before it is evaluated ('' = none).
-        """
         params = k8s.ClusterParams(gpu_count=gpu_count, accelerator_type=accelerator_type,
                                    node_selector=node_selector, tolerations=tolerations,
                                    s3_secret_name=s3_secret_name)

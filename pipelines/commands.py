@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,17 +76,29 @@ def upload(host: str, name: str, pipeline: str | None = None, package: str | Non
         return kfp_client.upload(api, path, name, version_name=version_name, description=description)
 
 
-def run(host: str, experiment: str, run_name: str, param_strings: list[str], pipeline: str | None = None,
-        package: str | None = None, pipeline_id: str | None = None, version_id: str | None = None,
-        namespace: str | None = None, token: str | None = None, enable_caching: bool | None = None,
-        settings: ClusterSettings | None = None) -> dict[str, Any]:
-    """Start one run; arguments are checked against the pipeline before connecting."""
+@contextlib.contextmanager
+def _checked_run(host: str, param_strings: list[str], pipeline: str | None, package: str | None,
+                 pipeline_id: str | None, version_id: str | None, namespace: str | None, token: str | None,
+                 settings: ClusterSettings | None) -> Iterator[tuple[str | None, dict[str, Any], Any]]:
+    """(package path, arguments, client) for a run or a recurring run: the package compiled (or given) into a
+    scratch folder that lives as long as the context, the arguments checked against it (against the uploaded
+    version when there is no package) before the client connects."""
     with tempfile.TemporaryDirectory(prefix="sao-kfp-") as scratch:
         path = _package_for(pipeline, package, settings, Path(scratch))
         arguments = _arguments(path, param_strings)
         api = kfp_client.connect(host, namespace=namespace, token=token)
         if path is None and param_strings:
             arguments = _arguments_for_version(api, pipeline_id, version_id, param_strings)
+        yield path, arguments, api
+
+
+def run(host: str, experiment: str, run_name: str, param_strings: list[str], pipeline: str | None = None,
+        package: str | None = None, pipeline_id: str | None = None, version_id: str | None = None,
+        namespace: str | None = None, token: str | None = None, enable_caching: bool | None = None,
+        settings: ClusterSettings | None = None) -> dict[str, Any]:
+    """Start one run; arguments are checked against the pipeline before connecting."""
+    with _checked_run(host, param_strings, pipeline, package, pipeline_id, version_id, namespace, token,
+                      settings) as (path, arguments, api):
         return kfp_client.run(api, experiment, run_name, arguments, package_path=path, pipeline_id=pipeline_id,
                               version_id=version_id, namespace=namespace, enable_caching=enable_caching)
 
@@ -98,12 +112,8 @@ def schedule(host: str, experiment: str, name: str, cron: str, param_strings: li
     """Create a recurring run; cron, concurrency, times and arguments are checked before connecting."""
     start, end = _when(start_time, "start time"), _when(end_time, "end time")
     kfp_client.check_schedule(cron, max_concurrency, start, end)
-    with tempfile.TemporaryDirectory(prefix="sao-kfp-") as scratch:
-        path = _package_for(pipeline, package, settings, Path(scratch))
-        arguments = _arguments(path, param_strings)
-        api = kfp_client.connect(host, namespace=namespace, token=token)
-        if path is None and param_strings:
-            arguments = _arguments_for_version(api, pipeline_id, version_id, param_strings)
+    with _checked_run(host, param_strings, pipeline, package, pipeline_id, version_id, namespace, token,
+                      settings) as (path, arguments, api):
         return kfp_client.schedule(api, experiment, name, cron, arguments, package_path=path,
                                    pipeline_id=pipeline_id, version_id=version_id, max_concurrency=max_concurrency,
                                    no_catchup=not catchup, start_time=start, end_time=end, enabled=enabled,

@@ -83,20 +83,27 @@ def settings_configs() -> dict[str, type]:
 
 
 def settings_markdown(cls: type, skip: tuple[type, ...] = ()) -> str:
-    """A Markdown table of the settings of `cls` (those not defined by a class in `skip`): name, type, default,
-    unit, methods, help."""
+    """Markdown tables of the settings of `cls` (those not defined by a class in `skip`), one per section (headed
+    by its title and its YAML key): name, type, default, unit, methods, help."""
     from sao_core.config import settings_of
 
     skipped = {name for base in skip for name in settings_of(base)}
-    rows = ["| setting | type | default | unit | methods | description |", "|---|---|---|---|---|---|"]
+    by_section: dict[str, list] = {}
     for s in settings_of(cls).values():
-        if s.name in skipped:
-            continue
-        kind = " \\| ".join(map(str, s.choices)) if s.choices else s.type_name()
-        default = "(required)" if s.required else repr(s.default) if isinstance(s.default, str) else str(s.default)
-        help_text = s.help.replace("|", "\\|")
-        rows.append(f"| `{s.name}` | {kind} | `{default}` | {s.unit} | {', '.join(s.methods) or 'all'} | {help_text} |")
-    return "\n".join(rows) + "\n"
+        if s.name not in skipped:
+            by_section.setdefault(s.section, []).append(s)
+    tables = []
+    for section, settings in by_section.items():
+        rows = [f"#### {settings[0].title} (section `{section}`)", "",
+                "| setting | type | default | unit | methods | description |", "|---|---|---|---|---|---|"]
+        for s in settings:
+            kind = " \\| ".join(map(str, s.choices)) if s.choices else s.type_name()
+            default = "(required)" if s.required else repr(s.default) if isinstance(s.default, str) else str(s.default)
+            help_text = s.help.replace("|", "\\|")
+            rows.append(f"| `{s.name}` | {kind} | `{default}` | {s.unit} | {', '.join(s.methods) or 'all'} | "
+                        f"{help_text} |")
+        tables.append("\n".join(rows) + "\n")
+    return "\n".join(tables)
 
 
 def readme_with_settings(text: str) -> str:

@@ -11,10 +11,20 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sao_core.config import ConfigError, _base_type, field_types, literal_choices, load_config, section_of
+from sao_core.config import (
+    ConfigError,
+    _base_type,
+    field_types,
+    flatten_sections,
+    is_registered,
+    literal_choices,
+    load_config,
+    settings_of,
+)
 
 log = logging.getLogger("sao")
 
@@ -25,45 +35,61 @@ def default_cache_dir() -> str:
 
 
 # ----------------------------------------------------------------------------- dataclass <-> argparse
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One `--field-name` option per dataclass field, listed in argument groups by the setting's section
-    (`sao_core.config.section_of`); values left unset fall back to YAML, then defaults."""
-    parser.add_argument("--config", metavar="YAML", help="YAML file with field: value pairs (flags override it)")
-    docs = _field_docs(cls)
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+                         title: str = "") -> None:
+    """One `--field-name` option per dataclass field, in argument groups: a setting (`sao_core.config.setting`)
+    in its section's, every field of a plain dataclass (help from its trailing comment) in `title`'s. Values
+    left unset fall back to the --config YAML, then to the defaults."""
+    registered = is_registered(cls)
+    if not registered and not title:
+        raise ValueError(f"{cls.__name__} has no settings with sections: give the title of its --help group")
+    parser.add_argument("--config", metavar="YAML", help=(
+        "YAML file with field: value pairs, flat or grouped by section (section: {field: value}); flags override it"
+        if registered else "YAML file with field: value pairs (flags override it)"))
+    if registered:   # (help, unit, group title, the group's description: its section key for YAML)
+        helps = {s.name: (s.help, s.unit, s.title, f"YAML section: {s.section}") for s in settings_of(cls).values()}
+    else:
+        docs = _field_docs(cls)
+        helps = {f.name: (docs.get(f.name, ""), "", title, None) for f in dataclasses.fields(cls)}
+    types_by_name = field_types(cls)
     groups: dict[str, argparse._ArgumentGroup] = {}
-    names: set[str] = set()
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
-        annotation = field_types(cls)[field.name]
-        inner, _ = _base_type(annotation)
-        choices = literal_choices(annotation)
-        if field.default is not dataclasses.MISSING:
-            default = show_default(field.default)
-        elif field.default_factory is not dataclasses.MISSING:
-            try:
-                default = "(computed)" if field.name == "cache_dir" else show_default(field.default_factory())
-            except Exception:  # a factory that reads the environment and fails here: shown as computed
-                default = "(computed)"
-        else:
-            default = "(required)"
-        unit = field.metadata.get("unit")
-        help_text = field.metadata.get("help") or docs.get(field.name, "")
-        shown = "(required)" if default == "(required)" else f"[default: {default}]"
-        help_text = f"{help_text}{f' ({unit})' if unit else ''} {shown}".strip()
-        title = section_of(cls, field)
-        if title not in groups:
-            groups[title] = parser.add_argument_group(title)
-        group = groups[title]
-        names.add(field.name)
-        flag = "--" + field.name.replace("_", "-")
-        if inner is bool:
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
-        else:
-            group.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"),
-                               metavar="{" + ",".join(map(str, choices)) + "}" if choices else field.name.upper())
-    parser._sao_settings = names   # the compact usage line (`_compact_usage`) folds these into one word
+        help_text, unit, group_title, description = helps[field.name]
+        if group_title not in groups:
+            groups[group_title] = parser.add_argument_group(group_title, description)
+        shown = _shown_default(field)
+        shown = shown if shown == "(required)" else f"[default: {shown}]"
+        help_text = f"{help_text}{f' ({unit})' if unit else ''} {shown}".strip().replace("%", "%%")
+        _add_field_argument(groups[group_title], field.name, types_by_name[field.name], help_text)
+    parser._sao_settings = {f.name for f in dataclasses.fields(cls) if f.name not in skip}  # see _compact_usage
+
+
+def _shown_default(field: dataclasses.Field) -> str:
+    """A field's default as --help shows it: `show_default` of it, "(required)", or "(computed)" for a default
+    read from the environment (cache_dir, or a factory that fails here)."""
+    if field.default is not dataclasses.MISSING:
+        return show_default(field.default)
+    if field.default_factory is dataclasses.MISSING:
+        return "(required)"
+    try:
+        return "(computed)" if field.name == "cache_dir" else show_default(field.default_factory())
+    except Exception:  # a factory that reads the environment and fails here: shown as computed
+        return "(computed)"
+
+
+def _add_field_argument(group: argparse._ArgumentGroup, name: str, annotation: Any, help_text: str) -> None:
+    """`--name` (dashes for underscores) into `group`: --x / --no-x for a bool, else one value (its choices as
+    the metavar); unset flags stay out of the namespace."""
+    flag = "--" + name.replace("_", "-")
+    if _base_type(annotation)[0] is bool:
+        group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=help_text)
+        return
+    choices = literal_choices(annotation)
+    group.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text,
+                       metavar="{" + ",".join(map(str, choices)) + "}" if choices else name.upper())
 
 
 def show_default(value: Any) -> str:
@@ -146,7 +172,7 @@ def _given_settings(cls: type, args: argparse.Namespace) -> set[str]:
     given = {k for k in vars(args) if k in names}
     if getattr(args, "config", None):
         loaded = yaml.safe_load(Path(args.config).read_text(encoding="utf-8"))   # load_config has checked it
-        given |= set(loaded or {}) & names
+        given |= set(flatten_sections(cls, loaded or {}, args.config)) & names
     return given
 
 
@@ -311,17 +337,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- sao cluster (multi-node TrainJob)
-def _cluster_help(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Fill --help texts of fields `cls` inherits (add_config_arguments reads only its own source)."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass):
-            docs.update(_field_docs(klass))
-    for action in parser._actions:
-        if action.dest in docs and (action.help or "").startswith(("[default", "(required)")):
-            action.help = f"{docs[action.dest]} {action.help}"
-
-
 def cmd_cluster(args: argparse.Namespace) -> int:
     import yaml
 
@@ -492,84 +507,94 @@ def cmd_kfp_schedules(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_kfp_parsers(sub) -> None:
+def _register_kfp(sub, argv: list[str]) -> None:
+    """`sao kfp` and its actions: compile, upload, run, schedule, schedules."""
     kfp = sub.add_parser("kfp", help="Kubeflow Pipelines: compile, upload, run, schedule")
     kfp_sub = kfp.add_subparsers(dest="kfp_command", required=True, metavar="ACTION")
-
-    def cluster(p) -> None:
-        g = p.add_argument_group("compile-time cluster settings")
-        g.add_argument("--queue-name", default="", help="Kueue LocalQueue: label kueue.x-k8s.io/queue-name on every pod")
-        g.add_argument("--image-cpu", help="image of CPU steps [default: from SAO_IMAGE_* / sao_core.images]")
-        g.add_argument("--image-train", help="image of SFT/CPT/DPO/GKD steps")
-        g.add_argument("--image-rollout", help="image of RL, rollout and evaluation steps (vLLM)")
-        g.add_argument("--shm-size", help="size of /dev/shm in GPU pods [default: 16Gi]")
-        g.add_argument("--training-timeout-s", type=int, help="active deadline of training pods")
-        g.add_argument("--evaluation-timeout-s", type=int, help="active deadline of evaluation pods")
-        g.add_argument("--data-retries", type=int, help="retries of data preparation [default: 3]")
-        g.add_argument("--evaluation-retries", type=int, help="retries of evaluation [default: 2]")
-
-    def server(p) -> None:
-        p.add_argument("--host", required=True, help="KFP API URL, e.g. http://localhost:8080")
-        p.add_argument("--namespace", help="Kubernetes namespace (multi-user KFP)")
-        p.add_argument("--token-env", default="SAO_KFP_TOKEN", help="environment variable holding a bearer token "
-                                                                   "[default: SAO_KFP_TOKEN]")
-
-    def source(p) -> None:
-        p.add_argument("--pipeline", choices=["post_training", "sao_rl", "evaluation"], help="compile this pipeline")
-        p.add_argument("--package", help="a compiled pipeline YAML")
-        p.add_argument("--pipeline-id", help="an uploaded pipeline (with --version-id)")
-        p.add_argument("--version-id", help="an uploaded pipeline version")
-        p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                       help="pipeline argument (JSON for numbers, lists and mappings); repeat for more")
-
     p = kfp_sub.add_parser("compile", help="compile pipelines to KFP YAML (method dropdown included)")
     p.add_argument("--pipeline", default="all", choices=["all", "post_training", "sao_rl", "evaluation"])
     p.add_argument("--output-dir", default="build/pipelines", help="[default: build/pipelines]")
-    cluster(p)
+    _add_kfp_cluster_settings(p)
     p.set_defaults(func=cmd_kfp_compile)
 
     p = kfp_sub.add_parser("upload", help="upload a pipeline, or a new version of an existing one")
-    server(p)
+    _add_kfp_server(p)
     p.add_argument("--name", required=True, help="pipeline name in KFP")
     p.add_argument("--pipeline", choices=["post_training", "sao_rl", "evaluation"], help="compile this pipeline")
     p.add_argument("--package", help="a compiled pipeline YAML")
     p.add_argument("--version", help="version name [default: NAME-UTC timestamp]")
     p.add_argument("--description")
-    cluster(p)
+    _add_kfp_cluster_settings(p)
     p.set_defaults(func=cmd_kfp_upload)
 
     p = kfp_sub.add_parser("run", help="start a run in an experiment")
-    server(p)
+    _add_kfp_server(p)
     p.add_argument("--experiment", required=True)
     p.add_argument("--run-name", required=True)
-    source(p)
+    _add_kfp_source(p)
     p.add_argument("--cache", action=argparse.BooleanOptionalAction, default=None,
                    help="KFP caching for this run [default: as compiled]")
-    cluster(p)
+    _add_kfp_cluster_settings(p)
     p.set_defaults(func=cmd_kfp_run)
+    _register_kfp_schedule(kfp_sub)
 
+    p = kfp_sub.add_parser("schedules", help="list, enable or disable recurring runs")
+    _add_kfp_server(p)
+    p.add_argument("action", choices=["list", "enable", "disable"])
+    p.add_argument("id", nargs="?", help="recurring run id (enable / disable)")
+    p.add_argument("--experiment", help="list only this experiment's")
+    p.set_defaults(func=cmd_kfp_schedules)
+
+
+def _register_kfp_schedule(kfp_sub) -> None:
     p = kfp_sub.add_parser("schedule", help="create a recurring run (six-field cron, seconds first)")
-    server(p)
+    _add_kfp_server(p)
     p.add_argument("--experiment", required=True)
     p.add_argument("--name", required=True, help="recurring run name")
     p.add_argument("--cron", required=True, help="six fields: seconds minutes hours day-of-month month day-of-week, "
                                                  "e.g. '0 0 2 * * *' = 02:00 daily")
-    source(p)
+    _add_kfp_source(p)
     p.add_argument("--max-concurrency", type=int, default=1, help="runs at once, 1-10 [default: 1]")
     p.add_argument("--catchup", action="store_true", help="start every missed run after a pause [default: only "
                                                            "the latest]")
     p.add_argument("--start-time", help="ISO 8601 with time zone")
     p.add_argument("--end-time", help="ISO 8601 with time zone")
     p.add_argument("--disabled", action="store_true", help="create it disabled")
-    cluster(p)
+    _add_kfp_cluster_settings(p)
     p.set_defaults(func=cmd_kfp_schedule)
 
-    p = kfp_sub.add_parser("schedules", help="list, enable or disable recurring runs")
-    server(p)
-    p.add_argument("action", choices=["list", "enable", "disable"])
-    p.add_argument("id", nargs="?", help="recurring run id (enable / disable)")
-    p.add_argument("--experiment", help="list only this experiment's")
-    p.set_defaults(func=cmd_kfp_schedules)
+
+def _add_kfp_cluster_settings(p: argparse.ArgumentParser) -> None:
+    """The compile-time cluster settings (`_cluster_settings` reads them): queue, images, shm, timeouts, retries."""
+    g = p.add_argument_group("compile-time cluster settings")
+    g.add_argument("--queue-name", default="", help="Kueue LocalQueue: label kueue.x-k8s.io/queue-name on every pod")
+    g.add_argument("--image-cpu", help="image of CPU steps [default: from SAO_IMAGE_* / sao_core.images]")
+    g.add_argument("--image-train", help="image of SFT/CPT/DPO/GKD steps")
+    g.add_argument("--image-rollout", help="image of RL, rollout and evaluation steps (vLLM)")
+    g.add_argument("--shm-size", help="size of /dev/shm in GPU pods [default: 16Gi]")
+    g.add_argument("--training-timeout-s", type=int, help="active deadline of training pods")
+    g.add_argument("--evaluation-timeout-s", type=int, help="active deadline of evaluation pods")
+    g.add_argument("--data-retries", type=int, help="retries of data preparation [default: 3]")
+    g.add_argument("--evaluation-retries", type=int, help="retries of evaluation [default: 2]")
+
+
+def _add_kfp_server(p: argparse.ArgumentParser) -> None:
+    """Where the KFP API is: --host, --namespace, --token-env."""
+    p.add_argument("--host", required=True, help="KFP API URL, e.g. http://localhost:8080")
+    p.add_argument("--namespace", help="Kubernetes namespace (multi-user KFP)")
+    p.add_argument("--token-env", default="SAO_KFP_TOKEN", help="environment variable holding a bearer token "
+                                                               "[default: SAO_KFP_TOKEN]")
+
+
+def _add_kfp_source(p: argparse.ArgumentParser) -> None:
+    """Which pipeline a run or schedule starts (compiled here, a package, or an uploaded version) and its
+    arguments."""
+    p.add_argument("--pipeline", choices=["post_training", "sao_rl", "evaluation"], help="compile this pipeline")
+    p.add_argument("--package", help="a compiled pipeline YAML")
+    p.add_argument("--pipeline-id", help="an uploaded pipeline (with --version-id)")
+    p.add_argument("--version-id", help="an uploaded pipeline version")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="pipeline argument (JSON for numbers, lists and mappings); repeat for more")
 
 
 def _demo_pipeline(args: argparse.Namespace) -> int:
@@ -620,9 +645,8 @@ class SaoArgumentParser(argparse.ArgumentParser):
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    from sao_core.data.prepare import PrepareConfig
-    from sao_core.training.config import METHOD_CONFIGS, TrainConfig
-
+    """The `sao` parser: the global options, then one registration per command (`COMMANDS`, in --help order).
+    `argv` picks `sao train`'s flags (they depend on --method)."""
     parser = SaoArgumentParser(prog="sao", description="SAO and LLM post-training on Kubeflow Pipelines.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -630,24 +654,41 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                         help="models and downloads cache [default: $SAO_CACHE_DIR or ~/.cache/sao]")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads [default: torch's choice]")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for register in COMMANDS:
+        register(sub, argv or [])
+    _describe(parser)
+    _compact_usage(parser)
+    return parser
 
+
+def _register_build_model(sub, argv: list[str]) -> None:
     p = sub.add_parser("build-model", help="build (or reuse) the embedded tiny model and print its directory")
     p.add_argument("--publish", metavar="URI", help="also publish it as a checkpoint to a path or s3:// prefix")
     p.set_defaults(func=cmd_build_model)
 
+
+def _register_prepare_data(sub, argv: list[str]) -> None:
+    from sao_core.data.prepare import PrepareConfig
+
     p = sub.add_parser("prepare-data", help="normalise a dataset (sft, cpt, dpo, rl or a benchmark) with rejects "
                                             "and stats")
-    add_config_arguments(p, PrepareConfig)
+    add_config_arguments(p, PrepareConfig, title="data preparation")
     p.set_defaults(func=cmd_prepare_data)
 
-    method = _method_in(argv or [])
+
+def _register_train(sub, argv: list[str]) -> None:
+    """`sao train`: its settings are those of the method named by --method in `argv` (TrainConfig's if none)."""
+    from sao_core.training.config import METHOD_CONFIGS, TrainConfig
+
     p = sub.add_parser("train", help="train with sft, cpt, dpo or gkd from a prepared dataset to an exported model",
                        description="Flags after --method depend on the method: "
                                    "`sao train --method dpo --help` lists DPO's.")
     p.add_argument("--method", required=True, choices=sorted(METHOD_CONFIGS), help="training method")
-    add_config_arguments(p, METHOD_CONFIGS.get(method, TrainConfig), skip=("cache_dir",))
+    add_config_arguments(p, METHOD_CONFIGS.get(_method_in(argv), TrainConfig), skip=("cache_dir",))
     p.set_defaults(func=cmd_train)
 
+
+def _register_train_rl(sub, argv: list[str]) -> None:
     from sao_core.learner.config import RLConfig
 
     p = sub.add_parser("train-rl", help="RL with SAO or a GRPO baseline against rollout services (colocated "
@@ -655,15 +696,21 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_config_arguments(p, RLConfig, skip=("cache_dir",))
     p.set_defaults(func=cmd_train_rl)
 
+
+def _register_rollout(sub, argv: list[str]) -> None:
+    from sao_core.rollout.server import ServeConfig
+
     rollout = sub.add_parser("rollout", help="the rollout service (engine + environments over HTTP)")
     rollout_sub = rollout.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
     p = rollout_sub.add_parser("serve", help="serve episodes and trajectories over HTTP until shut down")
-    from sao_core.rollout.server import ServeConfig
-
-    add_config_arguments(p, ServeConfig, skip=("cache_dir",))
+    add_config_arguments(p, ServeConfig, skip=("cache_dir",), title="rollout service")
     p.add_argument("--plan", metavar="YAML", help="start this rollout plan at once (RolloutPlan fields: dataset, "
                                                   "rollouts_per_prompt, epochs, max_in_flight, ...)")
     p.set_defaults(func=cmd_rollout_serve)
+
+
+def _register_checkpoint(sub, argv: list[str]) -> None:
+    from sao_core.training.merge import MERGE_DTYPES
 
     checkpoint = sub.add_parser("checkpoint", help="publish, verify or find the latest checkpoint (path or s3://); "
                                                    "merge a LoRA adapter into its base model")
@@ -675,8 +722,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("uri", help="checkpoint (path or s3://)")
     p = checkpoint_sub.add_parser("latest", help="print the newest complete checkpoint under a root")
     p.add_argument("uri", metavar="ROOT", help="the root holding checkpoints (path or s3://)")
-    from sao_core.training.merge import MERGE_DTYPES
-
     p = checkpoint_sub.add_parser("merge", help="merge a LoRA adapter into its base model and publish the full "
                                                 "model as a checkpoint; print model, sha256, base and adapter (JSON)")
     p.add_argument("--base", required=True, metavar="MODEL", help="the base model the adapter was trained on: "
@@ -693,6 +738,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for p in checkpoint_sub.choices.values():
         p.set_defaults(func=cmd_checkpoint)
 
+
+def _register_evaluate(sub, argv: list[str]) -> None:
     from sao_core.eval.config import EvalConfig
 
     p = sub.add_parser("evaluate", help="evaluate a model on SWE-Bench Verified, BeyondAIME and IMO-AnswerBench "
@@ -700,6 +747,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_config_arguments(p, EvalConfig, skip=("cache_dir",))
     p.set_defaults(func=cmd_evaluate)
 
+
+def _register_judge_agreement(sub, argv: list[str]) -> None:
+    """`sao judge-agreement`: its judge flags default to EvalConfig's judge settings."""
+    from sao_core.eval.config import EvalConfig
     from sao_core.eval.judge import JUDGE_APIS
 
     judge_defaults = {f.name: f.default for f in dataclasses.fields(EvalConfig)}
@@ -723,6 +774,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, help="write the whole report (with the disagreements) here as JSON")
     p.set_defaults(func=cmd_judge_agreement)
 
+
+def _register_report(sub, argv: list[str]) -> None:
     report = sub.add_parser("report", help="HTML reports of runs")
     report_sub = report.add_subparsers(dest="report_command", required=True, metavar="KIND")
     p = report_sub.add_parser("training", help="the training report of a run directory (path or s3://): loss / "
@@ -732,6 +785,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="where the HTML goes (path or s3://) [default: RUN_DIR/training_report.html]")
     p.set_defaults(func=cmd_report)
 
+
+def _register_cluster(sub, argv: list[str]) -> None:
     from sao_core.cluster.launcher import LaunchConfig
     from sao_core.cluster.manifests import RuntimeSpec
 
@@ -751,19 +806,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        ("render-trainjob", "print the TrainJob (and per-run runtime) `launch` would create, as YAML")):
         p = cluster_sub.add_parser(name, help=text)
         add_config_arguments(p, LaunchConfig)
-        _cluster_help(p, LaunchConfig)
         if name == "launch":
-            p.add_argument("--api-server", default="", help="API server URL (default: in-cluster, else kubeconfig)")
-            p.add_argument("--kubeconfig", default="", help="kubeconfig file [default: $KUBECONFIG or ~/.kube/config]")
-            p.add_argument("--context", default="", help="kubeconfig context")
+            _add_kube_connection(p)
     p = cluster_sub.add_parser("delete", help="delete a TrainJob and its per-run runtime (a missing one is fine)")
     p.add_argument("name", help="TrainJob name")
     p.add_argument("--namespace", default="", help="[default: in-cluster namespace or the kubeconfig context's]")
     p.add_argument("--keep-completed", action="store_true", help="keep it when it completed successfully")
     p.add_argument("--wait-s", type=float, default=0.0, help="wait up to this many seconds until it is gone")
-    p.add_argument("--api-server", default="")
-    p.add_argument("--kubeconfig", default="")
-    p.add_argument("--context", default="")
+    _add_kube_connection(p)
     p = cluster_sub.add_parser("learner", help="in a TrainJob's node pod: wait for the rollout replicas, run torchrun "
                                                "train-rl against them, shut them down")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- followed by sao train-rl arguments")
@@ -771,6 +821,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for p in cluster_sub.choices.values():
         p.set_defaults(func=cmd_cluster)
 
+
+def _add_kube_connection(p: argparse.ArgumentParser) -> None:
+    """--api-server, --kubeconfig and --context: how `sao cluster launch` / `delete` reach the cluster."""
+    p.add_argument("--api-server", default="", help="API server URL (default: in-cluster, else kubeconfig)")
+    p.add_argument("--kubeconfig", default="", help="kubeconfig file [default: $KUBECONFIG or ~/.kube/config]")
+    p.add_argument("--context", default="", help="kubeconfig context")
+
+
+def _register_simulate(sub, argv: list[str]) -> None:
     from sao_core.sim.commands import ProjectConfig
 
     simulate = sub.add_parser("simulate", help="discrete-event cluster simulator: sync GRPO vs SAO projections, "
@@ -778,7 +837,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     simulate_sub = simulate.add_subparsers(dest="simulate_command", required=True, metavar="ACTION")
     p = simulate_sub.add_parser("run", help="project sync GRPO (G) and SAO (S) on one cluster: busy / idle shares "
                                             "per role, trajectories/hour, GPU-hours per 1,000, staleness")
-    add_config_arguments(p, ProjectConfig)
+    add_config_arguments(p, ProjectConfig, title="simulated cluster and workload")
     p = simulate_sub.add_parser("validate", help="predicted vs measured trajectories/s for a "
                                                  "bench/async_vs_sync.py result")
     p.add_argument("results", help="async_vs_sync.json written by bench/async_vs_sync.py")
@@ -794,6 +853,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for p in simulate_sub.choices.values():
         p.set_defaults(func=cmd_simulate)
 
+
+def _register_demo(sub, argv: list[str]) -> None:
     p = sub.add_parser("demo", help="demos on the embedded tiny model, on CPU: with --pipeline (what `make demo` "
                                     "runs) the whole sao_rl pipeline locally (data, SFT warm start, SAO RL with "
                                     "held-out evaluation, benchmark evaluation, HTML report); without it a short SFT "
@@ -804,10 +865,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--pipeline", action="store_true", help="run the sao_rl Kubeflow pipeline locally instead: "
                                                            "SFT warm start, SAO, evaluation, HTML report")
     p.set_defaults(func=cmd_demo)
-    _add_kfp_parsers(sub)
-    _describe(parser)
-    _compact_usage(parser)
-    return parser
+
+
+#: One registration per `sao` command, in the order --help lists them: each adds its subparser (flags, help and
+#: handler) to the subcommands of the `sao` parser; `argv` is the command line (only `train` reads it).
+COMMANDS: tuple[Callable[[Any, list[str]], None], ...] = (
+    _register_build_model, _register_prepare_data, _register_train, _register_train_rl, _register_rollout,
+    _register_checkpoint, _register_evaluate, _register_judge_agreement, _register_report, _register_cluster,
+    _register_simulate, _register_demo, _register_kfp,
+)
 
 
 def _describe(parser: argparse.ArgumentParser) -> None:

@@ -31,6 +31,7 @@ def test_train_rl_help_is_grouped_by_section(capsys):
                   "RL method and objective:", "rollout services:", "staleness and admission:", "critic (sao):",
                   "weight publishing:", "evaluation during training:"):
         assert f"\n{title}\n" in text, title
+    assert "\nstaleness and admission:\n  YAML section: admission\n" in text   # the key a YAML config nests under
     assert text.startswith("usage: sao train-rl [-h] [--config YAML] [--SETTING VALUE ...]\n")
     assert "\nRL with SAO or a GRPO baseline" in text          # the description line
     assert "[default: none]" in text                            # services=(): an empty tuple
@@ -112,4 +113,18 @@ def test_evaluate_refuses_an_explicit_budget_above_the_context(tmp_path, sao_cac
     config.write_text("max_total_tokens: 32768\n")
     assert main([*_evaluate_args(tmp_path, sao_cache), "--config", str(config)]) == 2
     assert "max_total_tokens 32768 (set explicitly) exceeds" in capsys.readouterr().err
+    config.write_text("sampling: {max_total_tokens: 32768}\n")   # in its section: explicit as well
+    assert main([*_evaluate_args(tmp_path, sao_cache), "--config", str(config)]) == 2
+    assert "max_total_tokens 32768 (set explicitly) exceeds" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_config_of_plain_fields_needs_the_title_of_its_group():
+    from sao_core.cli import add_config_arguments
+    from sao_core.data.prepare import PrepareConfig
+
+    with pytest.raises(ValueError, match="PrepareConfig has no settings with sections: give the title"):
+        add_config_arguments(argparse.ArgumentParser(), PrepareConfig)
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, PrepareConfig, title="data preparation")
+    assert "\ndata preparation:\n" in parser.format_help()

@@ -8,7 +8,8 @@ setting is checked against that definition here, and any drift fails, naming the
 - the pipelines' dropdowns (``LITERALS``) must list exactly the setting's allowed values (its ``Literal``);
 - a setting defined by two configs (the TrainJob launcher's and the learner's) must agree in help and values;
 - the settings tables of components/README.md are the ones ``python -m pipelines.compile --docs`` renders;
-- the CLI's ``--help`` of each setting is built from the definition (so it cannot drift; checked once).
+- the CLI's ``--help`` of each setting is built from the definition (so it cannot drift; checked once), and so
+  are its --help group and its table in the settings reference (the section named where it is defined).
 
 A difference on purpose is listed in ON_PURPOSE with its reason; the tests below plant each kind of drift
 and see the check fail."""
@@ -253,6 +254,21 @@ def test_every_config_field_is_a_documented_setting():
 
     with pytest.raises(TypeError, match="Undocumented.steps is not defined with sao_core.config.setting"):
         settings_of(Undocumented)
+
+
+def test_the_settings_tables_are_grouped_by_the_sections_of_the_definitions():
+    """components/README.md and the docs' settings reference list each config's settings in one table per section
+    (the section each setting names where it is defined), in the order of the --help groups."""
+    from pipelines.compile import settings_markdown
+    from sao_core.config import SECTIONS, sections_of
+
+    text = settings_markdown(RLConfig)
+    headings = [line for line in text.splitlines() if line.startswith("#### ")]
+    assert headings == [f"#### {SECTIONS[key]} (section `{key}`)" for key in sections_of(RLConfig)]
+    for name, s in settings_of(RLConfig).items():
+        table = text[text.index(f"(section `{s.section}`)"):]
+        table = table[:table.find("\n#### ") if "\n#### " in table else len(table)]
+        assert f"| `{name}` |" in table, (name, s.section)
 
 
 def test_readme_settings_tables_are_generated_from_the_registry():

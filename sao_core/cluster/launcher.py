@@ -87,31 +87,43 @@ class LaunchConfig(RuntimeSpec):
     shape is used instead (the engine and its per-run options still come from here).
     """
 
-    method: Method = setting("sao", "RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean")
-    data: str = setting("", "prepared rl dataset: s3:// URI, or a local directory / file (copied to OUTPUT/data)")
-    output: str = setting("", "run directory, s3://bucket/prefix: every pod reads and writes it")
-    rl_options: dict = setting(factory=dict, help="other RLConfig fields (sao train-rl options), e.g. {\"steps\": 1000}")
-    name: str = setting("", "TrainJob name ('' = sao-<stage>-<run_id>)")
-    run_id: str = setting("", "pipeline run id: names the TrainJob; a relaunch with the same id re-attaches")
-    stage: str = setting("sao", "pipeline stage (part of the TrainJob name and labels)")
-    namespace: str = setting("", "'' = the launcher pod's namespace, else the kubeconfig context's, else default")
-    cluster_runtime: str = setting("", "'' = a per-run TrainingRuntime with this shape; else an installed ClusterTrainingRuntime (e.g. sao-rl)")
-    queue_name: str = setting("", "Kueue LocalQueue in the namespace (label kueue.x-k8s.io/queue-name; '' = no Kueue)")
-    priority_class: str = setting("", "Kueue WorkloadPriorityClass ('' = the queue's default)")
-    service_account: str = setting("", "service account of the TrainJob's pods ('' = the namespace's default)")
-    node_selector: dict = setting(factory=dict, help="Node labels the GPU pods require (a TrainJob: every pod), e.g. {\"nvidia.com/gpu.product\": \"NVIDIA-H100-80GB-HBM3\"}")
-    tolerations: list = setting(factory=list, help="Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{\"key\": \"nvidia.com/gpu\", \"operator\": \"Exists\"}]")
-    s3_secret_name: str = setting("sao-s3", "Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION)")
-    s3_ambient_credentials: bool = setting(False, "no secret: the pods get S3 access from their service account (IRSA, workload identity)")
-    env: dict = setting(factory=dict, help="extra environment of every container, e.g. {\"NCCL_DEBUG\": \"INFO\"}")
-    timeout_s: float = setting(7 * 24 * 3600.0, "whole run, queueing included; then the TrainJob is deleted", unit="seconds")
-    admission_timeout_s: float = setting(0.0, "longest wait for Kueue admission (0 = up to timeout_s)", unit="seconds")
-    pod_error_grace_s: float = setting(300.0, "a pod stuck on an image pull or a missing secret this long fails the run", unit="seconds")
-    poll_s: float = setting(10.0, "seconds between status polls", unit="seconds")
-    follow_logs: bool = setting(True, "print the first learner pod's log as it grows")
-    api_retry_s: float = setting(300.0, "how long the API server may be unreachable during the run", unit="seconds")
-    keep_trainjob: bool = setting(False, "keep a completed or failed TrainJob (the ExitHandler step still deletes it)")
-    wait: bool = setting(True, "False: create the TrainJob and return at once")
+    method: Method = setting("sao", "RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean",
+                             section="trainjob")
+    data: str = setting("", "prepared rl dataset: s3:// URI, or a local directory / file (copied to OUTPUT/data)",
+                        section="trainjob")
+    output: str = setting("", "run directory, s3://bucket/prefix: every pod reads and writes it",
+                          section="trainjob")
+    rl_options: dict = setting(factory=dict, help="other RLConfig fields (sao train-rl options), e.g. {\"steps\": 1000}", section="trainjob")
+    name: str = setting("", "TrainJob name ('' = sao-<stage>-<run_id>)", section="trainjob")
+    run_id: str = setting("", "pipeline run id: names the TrainJob; a relaunch with the same id re-attaches",
+                          section="trainjob")
+    stage: str = setting("sao", "pipeline stage (part of the TrainJob name and labels)", section="trainjob")
+    namespace: str = setting("", "'' = the launcher pod's namespace, else the kubeconfig context's, else default",
+                             section="trainjob")
+    cluster_runtime: str = setting("", "'' = a per-run TrainingRuntime with this shape; else an installed ClusterTrainingRuntime (e.g. sao-rl)", section="trainjob")
+    queue_name: str = setting("", "Kueue LocalQueue in the namespace (label kueue.x-k8s.io/queue-name; '' = no Kueue)",
+                              section="trainjob")
+    priority_class: str = setting("", "Kueue WorkloadPriorityClass ('' = the queue's default)",
+                                  section="trainjob")
+    service_account: str = setting("", "service account of the TrainJob's pods ('' = the namespace's default)",
+                                   section="trainjob")
+    node_selector: dict = setting(factory=dict, help="Node labels the GPU pods require (a TrainJob: every pod), e.g. {\"nvidia.com/gpu.product\": \"NVIDIA-H100-80GB-HBM3\"}", section="trainjob")
+    tolerations: list = setting(factory=list, help="Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{\"key\": \"nvidia.com/gpu\", \"operator\": \"Exists\"}]", section="trainjob")
+    s3_secret_name: str = setting("sao-s3", "Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION)", section="trainjob")
+    s3_ambient_credentials: bool = setting(False, "no secret: the pods get S3 access from their service account (IRSA, workload identity)", section="trainjob")
+    env: dict = setting(factory=dict, help="extra environment of every container, e.g. {\"NCCL_DEBUG\": \"INFO\"}",
+                        section="trainjob")
+    timeout_s: float = setting(7 * 24 * 3600.0, "whole run, queueing included; then the TrainJob is deleted", unit="seconds", section="trainjob")
+    admission_timeout_s: float = setting(0.0, "longest wait for Kueue admission (0 = up to timeout_s)", unit="seconds",
+                                         section="trainjob")
+    pod_error_grace_s: float = setting(300.0, "a pod stuck on an image pull or a missing secret this long fails the run", unit="seconds", section="trainjob")
+    poll_s: float = setting(10.0, "seconds between status polls", unit="seconds", section="trainjob")
+    follow_logs: bool = setting(True, "print the first learner pod's log as it grows", section="trainjob")
+    api_retry_s: float = setting(300.0, "how long the API server may be unreachable during the run", unit="seconds",
+                                 section="trainjob")
+    keep_trainjob: bool = setting(False, "keep a completed or failed TrainJob (the ExitHandler step still deletes it)",
+                                  section="trainjob")
+    wait: bool = setting(True, "False: create the TrainJob and return at once", section="trainjob")
 
     def __post_init__(self) -> None:
         if isinstance(self.tolerations, str):  # a JSON list given on the command line
@@ -139,7 +151,7 @@ class LaunchConfig(RuntimeSpec):
                                      "through it")
         if not isinstance(self.rl_options, dict):
             raise ClusterConfigError(f"rl_options must be a mapping of RLConfig field: value, got {self.rl_options!r}")
-        reserved = sorted(set(self.rl_options) & set(RESERVED_RL_FIELDS))
+        reserved = sorted(set(self.flat_rl_options()) & set(RESERVED_RL_FIELDS))
         if reserved:
             raise ClusterConfigError(f"rl_options may not set {', '.join(reserved)}: the launcher sets them "
                                      "(services are the rollout replicas of the TrainJob)")
@@ -178,8 +190,19 @@ class LaunchConfig(RuntimeSpec):
         names.check_trainjob_name(name, self.rollout_replicas, self.num_nodes)
         return name
 
+    def flat_rl_options(self) -> dict[str, Any]:
+        """`rl_options` with any of RLConfig's sections (``{"admission": {"max_staleness": 2}}``) read flat;
+        ClusterConfigError naming a wrong section."""
+        from sao_core.config import ConfigError, flatten_sections
+        from sao_core.learner.config import RLConfig
+
+        try:
+            return flatten_sections(RLConfig, self.rl_options, "rl_options")
+        except ConfigError as err:
+            raise ClusterConfigError(str(err)) from None
+
     def rl_values(self) -> dict[str, Any]:
-        return {**self.rl_options, "method": self.method, "data": self.data, "output": self.output,
+        return {**self.flat_rl_options(), "method": self.method, "data": self.data, "output": self.output,
                 "model": self.model, "resume": True}
 
     def rl_config(self):
@@ -543,94 +566,134 @@ class _Launch:
     # -------------------------------------------------------------- watch
     def watch(self) -> tuple[dict, float]:
         """Poll until Complete; returns (TrainJob, queued seconds)."""
-        config = self.config
-        logs = _LogFollower(self.api, self.namespace, self.say, self.clock) if config.follow_logs else None
-        admitted_at: float | None = None
-        unreachable_since: float | None = None
-        last_line = ""
-        reported: set[tuple[str, str]] = set()
-        first_seen: dict[tuple[str, str], float] = {}
-        waiting_said = False
+        state = _WatchState(
+            logs=_LogFollower(self.api, self.namespace, self.say, self.clock) if self.config.follow_logs else None)
         while True:
-            if self.cancel.is_set():
-                self.delete("cancelled")
-                raise LaunchCancelled(f"cancelled: TrainJob {self.namespace}/{self.name} deleted")
+            self._stop_if_cancelled()
             now = self.clock()
-            if now - self.started > config.timeout_s:
-                self.delete("timeout")
-                raise LaunchTimeout(f"TrainJob {self.namespace}/{self.name} did not finish within timeout_s="
-                                    f"{config.timeout_s:g} s (queueing included); it was deleted. Its checkpoints stay "
-                                    f"under {config.output}: a new launch with the same output resumes from them")
-            try:
-                obj = self.api.get("TrainJob", self.name, self.namespace)
-                pods = self.api.list_pods(self.namespace, f"{names.JOBSET_NAME_LABEL}={self.name}")
-                unreachable_since = None
-            except ClusterError as err:
-                if not (isinstance(err, ClusterUnreachable) or (err.status or 0) >= 500 or err.status == 429):
-                    raise
-                unreachable_since = unreachable_since if unreachable_since is not None else now
-                if now - unreachable_since > config.api_retry_s:
-                    raise LaunchError(f"the Kubernetes API server did not answer for {config.api_retry_s:g} s while "
-                                      f"following TrainJob {self.namespace}/{self.name} ({err}); the TrainJob may still "
-                                      f"run: check it with kubectl get trainjob -n {self.namespace} {self.name}") from None
-                self.say(f"warning: {err}; retrying")
-                self.cancel.wait(config.poll_s)
+            self._stop_if_late(now)
+            read = self._read_trainjob(state, now)
+            if read is None:  # the API server did not answer this time: ask again after a poll
+                self.cancel.wait(self.config.poll_s)
                 continue
-            if obj is None:
-                raise LaunchError(f"TrainJob {self.namespace}/{self.name} disappeared while running (deleted by someone "
-                                  "else, or its namespace was deleted)")
+            obj, pods = read
             conditions = _conditions(obj)
-            if logs is not None:
+            if state.logs is not None:
                 try:
-                    logs.poll(pods)
+                    state.logs.poll(pods)
                 except ClusterError as err:
                     self.say(f"warning: cannot read the learner log: {err}")
             if _is_true(conditions, "Complete"):
-                return obj, (admitted_at or now) - self.started
+                return obj, (state.admitted_at or now) - self.started
             if _is_true(conditions, "Failed"):
-                cond = conditions["Failed"]
-                tail = list(logs.tail) if logs is not None else []
-                if not config.keep_trainjob:
-                    self.delete("failed")
-                shown = "\n".join(f"  {line}" for line in tail[-20:])
-                raise TrainJobFailed(f"TrainJob {self.namespace}/{self.name} failed: {cond.get('reason', '')}: "
-                                     f"{cond.get('message', '')}" + (f"\nlast learner log lines:\n{shown}" if shown else ""),
-                                     reason=cond.get("reason", ""), log_tail=tail)
-            suspended = bool((obj.get("spec") or {}).get("suspend")) or _is_true(conditions, "Suspended")
-            if suspended:
-                if not waiting_said:
-                    queue = f"Kueue queue {config.queue_name}" if config.queue_name else "resume (spec.suspend)"
-                    self.say(f"waiting for admission by {queue}: rollout replicas and learner nodes are admitted "
-                             "together")
-                    waiting_said = True
-                if config.admission_timeout_s and now - self.started > config.admission_timeout_s:
-                    self.delete("not admitted in time")
-                    raise LaunchTimeout(f"TrainJob {self.namespace}/{self.name} was not admitted within "
-                                        f"admission_timeout_s={config.admission_timeout_s:g} s; it was deleted. Check the "
-                                        f"queue: kubectl get workloads -n {self.namespace}")
-            elif admitted_at is None:
-                admitted_at = now
-                self.say(f"running (queued {now - self.started:.0f} s)")
+                self._fail(conditions["Failed"], state.logs)
+            self._follow_admission(obj, conditions, state, now)
             line = _jobs_line(obj)
-            if line and line != last_line:
+            if line and line != state.last_line:
                 self.say(f"jobs: {line}")
-                last_line = line
-            problems = _pod_problems(pods)
-            for key, message in problems.items():
-                first_seen.setdefault(key, now)
-                if key not in reported:
-                    self.say(f"pod {key[0]}: {key[1]}: {message}")
-                    reported.add(key)
-                if key[1] in FATAL_WAITING and now - first_seen[key] > config.pod_error_grace_s:
-                    self.delete(f"pod {key[0]} stuck in {key[1]}")
-                    raise LaunchError(f"pod {key[0]} of TrainJob {self.namespace}/{self.name} has been stuck in "
-                                      f"{key[1]} for over {config.pod_error_grace_s:g} s: {message}. Check the image "
-                                      f"names and that the Secret {config.s3_secret_name!r} exists in "
-                                      f"{self.namespace}; the TrainJob was deleted")
-            for key in list(first_seen):
-                if key not in problems:
-                    del first_seen[key]
-            self.cancel.wait(config.poll_s)
+                state.last_line = line
+            self._check_pods(pods, state, now)
+            self.cancel.wait(self.config.poll_s)
+
+    def _stop_if_cancelled(self) -> None:
+        """Delete the TrainJob and raise LaunchCancelled once `cancel` is set."""
+        if self.cancel.is_set():
+            self.delete("cancelled")
+            raise LaunchCancelled(f"cancelled: TrainJob {self.namespace}/{self.name} deleted")
+
+    def _stop_if_late(self, now: float) -> None:
+        """Delete the TrainJob and raise LaunchTimeout past ``timeout_s`` after the launch (queueing included)."""
+        if now - self.started > self.config.timeout_s:
+            self.delete("timeout")
+            raise LaunchTimeout(f"TrainJob {self.namespace}/{self.name} did not finish within timeout_s="
+                                f"{self.config.timeout_s:g} s (queueing included); it was deleted. Its checkpoints "
+                                f"stay under {self.config.output}: a new launch with the same output resumes from them")
+
+    def _read_trainjob(self, state: _WatchState, now: float) -> tuple[dict, list[Any]] | None:
+        """The TrainJob and its pods; None while the API server is unreachable or busy (5xx, 429) for at most
+        ``api_retry_s`` (then LaunchError). LaunchError when the TrainJob is gone."""
+        try:
+            obj = self.api.get("TrainJob", self.name, self.namespace)
+            pods = self.api.list_pods(self.namespace, f"{names.JOBSET_NAME_LABEL}={self.name}")
+            state.unreachable_since = None
+        except ClusterError as err:
+            if not (isinstance(err, ClusterUnreachable) or (err.status or 0) >= 500 or err.status == 429):
+                raise
+            state.unreachable_since = state.unreachable_since if state.unreachable_since is not None else now
+            if now - state.unreachable_since > self.config.api_retry_s:
+                raise LaunchError(f"the Kubernetes API server did not answer for {self.config.api_retry_s:g} s while "
+                                  f"following TrainJob {self.namespace}/{self.name} ({err}); the TrainJob may still "
+                                  f"run: check it with kubectl get trainjob -n {self.namespace} {self.name}") from None
+            self.say(f"warning: {err}; retrying")
+            return None
+        if obj is None:
+            raise LaunchError(f"TrainJob {self.namespace}/{self.name} disappeared while running (deleted by someone "
+                              "else, or its namespace was deleted)")
+        return obj, pods
+
+    def _fail(self, cond: dict, logs: _LogFollower | None) -> None:
+        """Raise TrainJobFailed for the Failed condition `cond`, with the last learner log lines (the TrainJob is
+        deleted first unless ``keep_trainjob``)."""
+        tail = list(logs.tail) if logs is not None else []
+        if not self.config.keep_trainjob:
+            self.delete("failed")
+        shown = "\n".join(f"  {line}" for line in tail[-20:])
+        raise TrainJobFailed(f"TrainJob {self.namespace}/{self.name} failed: {cond.get('reason', '')}: "
+                             f"{cond.get('message', '')}" + (f"\nlast learner log lines:\n{shown}" if shown else ""),
+                             reason=cond.get("reason", ""), log_tail=tail)
+
+    def _follow_admission(self, obj: dict, conditions: dict[str, dict], state: _WatchState, now: float) -> None:
+        """Say once that the TrainJob waits for admission (LaunchTimeout past ``admission_timeout_s``), and when it
+        starts running (noting when, for the queued seconds)."""
+        config = self.config
+        suspended = bool((obj.get("spec") or {}).get("suspend")) or _is_true(conditions, "Suspended")
+        if suspended:
+            if not state.waiting_said:
+                queue = f"Kueue queue {config.queue_name}" if config.queue_name else "resume (spec.suspend)"
+                self.say(f"waiting for admission by {queue}: rollout replicas and learner nodes are admitted "
+                         "together")
+                state.waiting_said = True
+            if config.admission_timeout_s and now - self.started > config.admission_timeout_s:
+                self.delete("not admitted in time")
+                raise LaunchTimeout(f"TrainJob {self.namespace}/{self.name} was not admitted within "
+                                    f"admission_timeout_s={config.admission_timeout_s:g} s; it was deleted. Check the "
+                                    f"queue: kubectl get workloads -n {self.namespace}")
+        elif state.admitted_at is None:
+            state.admitted_at = now
+            self.say(f"running (queued {now - self.started:.0f} s)")
+
+    def _check_pods(self, pods: list[Any], state: _WatchState, now: float) -> None:
+        """Say each new pod problem once; delete the TrainJob and raise LaunchError when a pod stays in a fatal
+        waiting reason (FATAL_WAITING) longer than ``pod_error_grace_s``."""
+        config = self.config
+        problems = _pod_problems(pods)
+        for key, message in problems.items():
+            state.first_seen.setdefault(key, now)
+            if key not in state.reported:
+                self.say(f"pod {key[0]}: {key[1]}: {message}")
+                state.reported.add(key)
+            if key[1] in FATAL_WAITING and now - state.first_seen[key] > config.pod_error_grace_s:
+                self.delete(f"pod {key[0]} stuck in {key[1]}")
+                raise LaunchError(f"pod {key[0]} of TrainJob {self.namespace}/{self.name} has been stuck in "
+                                  f"{key[1]} for over {config.pod_error_grace_s:g} s: {message}. Check the image "
+                                  f"names and that the Secret {config.s3_secret_name!r} exists in "
+                                  f"{self.namespace}; the TrainJob was deleted")
+        for key in list(state.first_seen):
+            if key not in problems:
+                del state.first_seen[key]
+
+
+@dataclass
+class _WatchState:
+    """What :meth:`_Launch.watch` remembers between polls (times are the launcher clock's seconds)."""
+
+    logs: _LogFollower | None = None                 # the learner log follower (None: follow_logs off)
+    admitted_at: float | None = None                 # when the TrainJob was first seen running
+    unreachable_since: float | None = None           # start of the current run of failed API reads
+    last_line: str = ""                              # the last jobs line said
+    waiting_said: bool = False                       # the "waiting for admission" line was said
+    reported: set[tuple[str, str]] = field(default_factory=set)           # (pod, reason) problems already said
+    first_seen: dict[tuple[str, str], float] = field(default_factory=dict)  # when each current problem appeared
 
 
 def launch(config: LaunchConfig, api: KubeAPI | None = None, cancel: threading.Event | None = None,

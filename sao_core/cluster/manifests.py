@@ -80,33 +80,49 @@ def _quantity(name: str, value: str, allow_empty: bool = True) -> None:
 class RuntimeSpec:
     """Shape and defaults of the sao-rl runtime (one rollout fleet + one torchrun learner)."""
 
-    image: str = setting("", "learner image (CUDA torch + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-cuda:0.1.0")
-    rollout_image: str = setting("", "rollout image (vLLM + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-vllm:0.1.0")
-    num_nodes: int = setting(1, "learner nodes (pods of the node job); torchrun --nnodes")
-    gpus_per_node: int = setting(1, "GPUs per learner node = torchrun processes per node (0: one CPU process)")
-    node_cpu: str = setting("", "CPU request of each learner pod ('' = none)")
-    node_memory: str = setting("", "memory request and limit of each learner pod ('' = none)")
-    rollout_replicas: int = setting(2, "rollout service replicas (one pod and one Job each)")
-    rollout_gpus: int = setting(1, "GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size)")
-    tensor_parallel_size: int = setting(1, "vLLM tensor-parallel size inside one replica")
-    data_parallel_size: int = setting(1, "vLLM data-parallel engines inside one replica")
-    rollout_port: int = setting(8000, "HTTP port of the rollout services")
-    learner_metrics_port: int = setting(9400, "the learner's Prometheus /metrics port (node rank 0's pod); 0: off")
-    rollout_cpu: str = setting("", "CPU request of each rollout pod ('' = none)")
-    rollout_memory: str = setting("", "memory request and limit of each rollout pod ('' = none)")
-    rollout_backoff_limit: int = setting(20, "container restarts of one replica before its Job (and the JobSet) fails")
-    engine: Literal["vllm", "hf"] = setting("vllm", "Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).")
-    gpu_memory_utilization: float = setting(0.9, "vllm: share of each GPU's memory the engine may use (0, 1]")
-    max_num_seqs: int = setting(256, "vllm: sequences scheduled concurrently per engine")
-    enable_prefix_caching: bool = setting(True, "vllm: reuse the KV cache of shared prefixes (multi-turn episodes)")
-    max_model_len: int = setting(0, "vllm: context in tokens (prompt + every turn); 0: a TrainJob's max_total_tokens (a runtime alone: the model's)")
-    rollout_dtype: str = setting("bfloat16", "vllm weights and activations: auto, bfloat16, float16, float32")
-    engine_options: dict = setting(factory=dict, help="other engine settings (vLLM AsyncEngineArgs names), e.g. {\"enforce_eager\": true}")
-    model: str = setting("embedded:tiny", "default model of the rollout replicas (a TrainJob sets its own)")
-    accelerator: str = setting("nvidia.com/gpu", "Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu")
-    shm_size: str = setting("16Gi", "/dev/shm of every pod (memory emptyDir; NCCL and vLLM workers need it)")
-    max_restarts: int = setting(0, "JobSet restarts after a failed job (the learner resumes from its checkpoints)")
-    service_wait_s: float = setting(1800.0, "how long the learner waits for every replica's /healthz (vLLM load time)", unit="seconds")
+    image: str = setting("", "learner image (CUDA torch + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-cuda:0.1.0",
+                         section="runtime")
+    rollout_image: str = setting("", "rollout image (vLLM + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-vllm:0.1.0",
+                                 section="runtime")
+    num_nodes: int = setting(1, "learner nodes (pods of the node job); torchrun --nnodes", section="runtime")
+    gpus_per_node: int = setting(1, "GPUs per learner node = torchrun processes per node (0: one CPU process)",
+                                 section="runtime")
+    node_cpu: str = setting("", "CPU request of each learner pod ('' = none)", section="runtime")
+    node_memory: str = setting("", "memory request and limit of each learner pod ('' = none)",
+                               section="runtime")
+    rollout_replicas: int = setting(2, "rollout service replicas (one pod and one Job each)",
+                                    section="runtime")
+    rollout_gpus: int = setting(1, "GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size)",
+                                section="runtime")
+    tensor_parallel_size: int = setting(1, "vLLM tensor-parallel size inside one replica", section="runtime")
+    data_parallel_size: int = setting(1, "vLLM data-parallel engines inside one replica", section="runtime")
+    rollout_port: int = setting(8000, "HTTP port of the rollout services", section="runtime")
+    learner_metrics_port: int = setting(9400, "the learner's Prometheus /metrics port (node rank 0's pod); 0: off",
+                                        section="runtime")
+    rollout_cpu: str = setting("", "CPU request of each rollout pod ('' = none)", section="runtime")
+    rollout_memory: str = setting("", "memory request and limit of each rollout pod ('' = none)",
+                                  section="runtime")
+    rollout_backoff_limit: int = setting(20, "container restarts of one replica before its Job (and the JobSet) fails",
+                                         section="runtime")
+    engine: Literal["vllm", "hf"] = setting("vllm", "Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).", section="runtime")
+    gpu_memory_utilization: float = setting(0.9, "vllm: share of each GPU's memory the engine may use (0, 1]",
+                                            section="runtime")
+    max_num_seqs: int = setting(256, "vllm: sequences scheduled concurrently per engine", section="runtime")
+    enable_prefix_caching: bool = setting(True, "vllm: reuse the KV cache of shared prefixes (multi-turn episodes)",
+                                          section="runtime")
+    max_model_len: int = setting(0, "vllm: context in tokens (prompt + every turn); 0: a TrainJob's max_total_tokens (a runtime alone: the model's)", section="runtime")
+    rollout_dtype: str = setting("bfloat16", "vllm weights and activations: auto, bfloat16, float16, float32",
+                                 section="runtime")
+    engine_options: dict = setting(factory=dict, help="other engine settings (vLLM AsyncEngineArgs names), e.g. {\"enforce_eager\": true}", section="runtime")
+    model: str = setting("embedded:tiny", "default model of the rollout replicas (a TrainJob sets its own)",
+                         section="runtime")
+    accelerator: str = setting("nvidia.com/gpu", "Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu",
+                               section="runtime")
+    shm_size: str = setting("16Gi", "/dev/shm of every pod (memory emptyDir; NCCL and vLLM workers need it)",
+                            section="runtime")
+    max_restarts: int = setting(0, "JobSet restarts after a failed job (the learner resumes from its checkpoints)",
+                                section="runtime")
+    service_wait_s: float = setting(1800.0, "how long the learner waits for every replica's /healthz (vLLM load time)", unit="seconds", section="runtime")
 
     def validate(self, require_rollout_image: bool = True) -> None:
         """Raise ClusterConfigError naming the first bad setting (`require_rollout_image`: the runtime is built here)."""
@@ -233,6 +249,88 @@ def rollout_command() -> list[str]:
     return ["sao", "--cache-dir", CACHE_DIR, "cluster", "rollout"]
 
 
+def _rollout_container(spec: RuntimeSpec, mounts: list[dict]) -> dict[str, Any]:
+    """The rollout replica's container: the engine serving the model on ``spec.rollout_port``."""
+    env = [
+        _env(names.ENV_MODEL, spec.model),
+        _env(names.ENV_ENGINE, spec.engine),
+        _env(names.ENV_PORT, str(spec.rollout_port)),
+        _env(names.ENV_ENGINE_OPTIONS, spec.shape_engine_options()),
+        _env(ENV_RUN_OPTIONS, {}),
+        *_common_env(),
+    ]
+    container: dict[str, Any] = {
+        "name": names.ROLLOUT_CONTAINER,
+        "image": spec.rollout_image,
+        "command": rollout_command(),
+        "env": env,
+        "ports": [{"name": "rollout", "containerPort": spec.rollout_port, "protocol": "TCP"}],
+        # /healthz answers once the engine has loaded the model: the replica counts as ready from then on.
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": spec.rollout_port}, "periodSeconds": 10,
+                           "timeoutSeconds": 5, "failureThreshold": 3},
+        "volumeMounts": mounts,
+    }
+    resources = _resources(spec.rollout_gpus, spec.accelerator, spec.rollout_cpu, spec.rollout_memory)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def _node_container(spec: RuntimeSpec, mounts: list[dict]) -> dict[str, Any]:
+    """The learner node's container: torchrun of ``sao cluster learner``, told where the rollout replicas are."""
+    env = [
+        {"name": names.ENV_TRAINJOB, "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.labels['{names.JOBSET_NAME_LABEL}']"}}},
+        _env(names.ENV_REPLICAS, str(spec.rollout_replicas)),
+        _env(names.ENV_PORT, str(spec.rollout_port)),
+        _env(names.ENV_SERVICE_WAIT, _seconds(spec.service_wait_s)),
+        _env(names.ENV_LEARNER_METRICS_PORT, str(spec.learner_metrics_port)),
+        *_common_env(),
+    ]
+    container: dict[str, Any] = {
+        "name": names.NODE_CONTAINER,
+        "image": spec.image,
+        "command": learner_command(),
+        "env": env,
+        "volumeMounts": mounts,
+    }
+    if spec.learner_metrics_port:   # served by the learner's rank 0 (sao cluster learner adds --metrics-port)
+        container["ports"] = [{"name": "metrics", "containerPort": spec.learner_metrics_port, "protocol": "TCP"}]
+    resources = _resources(spec.gpus_per_node, spec.accelerator, spec.node_cpu, spec.node_memory)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def _replicated_job(name: str, job_labels: dict[str, str], pod_labels: dict[str, str], job_spec: dict[str, Any],
+                    pod_spec: dict[str, Any], replicas: int | None = None) -> dict[str, Any]:
+    """One JobSet replicated job: `job_spec` (parallelism, completions, ...) around a pod template; `replicas`
+    None: the JobSet's default (one)."""
+    job: dict[str, Any] = {"name": name}
+    if replicas is not None:
+        job["replicas"] = replicas
+    job["template"] = {"metadata": {"labels": job_labels},
+                       "spec": {**job_spec, "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec}}}
+    return job
+
+
+def _replicated_jobs(spec: RuntimeSpec) -> list[dict[str, Any]]:
+    """The runtime's two replicated jobs: the rollout fleet (restarted on failure) and the learner nodes."""
+    volumes, mounts = _volumes(spec.shm_size)
+    rollout_labels = {names.ROLE_LABEL: "rollout"}
+    node_labels = {names.ROLE_LABEL: "learner"}
+    rollout = _replicated_job(
+        names.ROLLOUT_JOB, rollout_labels, rollout_labels,
+        {"parallelism": 1, "completions": 1, "completionMode": "Indexed", "backoffLimit": spec.rollout_backoff_limit},
+        {"restartPolicy": "OnFailure", "containers": [_rollout_container(spec, mounts)], "volumes": volumes},
+        replicas=spec.rollout_replicas)
+    node = _replicated_job(
+        names.NODE_JOB, {names.ANCESTOR_LABEL: "trainer", **node_labels}, node_labels,
+        {"parallelism": spec.num_nodes, "completions": spec.num_nodes, "completionMode": "Indexed", "backoffLimit": 0},
+        {"restartPolicy": "Never", "containers": [_node_container(spec, mounts)], "volumes": volumes})
+    return [rollout, node]
+
+
 def runtime_manifest(spec: RuntimeSpec, name: str = "sao-rl", namespace: str | None = None,
                      labels: dict[str, str] | None = None) -> dict[str, Any]:
     """A ClusterTrainingRuntime (``namespace=None``) or a namespaced TrainingRuntime for `spec`.
@@ -244,51 +342,6 @@ def runtime_manifest(spec: RuntimeSpec, name: str = "sao-rl", namespace: str | N
     if not names.is_dns1123_subdomain(name):
         raise ClusterConfigError(f"runtime name {name!r} must be a DNS-1123 subdomain (lower-case letters, digits, "
                                  "'-', '.')")
-    volumes, mounts = _volumes(spec.shm_size)
-    rollout_env = [
-        _env(names.ENV_MODEL, spec.model),
-        _env(names.ENV_ENGINE, spec.engine),
-        _env(names.ENV_PORT, str(spec.rollout_port)),
-        _env(names.ENV_ENGINE_OPTIONS, spec.shape_engine_options()),
-        _env(ENV_RUN_OPTIONS, {}),
-        *_common_env(),
-    ]
-    rollout_container: dict[str, Any] = {
-        "name": names.ROLLOUT_CONTAINER,
-        "image": spec.rollout_image,
-        "command": rollout_command(),
-        "env": rollout_env,
-        "ports": [{"name": "rollout", "containerPort": spec.rollout_port, "protocol": "TCP"}],
-        # /healthz answers once the engine has loaded the model: the replica counts as ready from then on.
-        "readinessProbe": {"httpGet": {"path": "/healthz", "port": spec.rollout_port}, "periodSeconds": 10,
-                           "timeoutSeconds": 5, "failureThreshold": 3},
-        "volumeMounts": mounts,
-    }
-    resources = _resources(spec.rollout_gpus, spec.accelerator, spec.rollout_cpu, spec.rollout_memory)
-    if resources:
-        rollout_container["resources"] = resources
-    node_env = [
-        {"name": names.ENV_TRAINJOB, "valueFrom": {"fieldRef": {
-            "fieldPath": f"metadata.labels['{names.JOBSET_NAME_LABEL}']"}}},
-        _env(names.ENV_REPLICAS, str(spec.rollout_replicas)),
-        _env(names.ENV_PORT, str(spec.rollout_port)),
-        _env(names.ENV_SERVICE_WAIT, _seconds(spec.service_wait_s)),
-        _env(names.ENV_LEARNER_METRICS_PORT, str(spec.learner_metrics_port)),
-        *_common_env(),
-    ]
-    node_container: dict[str, Any] = {
-        "name": names.NODE_CONTAINER,
-        "image": spec.image,
-        "command": learner_command(),
-        "env": node_env,
-        "volumeMounts": mounts,
-    }
-    if spec.learner_metrics_port:   # served by the learner's rank 0 (sao cluster learner adds --metrics-port)
-        node_container["ports"] = [{"name": "metrics", "containerPort": spec.learner_metrics_port, "protocol": "TCP"}]
-    resources = _resources(spec.gpus_per_node, spec.accelerator, spec.node_cpu, spec.node_memory)
-    if resources:
-        node_container["resources"] = resources
-    role = {"rollout": {names.ROLE_LABEL: "rollout"}, "node": {names.ROLE_LABEL: "learner"}}
     manifest: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": "ClusterTrainingRuntime" if namespace is None else "TrainingRuntime",
@@ -302,39 +355,7 @@ def runtime_manifest(spec: RuntimeSpec, name: str = "sao-rl", namespace: str | N
                     "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
                     "successPolicy": {"operator": "All", "targetReplicatedJobs": [names.NODE_JOB]},
                     "failurePolicy": {"maxRestarts": spec.max_restarts},
-                    "replicatedJobs": [
-                        {
-                            "name": names.ROLLOUT_JOB,
-                            "replicas": spec.rollout_replicas,
-                            "template": {
-                                "metadata": {"labels": role["rollout"]},
-                                "spec": {
-                                    "parallelism": 1, "completions": 1, "completionMode": "Indexed",
-                                    "backoffLimit": spec.rollout_backoff_limit,
-                                    "template": {
-                                        "metadata": {"labels": role["rollout"]},
-                                        "spec": {"restartPolicy": "OnFailure", "containers": [rollout_container],
-                                                 "volumes": volumes},
-                                    },
-                                },
-                            },
-                        },
-                        {
-                            "name": names.NODE_JOB,
-                            "template": {
-                                "metadata": {"labels": {names.ANCESTOR_LABEL: "trainer", **role["node"]}},
-                                "spec": {
-                                    "parallelism": spec.num_nodes, "completions": spec.num_nodes,
-                                    "completionMode": "Indexed", "backoffLimit": 0,
-                                    "template": {
-                                        "metadata": {"labels": role["node"]},
-                                        "spec": {"restartPolicy": "Never", "containers": [node_container],
-                                                 "volumes": volumes},
-                                    },
-                                },
-                            },
-                        },
-                    ],
+                    "replicatedJobs": _replicated_jobs(spec),
                 },
             },
         },
@@ -468,8 +489,8 @@ def token_secret_manifest(name: str, namespace: str, token: str, labels: dict[st
             "stringData": {TOKEN_SECRET_KEY: token}}
 
 
-def trainjob_manifest(parts: TrainJobParts) -> dict[str, Any]:
-    """The TrainJob of one run (validated against the TrainJob CRD in the tests)."""
+def _check_trainjob_parts(parts: TrainJobParts) -> None:
+    """Raise ClusterConfigError for the first setting of `parts` a TrainJob cannot carry."""
     names.check_queue_name(parts.queue_name)
     if parts.priority_class:
         names.check_label_value("priority_class", parts.priority_class)
@@ -488,27 +509,39 @@ def trainjob_manifest(parts: TrainJobParts) -> dict[str, Any]:
     check_env(parts.env)
     check_node_selector(parts.node_selector)
     check_tolerations(parts.tolerations)
-    args = ["--", *parts.learner_args]
-    if len(args) > 128:
-        raise ClusterConfigError(f"the learner gets {len(args)} arguments; a TrainJob allows 128: move settings into "
-                                 "fewer options")
+    if len(parts.learner_args) + 1 > 128:   # + 1: the "--" before them
+        raise ClusterConfigError(f"the learner gets {len(parts.learner_args) + 1} arguments; a TrainJob allows 128: "
+                                 "move settings into fewer options")
     for key, value in parts.labels.items():
         if not names.is_label_key(key) or not names.is_label_value(value):
             raise ClusterConfigError(f"label {key!r}: {value!r} is not a valid Kubernetes label")
-    user_env = [_env(k, str(v)) for k, v in sorted(parts.env.items())]
-    secret_env = s3_env(parts.s3_secret_name) if parts.s3_secret_name else []
-    if parts.token_secret_name:
-        secret_env = [token_env(parts.token_secret_name), *secret_env]
+
+
+def _trainjob_labels(parts: TrainJobParts) -> dict[str, str]:
+    """The TrainJob's labels: ours, the caller's, and Kueue's queue and priority class where set."""
     labels = {**names.MANAGED_BY, "app.kubernetes.io/component": "sao-rl", **parts.labels}
     if parts.queue_name:
         labels[names.KUEUE_QUEUE_LABEL] = parts.queue_name
     if parts.priority_class:
         labels[names.KUEUE_PRIORITY_LABEL] = parts.priority_class
+    return labels
+
+
+def _secret_env(parts: TrainJobParts) -> list[dict[str, Any]]:
+    """Environment variables read from Secrets: the rollout token (if any), then the S3 credentials (if any)."""
+    secret_env = s3_env(parts.s3_secret_name) if parts.s3_secret_name else []
+    if parts.token_secret_name:
+        secret_env = [token_env(parts.token_secret_name), *secret_env]
+    return secret_env
+
+
+def _trainer(parts: TrainJobParts, env: list[dict[str, Any]]) -> dict[str, Any]:
+    """The TrainJob's ``trainer``: the learner's image, command, arguments, `env` and per-node shape."""
     trainer: dict[str, Any] = {
         "image": parts.image,
         "command": learner_command(),
-        "args": args,
-        "env": secret_env + user_env,
+        "args": ["--", *parts.learner_args],
+        "env": env,
         "numNodes": parts.num_nodes,
         "numProcPerNode": max(1, parts.gpus_per_node),
     }
@@ -517,19 +550,26 @@ def trainjob_manifest(parts: TrainJobParts) -> dict[str, Any]:
         trainer["resourcesPerNode"] = resources
     if not trainer["env"]:
         del trainer["env"]
+    return trainer
 
-    def pod_patch(containers: list[dict[str, Any]] | None) -> dict[str, Any]:
-        spec: dict[str, Any] = {}
-        if containers:
-            spec["containers"] = containers
-        if parts.node_selector:
-            spec["nodeSelector"] = dict(parts.node_selector)
-        if parts.tolerations:
-            spec["tolerations"] = [dict(t) for t in parts.tolerations]
-        if parts.service_account:
-            spec["serviceAccountName"] = parts.service_account
-        return spec
 
+def _pod_patch(parts: TrainJobParts, containers: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The pod spec a runtime patch sets: `containers` and the run's scheduling settings (empty: nothing to set)."""
+    spec: dict[str, Any] = {}
+    if containers:
+        spec["containers"] = containers
+    if parts.node_selector:
+        spec["nodeSelector"] = dict(parts.node_selector)
+    if parts.tolerations:
+        spec["tolerations"] = [dict(t) for t in parts.tolerations]
+    if parts.service_account:
+        spec["serviceAccountName"] = parts.service_account
+    return spec
+
+
+def _job_patches(parts: TrainJobParts, secret_env: list[dict[str, Any]],
+                 user_env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runtime patches of the replicated jobs: the rollout container's run settings and both jobs' pod settings."""
     rollout_env = [_env(names.ENV_MODEL, parts.model), _env(names.ENV_ENGINE, parts.engine),
                    _env(ENV_RUN_OPTIONS, parts.run_engine_options), *secret_env, *user_env]
     if parts.weight_roots:
@@ -537,18 +577,26 @@ def trainjob_manifest(parts: TrainJobParts) -> dict[str, Any]:
     job_patches = []
     for job, containers in ((names.ROLLOUT_JOB, [{"name": names.ROLLOUT_CONTAINER, "env": rollout_env}]),
                             (names.NODE_JOB, None)):
-        spec = pod_patch(containers)
+        spec = _pod_patch(parts, containers)
         if spec:
             job_patches.append({"name": job, "template": {"spec": {"template": {"spec": spec}}}})
+    return job_patches
+
+
+def trainjob_manifest(parts: TrainJobParts) -> dict[str, Any]:
+    """The TrainJob of one run (validated against the TrainJob CRD in the tests)."""
+    _check_trainjob_parts(parts)
+    user_env = [_env(k, str(v)) for k, v in sorted(parts.env.items())]
+    secret_env = _secret_env(parts)
     manifest: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": "TrainJob",
-        "metadata": {"name": parts.name, "namespace": parts.namespace, "labels": labels},
+        "metadata": {"name": parts.name, "namespace": parts.namespace, "labels": _trainjob_labels(parts)},
         "spec": {
             "runtimeRef": {"apiGroup": GROUP, "kind": parts.runtime_kind, "name": parts.runtime_name},
-            "trainer": trainer,
-            "runtimePatches": [{"manager": PATCH_MANAGER,
-                                "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": job_patches}}}}],
+            "trainer": _trainer(parts, secret_env + user_env),
+            "runtimePatches": [{"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {
+                "replicatedJobs": _job_patches(parts, secret_env, user_env)}}}}],
         },
     }
     if parts.active_deadline_s:

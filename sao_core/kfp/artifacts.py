@@ -69,7 +69,7 @@ def build(cls: type, explicit: dict[str, Any], options: dict | None, source: str
     Every error is a ConfigError naming the field, the same message the CLI gives.
     """
     defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-    return build_config(cls, merge_options(explicit, options, defaults, source, _RESERVED), source=source)
+    return build_config(cls, merge_options(explicit, options, defaults, source, _RESERVED, config=cls), source=source)
 
 
 def model_pointer(checkpoint_uri: str, method: str, step: int, version: int | None = None,

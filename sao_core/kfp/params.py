@@ -125,7 +125,8 @@ def check_trainjob(method: str, output_root: str, *, steps: int, batch_size: int
     from sao_core.learner.config import RLConfig
 
     given = {"steps": steps, "batch_size": batch_size, "policy_lr": policy_lr}
-    rl_options = merge_options(given, options, config_defaults(RLConfig), "placement=trainjob")
+    rl_options = merge_options(given, options, config_defaults(RLConfig), "placement=trainjob",
+                               config=RLConfig)
     config = LaunchConfig(image="check", rollout_image="check", data="s3://check/data",
                           output=artifacts.run_dir(root, _CHECK_RUN_ID, method), run_id=_CHECK_RUN_ID, stage=method,
                           method=method, engine=engine, rl_options=rl_options, num_nodes=num_nodes,
@@ -171,8 +172,12 @@ def check_sao_rl(output_root: str, steps: int, batch_size: int, policy_lr: float
                                  "resume": True, "cache_dir": artifacts.cache_dir()}, eval_options,
                     "sao_rl c_eval_options")
     if placement == "trainjob":
+        from sao_core.config import flatten_sections
+        from sao_core.learner.config import RLConfig
+
+        flat = flatten_sections(RLConfig, options or {}, "sao_rl b_options")  # `admission` may name its section
         check_trainjob("sao", output_root, steps=steps, batch_size=batch_size, policy_lr=policy_lr, engine=engine,
-                       options={**sao, **(options or {})}, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                       options={**sao, **flat}, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
                        rollout_replicas=rollout_replicas, rollout_gpus=rollout_gpus,
                        tensor_parallel_size=tensor_parallel_size, s3_secret_name=s3_secret_name)
 

@@ -26,38 +26,51 @@ class CoreConfig:
     """Settings of the shared training core, used by every method (sft, cpt, dpo, gkd and the RL learner):
     model, schedule, optimiser, precision, memory and checkpoint settings. One place defines them."""
 
-    data: str = setting(help="prepared dataset: directory (or s3:// prefix) holding data.jsonl")
-    output: str = setting(help="run directory: local path or s3:// prefix")
-    model: str = setting("embedded:tiny", "model reference: embedded:*, directory, s3:// or hub id")
-    steps: int = setting(100, "optimiser steps (RL: learner steps) in total", unit="steps")
-    schedule: Schedule = setting("constant", "learning-rate schedule after the warm-up: constant, cosine or linear")
-    warmup_steps: int = setting(0, "linear lr warm-up", unit="optimiser updates")
-    min_lr_ratio: float = setting(0.0, "final lr as a share of lr (cosine, linear)")
-    weight_decay: float = setting(0.0, "AdamW weight decay")
-    grad_clip: float = setting(1.0, "max global grad norm; 0 disables")
+    data: str = setting(help="prepared dataset: directory (or s3:// prefix) holding data.jsonl",
+                        section="model_and_data")
+    output: str = setting(help="run directory: local path or s3:// prefix", section="model_and_data")
+    model: str = setting("embedded:tiny", "model reference: embedded:*, directory, s3:// or hub id",
+                         section="model_and_data")
+    steps: int = setting(100, "optimiser steps (RL: learner steps) in total", unit="steps",
+                         section="optimisation")
+    schedule: Schedule = setting("constant", "learning-rate schedule after the warm-up: constant, cosine or linear",
+                                 section="optimisation")
+    warmup_steps: int = setting(0, "linear lr warm-up", unit="optimiser updates", section="optimisation")
+    min_lr_ratio: float = setting(0.0, "final lr as a share of lr (cosine, linear)", section="optimisation")
+    weight_decay: float = setting(0.0, "AdamW weight decay", section="optimisation")
+    grad_clip: float = setting(1.0, "max global grad norm; 0 disables", section="optimisation")
     precision: Precision = setting("auto", "auto (bf16 on GPU, float32 on CPU), float32 or bf16 (autocast; master "
-                                   "weights and optimiser float32)")
-    gradient_checkpointing: bool = setting(False, "recompute decoder-layer activations in the backward pass")
-    checkpoint_every: int = setting(0, "steps between resumable checkpoints; 0: only at the end", unit="steps")
+                                   "weights and optimiser float32)", section="optimisation")
+    gradient_checkpointing: bool = setting(False, "recompute decoder-layer activations in the backward pass",
+                                           section="optimisation")
+    checkpoint_every: int = setting(0, "steps between resumable checkpoints; 0: only at the end", unit="steps",
+                                    section="checkpoints")
     keep_checkpoints: int = setting(3, "resumable checkpoints kept: the newest N complete ones (an older one is "
-                                    "deleted once a newer one is complete); 0: all", unit="checkpoints")
+                                    "deleted once a newer one is complete); 0: all", unit="checkpoints",
+                                    section="checkpoints")
     pin_checkpoints: tuple[int, ...] = setting((), "steps whose checkpoints are never deleted, e.g. 100,200",
-                                               unit="steps")
-    resume: bool = setting(False, "continue from the newest complete checkpoint in output")
-    log_every: int = setting(10, "steps between metrics lines (and progress updates)", unit="steps")
+                                               unit="steps", section="checkpoints")
+    resume: bool = setting(False, "continue from the newest complete checkpoint in output",
+                           section="checkpoints")
+    log_every: int = setting(10, "steps between metrics lines (and progress updates)", unit="steps",
+                             section="checkpoints")
     report_every: int = setting(25, "steps between refreshes of <output>/training_report.html; 0: only at the end",
-                                unit="steps")
-    seed: int = setting(0, "random seed of the run (initialisation, shuffling, sampling)")
+                                unit="steps", section="checkpoints")
+    seed: int = setting(0, "random seed of the run (initialisation, shuffling, sampling)",
+                        section="model_and_data")
     cache_dir: str = setting(factory=lambda: str(Path.home() / ".cache" / "sao"),
-                             help="where built and downloaded models live ($SAO_CACHE_DIR, else ~/.cache/sao)")
-    unverified: bool = setting(False, "load a local model folder without a manifest.json as it is")
+                             help="where built and downloaded models live ($SAO_CACHE_DIR, else ~/.cache/sao)",
+                             section="model_and_data")
+    unverified: bool = setting(False, "load a local model folder without a manifest.json as it is",
+                               section="model_and_data")
     # LoRA (sao_core/training/lora.py, peft): only an adapter trains (RL: the policy's; the critic trains fully);
     # the exported and published models have it merged in.
-    lora_rank: int = setting(0, "LoRA adapter rank; 0: train every weight (full fine-tuning)")
-    lora_alpha: float = setting(16.0, "LoRA scale numerator (the adapter's update is scaled by alpha / rank)")
-    lora_dropout: float = setting(0.0, "dropout on the LoRA adapter's input")
+    lora_rank: int = setting(0, "LoRA adapter rank; 0: train every weight (full fine-tuning)", section="lora")
+    lora_alpha: float = setting(16.0, "LoRA scale numerator (the adapter's update is scaled by alpha / rank)",
+                                section="lora")
+    lora_dropout: float = setting(0.0, "dropout on the LoRA adapter's input", section="lora")
     lora_target_modules: str = setting("", "modules that get an adapter: '' peft's default for the architecture, "
-                                       "all-linear, or comma-separated names (q_proj,v_proj)")
+                                       "all-linear, or comma-separated names (q_proj,v_proj)", section="lora")
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -88,12 +101,15 @@ class CoreConfig:
 class TrainConfig(CoreConfig):
     """Settings every supervised method shares (the core's, plus batch, lr and length)."""
 
-    schedule: Schedule = setting("cosine", "learning-rate schedule after the warm-up: constant, cosine or linear")
-    warmup_steps: int = setting(10, "linear lr warm-up", unit="optimiser updates")
-    batch_size: int = setting(16, "examples per optimiser step, over all ranks", unit="examples")
-    grad_accum: int = setting(1, "micro-batches per optimiser step on each rank")
-    lr: float = setting(1e-5, "learning rate (peak, after the warm-up)")
-    max_tokens: int = setting(512, "examples are cut (or packed) to this many tokens", unit="tokens")
+    schedule: Schedule = setting("cosine", "learning-rate schedule after the warm-up: constant, cosine or linear",
+                                 section="optimisation")
+    warmup_steps: int = setting(10, "linear lr warm-up", unit="optimiser updates", section="optimisation")
+    batch_size: int = setting(16, "examples per optimiser step, over all ranks", unit="examples",
+                              section="optimisation")
+    grad_accum: int = setting(1, "micro-batches per optimiser step on each rank", section="optimisation")
+    lr: float = setting(1e-5, "learning rate (peak, after the warm-up)", section="optimisation")
+    max_tokens: int = setting(512, "examples are cut (or packed) to this many tokens", unit="tokens",
+                              section="optimisation")
 
     def validate(self) -> None:
         super().validate()
@@ -123,8 +139,8 @@ class CPTConfig(TrainConfig):
 class DPOConfig(TrainConfig):
     """Direct preference optimisation (sigmoid loss)."""
 
-    beta: float = setting(0.1, "strength of the implicit KL constraint")
-    reference_model: str = setting("", "reference model; empty: the initial policy (`model`)")
+    beta: float = setting(0.1, "strength of the implicit KL constraint", section="dpo")
+    reference_model: str = setting("", "reference model; empty: the initial policy (`model`)", section="dpo")
 
     def validate(self) -> None:
         super().validate()
@@ -136,11 +152,13 @@ class DPOConfig(TrainConfig):
 class GKDConfig(TrainConfig):
     """Generalised knowledge distillation from a teacher sharing the student's tokenizer."""
 
-    teacher_model: str = setting("", "model reference of the teacher (required)")
-    beta: float = setting(0.5, "divergence: 0 forward KL, 1 reverse KL, between: generalised JSD")
-    temperature: float = setting(1.0, "softmax temperature of the distillation")
-    on_policy_fraction: float = setting(0.5, "share of examples whose response the student samples")
-    max_new_tokens: int = setting(64, "length of student samples", unit="tokens")
+    teacher_model: str = setting("", "model reference of the teacher (required)", section="gkd")
+    beta: float = setting(0.5, "divergence: 0 forward KL, 1 reverse KL, between: generalised JSD",
+                          section="gkd")
+    temperature: float = setting(1.0, "softmax temperature of the distillation", section="gkd")
+    on_policy_fraction: float = setting(0.5, "share of examples whose response the student samples",
+                                        section="gkd")
+    max_new_tokens: int = setting(64, "length of student samples", unit="tokens", section="gkd")
 
     def validate(self) -> None:
         super().validate()
