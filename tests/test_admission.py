@@ -269,7 +269,7 @@ def test_lag_metrics_count_every_trained_token():
     lags = token_lags(pieces, version=6)
     assert lags == {4: 2, 1: 1, 0: 2, 5: 1}
     assert percentile(lags, 0.5) == 1 and percentile(lags, 0.99) == 5
-    record = lag_record(pieces, version=6, max_staleness=4)
+    record = lag_record(pieces, version=6, policy=AdmissionPolicy("window", max_staleness=4))
     assert record["token_lag"] == {"0": 2, "1": 1, "4": 2, "5": 1} and record["token_lag_max"] == 5
     assert record["tokens_beyond_bound"] == pytest.approx(1 / 6)
     assert record["token_lag_by_turns"] == {"1": 0.0, "3-4": 2.5, "5-8": 3.0}

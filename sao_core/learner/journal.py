@@ -30,6 +30,7 @@ import json
 import logging
 import re
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 from sao_core import storage
@@ -186,6 +187,121 @@ def read_drops(output: str, after_step: int, unverified: bool = False) -> list[l
         out.append(_drop_records(uri, entry, after_step, len(out)))
 
 
+@dataclass
+class _JournalRecord:
+    """What a run's journal holds, read entry by entry for `audit`; an entry that fails its check is a problem."""
+
+    trained: Counter = field(default_factory=Counter)   # (position, sample_index, piece) -> times trained
+    pieces: dict[tuple[int, int], set[int]] = field(default_factory=dict)   # (position, sample) -> pieces trained
+    last_piece: dict[tuple[int, int], int] = field(default_factory=dict)    # (position, sample) -> its last piece
+    trained_positions: set[int] = field(default_factory=set)
+    dropped: dict[int, str] = field(default_factory=dict)     # position -> drop reason
+    ids: Counter = field(default_factory=Counter)
+    last_step: int = 0
+    requeued: int = 0
+    plans: dict[int, dict[str, Any]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, output: str) -> _JournalRecord:
+        record = cls()
+        for name in storage.list_files(journal_dir(output)):
+            uri = storage.join(journal_dir(output), name)
+            try:
+                if m := _STEP.match(name):
+                    record.add_step(name, _check_step(uri, _read_entry(uri, f"step {int(m.group(1))}", True),
+                                                      int(m.group(1))))
+                elif m := _PLAN.match(name):
+                    plan = _check_plan(uri, _read_entry(uri, f"plan {int(m.group(1))}", True), int(m.group(1)))
+                    record.plans[int(m.group(1))] = {**plan, "skip_set": set(plan["skip_positions"])}
+                elif m := _DROP.match(name):
+                    after, index = int(m.group(1)), int(m.group(2))
+                    record.add_drops(_drop_records(uri, _read_entry(uri, f"drops after step {after}", True), after,
+                                                   index))
+            except JournalError as err:
+                record.problems.append(str(err))
+        return record
+
+    def add_step(self, name: str, entry: dict[str, Any]) -> None:
+        """Count the trajectories of a checked step entry (file `name`)."""
+        self.last_step = max(self.last_step, entry["step"])
+        for t in entry["trajectories"]:
+            metadata = t.get("metadata", {})
+            position = metadata.get("position")
+            if position is None:
+                self.problems.append(f"{name}: trajectory {t['id']} has no stream position")
+                continue
+            episode = (position, t.get("sample_index", 0))
+            index = int(metadata.get("fragment", 0))
+            self.trained[(*episode, index)] += 1
+            self.pieces.setdefault(episode, set()).add(index)
+            if t.get("finish_reason") != "fragment":
+                self.trained_positions.add(position)
+                self.last_piece[episode] = index
+            self.ids[t["id"]] += 1
+
+    def add_drops(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            if record.get("requeue"):      # rolled out once more: still owed, not a drop
+                self.requeued += 1
+                continue
+            if self.dropped.get(record["position"], "group") == "group":  # a group's own reason wins
+                self.dropped[record["position"]] = record["reason"]
+
+    def missing_pieces(self) -> list[tuple[int, int]]:
+        """Episodes whose last piece was trained without every piece before it."""
+        return sorted(k for k, last in self.last_piece.items() if not self.pieces[k] >= set(range(last + 1)))
+
+    def check_training(self) -> None:
+        """Nothing trained twice, no episode trained without all its fragments, nothing both trained and dropped."""
+        twice = sorted(k for k, n in self.trained.items() if n > 1)
+        if twice:
+            self.problems.append(f"{len(twice)} (position, rollout, piece) triples trained more than once, "
+                                 f"e.g. {twice[:5]}")
+        missing = self.missing_pieces()
+        if missing:
+            self.problems.append(f"{len(missing)} episodes trained without all their fragments, e.g. {missing[:5]}")
+        both = sorted(self.trained_positions & set(self.dropped))
+        if both:
+            self.problems.append(f"{len(both)} positions both trained and dropped, e.g. {both[:5]}")
+
+    def check_ledger(self, ledger: StreamLedger | None, ledger_step: int | None, unsettled: list[int]) -> list[int]:
+        """The positions of `unsettled` (neither trained nor dropped) that the newest `ledger` counts as settled:
+        skipped. When the ledger was written at the last journaled step, every journaled position must be
+        settled in it."""
+        if ledger is None:
+            self.problems.append("no checkpoint")
+            return []
+        # A position the ledger counts as settled must have a record; one it owes must have none.
+        skipped = [p for p in unsettled if ledger.is_settled(p)]
+        if skipped:
+            self.problems.append(f"{len(skipped)} positions skipped (settled in the ledger, never trained or "
+                                 f"dropped), e.g. {skipped[:5]}")
+        if ledger_step == self.last_step:
+            unrecorded = [p for p in self.trained_positions | set(self.dropped) if not ledger.is_settled(p)]
+            if unrecorded:
+                self.problems.append(f"{len(unrecorded)} journaled positions the final ledger still owes, "
+                                     f"e.g. {sorted(unrecorded)[:5]}")
+        return skipped
+
+    def uncovered(self, owed: list[int]) -> list[int]:
+        """The `owed` positions the newest plan sent to their shard does not roll out (an older plan of that
+        shard was replaced by it): skipped, never to be rolled out."""
+        if self.last_step and not self.plans:
+            self.problems.append("no plan in the journal: the plans sent to the services cannot be checked (a run "
+                                 "from before plans were journaled)")
+        if not self.plans:
+            return []
+        newest = [self.plans[i] for i in sorted(self.plans, reverse=True)]
+        none = {"num_shards": 1, "shard": 0, "skip_set": set()}
+        uncovered = [p for p in owed if not _covers(next((q for q in newest if p % q["num_shards"] == q["shard"]),
+                                                         {**none, "start_position": p + 1}), p)]
+        if uncovered:
+            self.problems.append(f"{len(uncovered)} owed positions no plan sent covers (skipped: never to be "
+                                 f"rolled out), e.g. {uncovered[:5]}")
+        return uncovered
+
+
 def audit(output: str) -> dict[str, Any]:
     """Check a run's journal against the stream-accounting invariant: every position up to the last one
     trained is trained exactly once, dropped with a recorded reason, or still owed by the newest ledger (so the
@@ -197,109 +313,24 @@ def audit(output: str) -> dict[str, Any]:
 
     The newest checkpoint's ledger is compared with the journal when it was written at the last journaled
     step (the end of a finished run); `ok` is False with the reasons in `problems` otherwise."""
-    names = storage.list_files(journal_dir(output))
-    trained: Counter = Counter()             # (position, sample_index, piece) -> times trained
-    pieces: dict[tuple[int, int], set[int]] = {}   # (position, sample_index) -> trained piece indices
-    last_piece: dict[tuple[int, int], int] = {}    # (position, sample_index) -> index of its trained last piece
-    trained_positions: set[int] = set()
-    dropped: dict[int, str] = {}
-    ids: Counter = Counter()
-    last_step = 0
-    requeued = 0
-    plans: dict[int, dict[str, Any]] = {}
-    problems: list[str] = []
-    for name in names:
-        uri = storage.join(journal_dir(output), name)
-        if m := _STEP.match(name):
-            try:
-                entry = _check_step(uri, _read_entry(uri, f"step {int(m.group(1))}", True), int(m.group(1)))
-            except JournalError as err:
-                problems.append(str(err))
-                continue
-            last_step = max(last_step, int(m.group(1)))
-            for t in entry["trajectories"]:
-                position = t.get("metadata", {}).get("position")
-                if position is None:
-                    problems.append(f"{name}: trajectory {t['id']} has no stream position")
-                    continue
-                index = int(t.get("metadata", {}).get("fragment", 0))
-                trained[(position, t.get("sample_index", 0), index)] += 1
-                if t.get("finish_reason") == "fragment":
-                    pieces.setdefault((position, t.get("sample_index", 0)), set()).add(index)
-                else:
-                    trained_positions.add(position)
-                    pieces.setdefault((position, t.get("sample_index", 0)), set()).add(index)
-                    last_piece[(position, t.get("sample_index", 0))] = index
-                ids[t["id"]] += 1
-        elif m := _PLAN.match(name):
-            try:
-                plan = _check_plan(uri, _read_entry(uri, f"plan {int(m.group(1))}", True), int(m.group(1)))
-            except JournalError as err:
-                problems.append(str(err))
-                continue
-            plans[int(m.group(1))] = {**plan, "skip_set": set(plan["skip_positions"])}
-        elif m := _DROP.match(name):
-            after, index = int(m.group(1)), int(m.group(2))
-            try:
-                records = _drop_records(uri, _read_entry(uri, f"drops after step {after}", True), after, index)
-            except JournalError as err:
-                problems.append(str(err))
-                continue
-            for record in records:
-                if record.get("requeue"):      # rolled out once more: still owed, not a drop
-                    requeued += 1
-                    continue
-                if dropped.get(record["position"], "group") == "group":  # a group's own reason wins
-                    dropped[record["position"]] = record["reason"]
-    twice = sorted(k for k, n in trained.items() if n > 1)
-    if twice:
-        problems.append(f"{len(twice)} (position, rollout, piece) triples trained more than once, e.g. {twice[:5]}")
-    missing = sorted(k for k, last in last_piece.items() if not pieces[k] >= set(range(last + 1)))
-    if missing:
-        problems.append(f"{len(missing)} episodes trained without all their fragments, e.g. {missing[:5]}")
-    both = sorted(trained_positions & set(dropped))
-    if both:
-        problems.append(f"{len(both)} positions both trained and dropped, e.g. {both[:5]}")
-    frontier = max(trained_positions, default=-1) + 1
-    unsettled = [p for p in range(frontier) if p not in trained_positions and p not in dropped]
-
+    record = _JournalRecord.read(output)
+    record.check_training()
+    frontier = max(record.trained_positions, default=-1) + 1
+    unsettled = [p for p in range(frontier) if p not in record.trained_positions and p not in record.dropped]
     ledger, ledger_step = _newest_ledger(output)
-    skipped: list[int] = []
-    if ledger is None:
-        problems.append("no checkpoint")
-    else:
-        # A position the ledger counts as settled must have a record; one it owes must have none.
-        skipped = [p for p in unsettled if ledger.is_settled(p)]
-        if skipped:
-            problems.append(f"{len(skipped)} positions skipped (settled in the ledger, never trained or dropped), "
-                            f"e.g. {skipped[:5]}")
-        if ledger_step == last_step:
-            unrecorded = [p for p in set(trained_positions) | set(dropped) if not ledger.is_settled(p)]
-            if unrecorded:
-                problems.append(f"{len(unrecorded)} journaled positions the final ledger still owes, "
-                                f"e.g. {sorted(unrecorded)[:5]}")
+    skipped = record.check_ledger(ledger, ledger_step, unsettled)
     owed = [p for p in unsettled if p not in skipped]
-    # Each owed position must be rolled out by the newest plan its shard was sent (an older plan of that shard
-    # was replaced by it); one that plan does not cover was skipped.
-    if last_step and not plans:
-        problems.append("no plan in the journal: the plans sent to the services cannot be checked (a run from "
-                        "before plans were journaled)")
-    elif plans:
-        newest = [plans[i] for i in sorted(plans, reverse=True)]
-        uncovered = [p for p in owed
-                     if not _covers(next((q for q in newest if p % q["num_shards"] == q["shard"]), {
-                         "num_shards": 1, "shard": 0, "start_position": p + 1, "skip_set": set()}), p)]
-        if uncovered:
-            problems.append(f"{len(uncovered)} owed positions no plan sent covers (skipped: never to be rolled "
-                            f"out), e.g. {uncovered[:5]}")
-            skipped = skipped + uncovered
-            owed = [p for p in owed if p not in uncovered]
-    return {"ok": not problems, "problems": problems, "steps": last_step, "trained_trajectories": sum(trained.values()),
-            "trained_positions": len(trained_positions), "dropped_positions": len(dropped),
-            "dropped_by_reason": dict(Counter(dropped.values())), "requeued": requeued, "frontier": frontier,
-            "owed": owed, "skipped": skipped, "plans": len(plans),
-            "ledger_step": ledger_step, "duplicate_ids": sorted(i for i, n in ids.items() if n > 1),
-            "fragmented_episodes": sum(1 for k in last_piece if last_piece[k] > 0), "missing_pieces": missing}
+    uncovered = record.uncovered(owed)
+    skipped = skipped + uncovered
+    owed = [p for p in owed if p not in uncovered]
+    return {"ok": not record.problems, "problems": record.problems, "steps": record.last_step,
+            "trained_trajectories": sum(record.trained.values()),
+            "trained_positions": len(record.trained_positions), "dropped_positions": len(record.dropped),
+            "dropped_by_reason": dict(Counter(record.dropped.values())), "requeued": record.requeued,
+            "frontier": frontier, "owed": owed, "skipped": skipped, "plans": len(record.plans),
+            "ledger_step": ledger_step, "duplicate_ids": sorted(i for i, n in record.ids.items() if n > 1),
+            "fragmented_episodes": sum(1 for k in record.last_piece if record.last_piece[k] > 0),
+            "missing_pieces": record.missing_pieces()}
 
 
 def _newest_ledger(output: str) -> tuple[StreamLedger | None, int | None]:

@@ -20,6 +20,7 @@ from collections import Counter
 from typing import Any
 
 from sao_core.learner.bias import bucket
+from sao_core.rollout.admission import AdmissionPolicy
 from sao_core.rollout.trajectory import Trajectory
 
 
@@ -46,8 +47,8 @@ def percentile(histogram: Counter, q: float) -> int:
     return max(histogram)
 
 
-def lag_record(trajectories: list[Trajectory], version: int, max_staleness: int) -> dict[str, Any]:
-    """The step's lag metrics (see the module docstring)."""
+def lag_record(trajectories: list[Trajectory], version: int, policy: AdmissionPolicy) -> dict[str, Any]:
+    """The step's lag metrics (see the module docstring) under the run's admission `policy` (its bound S)."""
     lags = token_lags(trajectories, version)
     total = sum(lags.values())
     by_turns: dict[str, list[int]] = {}
@@ -63,7 +64,8 @@ def lag_record(trajectories: list[Trajectory], version: int, max_staleness: int)
         "token_lag": {str(k): lags[k] for k in sorted(lags)},
         "token_lag_p50": percentile(lags, 0.5), "token_lag_p99": percentile(lags, 0.99),
         "token_lag_max": max(lags, default=0),
-        "tokens_beyond_bound": sum(n for k, n in lags.items() if k > max_staleness) / total if total else 0.0,
+        "tokens_beyond_bound": (sum(n for k, n in lags.items() if k > policy.max_staleness) / total
+                                if total else 0.0),
         "token_lag_by_turns": {b: round(s / n, 4) for b, (s, n) in
                                sorted(by_turns.items(), key=lambda kv: int(kv[0].split("-")[0]))},
         "fragments": sum(t.is_fragment for t in trajectories),

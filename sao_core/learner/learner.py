@@ -135,6 +135,7 @@ class Learner:
         # The tokens that end a model turn (what the engines stop on): for the turn-end health metrics.
         self.end_of_turn_ids = tuple(t for t in {tokenizer.eos_token_id} if t is not None)
         self.updater = Updater(config, policy, critic, ctx, end_of_turn_ids=self.end_of_turn_ids)
+        self.admission_policy = config.admission_policy()   # its bound S: the lag metrics of each step
         self.state = RunState()
         self.lora: dict | None = None   # the LoRA summary (rank, alpha, targets, parameters) when the policy has one
         # In-memory pushes (`use_memory_transport`): the engine's dtypes per weight name (rank 0), the background
@@ -189,7 +190,7 @@ class Learner:
         batch = collate(trajectories, pad_token_id(self.tokenizer))
         metrics, changed = self.updater.step(batch, state.step, allow_empty_rows=allow_empty_rows,
                                              version=state.version)
-        metrics.update(lag_record(trajectories, state.version, self.config.max_staleness))
+        metrics.update(lag_record(trajectories, state.version, self.admission_policy))
         tokens = int(batch.action_mask.sum())
         trained_at = state.version
         state.step += 1

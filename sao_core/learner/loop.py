@@ -165,136 +165,178 @@ def train_rl(config: RLConfig, progress: Callable[[int, dict], None] | None = No
     started = time.time()
     scratch = run_scratch(config.output, ctx.rank)   # a killed process's folder of this run is swept first
     try:
-        return _train(config, progress, ctx, scratch, started, latest, checkpoints_uri, token, eval_set)
+        return RLRun(config, progress, ctx, scratch, started, latest, token, eval_set).run()
     finally:  # every exit: a finished run, a failure while loading or resuming, an error in a step
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: DistContext, scratch: Path,
-           started: float, latest: str | None, checkpoints_uri: str, token: str | None,
-           eval_set: Any = None) -> dict[str, Any]:
-    """The run itself, once the checks passed and `scratch` exists (`train_rl` removes it on every exit).
-    `token`: the bearer token the services (or the colocated one) expect; `eval_set`: the held-out set of
-    evaluation during training (`sao_core.learner.evaluation`), None when it is off."""
-    learner = Learner.load(config, ctx, scratch)
-    state = learner.state
-    replayed = Replayed()
-    if latest:
-        state = learner.resume(latest)
-    if config.resume:
-        replayed = learner.replay_journal()
-    drop_records = replayed.drop_records  # drop records written after the current step (their file index)
+class RLRun:
+    """One RL run once `train_rl`'s checks passed and `scratch` exists (`train_rl` removes it on every exit):
+    the learner, the rollout services (rank 0), the trajectories waiting for a batch, the journal and the
+    metrics. Each method is one named step of the run; `run()` reads as the algorithm.
 
-    consumer = "learner-" + run_key(config.output)
-    server = None
-    services: ServiceSet | None = None
-    if ctx.is_main:
+    `token`: the bearer token the services (or the colocated one) expect; `eval_set`: the held-out set of
+    evaluation during training (`sao_core.learner.evaluation`), None when it is off; `latest`: the checkpoint to
+    resume from (None: a new run)."""
+
+    def __init__(self, config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: DistContext,
+                 scratch: Path, started: float, latest: str | None, token: str | None, eval_set: Any = None):
+        self.config, self.progress, self.ctx = config, progress, ctx
+        self.started, self.latest, self.token, self.eval_set = started, latest, token, eval_set
+        self.policy = config.admission_policy()      # the run's admission rule and staleness bound S
+        self.learner = Learner.load(config, ctx, scratch)
+        self.replayed = Replayed()
+        self.server = None                           # the colocated rollout service (rank 0, no `services`)
+        self.services: ServiceSet | None = None      # rank 0 only
+        self.evaluator = None
+        self.pending: Pending | None = None
+        self.drop_records = 0                        # drop records written after the current step (file index)
+        self.plans_sent = 0
+        self.waited = 0.0                            # seconds the last batch was waited for
+        self.trained_trajectories = self.trained_tokens = 0   # by this process (its throughput)
+        # s3:// outputs: MetricsLog copies the scratch file to <output>/metrics.jsonl
+        self.metrics_path = scratch / "metrics.jsonl"
+        if not storage.is_s3_uri(config.output):
+            self.metrics_path = Path(config.output) / "metrics.jsonl"
+
+    @property
+    def state(self):
+        """The learner's run state (step, version, stream ledger, counters)."""
+        return self.learner.state
+
+    # ------------------------------------------------------------------------------------------ the algorithm
+    def run(self) -> dict[str, Any]:
+        """Resume, start the services, then train `config.steps` learner steps and finish; every rank returns
+        rank 0's summary."""
+        self.resume()
+        if self.ctx.is_main:
+            self.start_services()
+        self.choose_weight_transport()
+        self.open_evaluator()
+        self.pending = Pending(self.config, self.state.ledger)
+        summary = None
+        try:
+            self.publish_resumed_weights()
+            on_rank0(self.ctx, self.connect)
+            with MetricsLog(self.config.output, self.metrics_path, resume=self.config.resume,
+                            enabled=self.ctx.is_main, sinks=run_sinks(self.config, self.config.method)) as metrics_log:
+                self.log_start(metrics_log)
+                while self.state.step < self.config.steps:
+                    record = self.train_step()
+                    self.log_step(metrics_log, record)
+                    self.checkpoint_if_due()
+                    if self.progress and self.ctx.is_main:
+                        self.progress(self.state.step, record)
+            summary = self.finish()
+        finally:
+            self.close()
+        return broadcast_object(summary, self.ctx)
+
+    def train_step(self) -> dict[str, Any]:
+        """One learner step: a batch, the update, the journal entry, the new weights pushed, the batch
+        acknowledged; returns the step's metrics line."""
+        chosen = on_rank0(self.ctx, self.next_batch)
+        trajectories = [t for t, _ in chosen]
+        step_began = time.monotonic()
+        result = self.learner.step(trajectories)
+        self.journal_step(trajectories, result.trained_at_version)
+        push_seconds = self.learner.publish(self.push) if result.changed else 0.0
+        on_rank0(self.ctx, lambda: self.acknowledge(chosen))
+        if self.ctx.is_main and self.config.method == "grpo":
+            self.services.resume()
+        self.trained_trajectories += len(trajectories)
+        self.trained_tokens += result.tokens
+        return self.step_record(trajectories, result, step_began, push_seconds)
+
+    # ------------------------------------------------------------------------------------------ setting up
+    def resume(self) -> None:
+        """Load the newest checkpoint (if any) and, on resume, replay the journal written after it."""
+        if self.latest:
+            self.learner.resume(self.latest)
+        if self.config.resume:
+            self.replayed = self.learner.replay_journal()
+        self.drop_records = self.replayed.drop_records
+
+    def start_services(self) -> None:
+        """Rank 0: start the colocated service when no `services` are given, and connect to the services with
+        the run's plan (its admission policy whole)."""
+        config = self.config
         urls = list(config.services)
         if not urls:
             from sao_core.rollout.server import RolloutServer
 
-            server = RolloutServer(colocated_serve_config(config), token=token).start()
-            urls = [server.url]
-        admission = config.admission_policy(len(urls))
-        plan = asdict(RolloutPlan(
-            dataset=config.data, rollouts_per_prompt=config.rollouts_per_prompt, epochs=0, shuffle=True,
-            seed=config.seed, env_options=config.env_options, max_new_tokens_per_turn=config.max_new_tokens_per_turn,
-            max_total_tokens=config.max_total_tokens, training=True, max_in_flight=admission.max_in_flight,
-            max_staleness=admission.max_staleness, admission=admission.rule, hard_staleness=admission.hard_staleness,
-            batch_size=admission.batch_size))
-        plans_sent = journal.count_plans(config.output)
+            self.server = RolloutServer(colocated_serve_config(config), token=self.token).start()
+            urls = [self.server.url]
+        plan = RolloutPlan(dataset=config.data, rollouts_per_prompt=config.rollouts_per_prompt, epochs=0,
+                           shuffle=True, seed=config.seed, env_options=config.env_options,
+                           max_new_tokens_per_turn=config.max_new_tokens_per_turn,
+                           max_total_tokens=config.max_total_tokens, training=True)
+        plan = plan.with_policy(config.admission_policy(len(urls)))
+        self.plans_sent = journal.count_plans(config.output)
+        consumer = "learner-" + run_key(config.output)
+        self.services = ServiceSet(
+            urls, consumer, asdict(plan), config.service_retry_s,
+            plan_for=lambda index, n: self.state.ledger.plan_fields(index, n),
+            on_restart=lambda index: self.service_restarted(index, len(urls)), token=self.token,
+            on_plan=self.plan_sent, local={0: self.server} if in_memory(config, self.server, self.learner) else {},
+            channel=config.weight_transport == "collective" and self.server is None)
 
-        def plan_sent(index: int, num_shards: int, stream: dict) -> None:
-            """Journal a plan a service accepted, with the ledger it came from (journal.audit checks them)."""
-            nonlocal plans_sent
-            journal.write_plan(config.output, plans_sent, state.step, index, num_shards, stream,
-                               state.ledger.to_state())
-            plans_sent += 1
+    def plan_sent(self, index: int, num_shards: int, stream: dict) -> None:
+        """Journal a plan a service accepted, with the ledger it came from (journal.audit checks them)."""
+        journal.write_plan(self.config.output, self.plans_sent, self.state.step, index, num_shards, stream,
+                           self.state.ledger.to_state())
+        self.plans_sent += 1
 
-        services = ServiceSet(urls, consumer, plan, config.service_retry_s,
-                              plan_for=lambda index, n: state.ledger.plan_fields(index, n),
-                              on_restart=lambda index: service_restarted(index, len(urls)), token=token,
-                              on_plan=plan_sent, local={0: server} if in_memory(config, server, learner) else {},
-                              channel=config.weight_transport == "collective" and server is None)
+    def choose_weight_transport(self) -> None:
+        """Every rank must know whether the weights are gathered for an in-memory push (colocated service or
+        collective channel) instead of written to storage."""
+        def memory_dtypes() -> dict | None:
+            if self.services.local:
+                return self.server.weight_dtypes()
+            return self.services.channel_dtypes() if self.services.channel else None
 
-    def memory_dtypes() -> dict | None:
-        """The engine dtypes of an in-memory transport (colocated service or collective channel), else None."""
-        if services.local:
-            return server.weight_dtypes()
-        return services.channel_dtypes() if services.channel else None
+        dtypes = on_rank0(self.ctx, memory_dtypes)
+        if dtypes is not None:
+            self.learner.use_memory_transport(dtypes if self.ctx.is_main else {})
 
-    # Every rank must know: the weights are then gathered for the push instead of written to storage.
-    dtypes = on_rank0(ctx, memory_dtypes)
-    if dtypes is not None:
-        learner.use_memory_transport(dtypes if ctx.is_main else {})
+    def open_evaluator(self) -> None:
+        """Rank 0: the evaluator of held-out rewards during training (when `eval_every` asks for it)."""
+        if self.eval_set is not None and self.ctx.is_main:
+            from sao_core.learner.evaluation import TrainingEvaluator
 
-    def push(version: int, uri: str | None, digest: str, probe=None, update=None) -> None:
-        services.push(version, uri, digest, probe, update)
+            self.evaluator = TrainingEvaluator(self.config, self.eval_set, self.learner.tokenizer, self.token)
 
-    def checkpoint() -> str:
-        return learner.checkpoint(pending.dropped_by_reason, pending.requeued)
+    def publish_resumed_weights(self) -> None:
+        """A resumed run publishes its version again, so every service (re)loads the weights it trains on."""
+        if self.state.version > 0:
+            if self.services is not None:
+                self.services.weights = None
+            self.learner.publish(self.push)
 
-    def dropped_by_reason() -> Counter:
-        """Trajectories dropped over the whole run: before this process (checkpoint, replay) and by it."""
-        return state.counters.dropped_by_reason + pending.dropped_by_reason
+    def connect(self) -> None:
+        """Rank 0: connect to the services and acknowledge what the replayed journal trained or dropped."""
+        services = self.services
+        services.connect()
+        # A crash between a journal write and its acknowledgement leaves those leases open on a service
+        # that survived (and nothing to redeliver them to when no step is left); ids a service does not
+        # hold, e.g. a new one's, are ignored by it.
+        if self.replayed.trained_ids or self.replayed.dropped_ids:
+            every = range(len(services.clients))
+            services.ack({i: self.replayed.trained_ids for i in every},
+                         {i: self.replayed.dropped_ids for i in every})
 
-    evaluator = None
-    if eval_set is not None and ctx.is_main:
-        from sao_core.learner.evaluation import TrainingEvaluator
-
-        evaluator = TrainingEvaluator(config, eval_set, learner.tokenizer, token)
-
-    def evaluate_now() -> dict[str, Any]:
-        """Held-out rewards at the current version from the live services (rank 0; their stream goes on)."""
-        return evaluator.run(services.live_urls(), state.step, state.version)
-
-    pending = Pending(config, state.ledger)
-    metrics_path = scratch / "metrics.jsonl"  # s3:// outputs: MetricsLog copies it to <output>/metrics.jsonl
-    if not storage.is_s3_uri(config.output):
-        metrics_path = Path(config.output) / "metrics.jsonl"
-    trained_trajectories = trained_tokens = 0      # by this process (its throughput)
-    summary: dict[str, Any] | None = None
-    waited = 0.0
-
-    def record_drops(drops: list[Drop]) -> None:
-        """Journal the drops, settle their positions, then acknowledge them (re-queued ones as such)."""
-        nonlocal drop_records
-        records = [d.record() for d in drops]
-        journal.write_drops(config.output, state.step, drop_records, records)
-        drop_records += 1
-        state.settle_drops(records)
-        gone: dict[int, list[str]] = {}
-        again: dict[int, list[str]] = {}
-        for d in drops:
-            (again if d.requeue else gone).setdefault(d.service, []).append(d.trajectory.id)
-        services.ack({}, gone, again)
-
-    def service_restarted(index: int, num_shards: int) -> None:
-        """Service `index` lost its plan: forget what it delivered untrained (its new plan rolls it out again),
-        and settle its episodes that had fragments trained as FRAGMENT_LOST (journaled like any drop)."""
-        nonlocal drop_records
-        pending.forget_service(index)
-        lost = state.ledger.partial(index, num_shards)
-        if not lost:
-            return
-        records = [{"id": f"lost-{p}", "position": p, "sample_index": 0, "attempt": 0, "reason": FRAGMENT_LOST,
-                    "requeue": False} for p in lost]
-        journal.write_drops(config.output, state.step, drop_records, records)
-        drop_records += 1
-        state.settle_drops(records)
-        pending.dropped_by_reason[FRAGMENT_LOST] += len(records)
-        log.warning("rollout service %s restarted: %d episodes with trained fragments were lost; their positions "
-                    "are settled as %s", services.clients[index].url if services else index, len(lost), FRAGMENT_LOST)
-
-    def next_batch() -> list[tuple[Trajectory, int]]:
-        nonlocal waited
+    # ------------------------------------------------------------------------------------------ batches and drops
+    def next_batch(self) -> list[tuple[Trajectory, int]]:
+        """Rank 0: the next batch of (trajectory, service index), in the order the admission policy asks for;
+        drops what cannot be trained and takes more from the services until a batch is ready."""
+        pending, services, config = self.pending, self.services, self.config
         wait_began = time.monotonic()
         chosen = None
         order = pending.policy.order
         while chosen is None:
-            drops = pending.drop_unusable(state.version)
+            drops = pending.drop_unusable(self.state.version)
             if drops:
-                record_drops(drops)
+                self.record_drops(drops)
             if order == "arrival":
                 chosen = pending.batch()
             elif order == "oldest_token":
@@ -308,140 +350,191 @@ def _train(config: RLConfig, progress: Callable[[int, dict], None] | None, ctx: 
             if chosen is None:
                 trained_ids, late = pending.add(services.take(config.batch_size, config.take_wait_s))
                 services.ack(trained_ids, late)
-        waited = time.monotonic() - wait_began
+        self.waited = time.monotonic() - wait_began
         if config.method == "grpo":
             services.pause()  # the synchronous baseline: generators wait while the learner works
         return chosen
 
-    try:
-        if state.version > 0:
-            if services is not None:
-                services.weights = None
-            learner.publish(push)
+    def record_drops(self, drops: list[Drop]) -> None:
+        """Journal the drops, settle their positions, then acknowledge them (re-queued ones as such)."""
+        records = [d.record() for d in drops]
+        self.journal_drops(records)
+        gone: dict[int, list[str]] = {}
+        again: dict[int, list[str]] = {}
+        for d in drops:
+            (again if d.requeue else gone).setdefault(d.service, []).append(d.trajectory.id)
+        self.services.ack({}, gone, again)
 
-        def connect() -> None:
-            services.connect()
-            # A crash between a journal write and its acknowledgement leaves those leases open on a service
-            # that survived (and nothing to redeliver them to when no step is left); ids a service does not
-            # hold, e.g. a new one's, are ignored by it.
-            if replayed.trained_ids or replayed.dropped_ids:
-                every = range(len(services.clients))
-                services.ack({i: replayed.trained_ids for i in every}, {i: replayed.dropped_ids for i in every})
+    def journal_drops(self, records: list[dict[str, Any]]) -> None:
+        """Write a drop record after the current step and settle its positions."""
+        journal.write_drops(self.config.output, self.state.step, self.drop_records, records)
+        self.drop_records += 1
+        self.state.settle_drops(records)
 
-        on_rank0(ctx, connect)
-        with MetricsLog(config.output, metrics_path, resume=config.resume, enabled=ctx.is_main,
-                        sinks=run_sinks(config, config.method)) as metrics_log:
-            # One line per step: the replayed steps the killed process had not logged yet, marked replayed.
-            logged = metrics_log.steps() if ctx.is_main else set()
-            for record in replayed.records:
-                if record["step"] not in logged and (record["step"] % config.log_every == 0
-                                                     or record["step"] == config.steps):
-                    metrics_log.append(record)
+    def service_restarted(self, index: int, num_shards: int) -> None:
+        """Service `index` lost its plan: forget what it delivered untrained (its new plan rolls it out again),
+        and settle its episodes that had fragments trained as FRAGMENT_LOST (journaled like any drop)."""
+        self.pending.forget_service(index)
+        lost = self.state.ledger.partial(index, num_shards)
+        if not lost:
+            return
+        records = [{"id": f"lost-{p}", "position": p, "sample_index": 0, "attempt": 0, "reason": FRAGMENT_LOST,
+                    "requeue": False} for p in lost]
+        self.journal_drops(records)
+        self.pending.dropped_by_reason[FRAGMENT_LOST] += len(records)
+        log.warning("rollout service %s restarted: %d episodes with trained fragments were lost; their positions "
+                    "are settled as %s", self.services.clients[index].url if self.services else index, len(lost),
+                    FRAGMENT_LOST)
+
+    def dropped_by_reason(self) -> Counter:
+        """Trajectories dropped over the whole run: before this process (checkpoint, replay) and by it."""
+        return self.state.counters.dropped_by_reason + self.pending.dropped_by_reason
+
+    # ------------------------------------------------------------------------------------------ after the update
+    def journal_step(self, trajectories: list[Trajectory], version_before: int) -> None:
+        """Journal the trained batch (before the push and the acknowledgement: a crash after this point replays
+        the step) and count its episodes for the length-bias metrics."""
+        step = self.state.step
+        on_rank0(self.ctx, lambda: journal.write_step(self.config.output, step, version_before, trajectories))
+        self.drop_records = 0
+        # Settled: a service that was unreachable when we acknowledged redelivers these; they are only acked.
+        for t in trajectories:
+            if not t.is_fragment:
+                self.pending.bias.trained(t)
+
+    def push(self, version: int, uri: str | None, digest: str, probe=None, update=None) -> None:
+        """Hand a published version to the services (`learner.Push`)."""
+        self.services.push(version, uri, digest, probe, update)
+
+    def acknowledge(self, chosen: list[tuple[Trajectory, int]]) -> None:
+        """Rank 0, after the push: the slots these free admit episodes under the new weights (which the
+        version_order guarantee counts on)."""
+        by_service: dict[int, list[str]] = {}
+        for t, index in chosen:
+            by_service.setdefault(index, []).append(t.id)
+        self.services.ack(by_service)
+
+    def checkpoint(self) -> str:
+        return self.learner.checkpoint(self.pending.dropped_by_reason, self.pending.requeued)
+
+    def checkpoint_if_due(self) -> None:
+        """A resumable checkpoint every `checkpoint_every` steps (the last one is written by `finish`)."""
+        step, every = self.state.step, self.config.checkpoint_every
+        if every and step % every == 0 and step < self.config.steps:
+            self.checkpoint()
+
+    # ------------------------------------------------------------------------------------------ metrics
+    def evaluate_now(self) -> dict[str, Any]:
+        """Held-out rewards at the current version from the live services (rank 0; their stream goes on)."""
+        return self.evaluator.run(self.services.live_urls(), self.state.step, self.state.version)
+
+    def log_start(self, metrics_log: MetricsLog) -> None:
+        """One line per step: the replayed steps the killed process had not logged yet (marked replayed), and
+        the held-out starting point of a new run."""
+        logged = metrics_log.steps() if self.ctx.is_main else set()
+        for record in self.replayed.records:
+            if record["step"] not in logged and (record["step"] % self.config.log_every == 0
+                                                 or record["step"] == self.config.steps):
+                metrics_log.append(record)
+        metrics_log.sync()
+        if self.evaluator is not None and self.state.step == 0 and 0 not in logged:
+            # The starting point of the held-out curves: a line of its own, before any training.
+            metrics_log.append({"step": 0, "version": self.state.version, **self.evaluate_now(),
+                                "seconds": time.time() - self.started, "world_size": self.ctx.world_size})
             metrics_log.sync()
-            if evaluator is not None and state.step == 0 and 0 not in logged:
-                # The starting point of the held-out curves: a line of its own, before any training.
-                metrics_log.append({"step": 0, "version": state.version, **evaluate_now(),
-                                    "seconds": time.time() - started, "world_size": ctx.world_size})
-                metrics_log.sync()
-            while state.step < config.steps:
-                chosen = on_rank0(ctx, next_batch)
-                trajectories = [t for t, _ in chosen]
-                step_began = time.monotonic()
-                result = learner.step(trajectories)
-                push_seconds = 0.0
-                # Journaled before the push and the acknowledgement: a crash after this point replays the step.
-                on_rank0(ctx, lambda trajectories=trajectories, step=state.step, version=result.trained_at_version:
-                         journal.write_step(config.output, step, version, trajectories))
-                drop_records = 0
-                # Settled: a service that was unreachable when we acknowledged redelivers these; they are only acked.
-                for t in trajectories:
-                    if not t.is_fragment:
-                        pending.bias.trained(t)
-                if result.changed:
-                    push_seconds = learner.publish(push)
 
-                def ack(chosen=chosen) -> None:
-                    # After the push: the slots these free admit episodes under the new weights (which the
-                    # version_order guarantee counts on).
-                    by_service: dict[int, list[str]] = {}
-                    for t, index in chosen:
-                        by_service.setdefault(index, []).append(t.id)
-                    services.ack(by_service)
+    def step_record(self, trajectories: list[Trajectory], result, step_began: float,
+                    push_seconds: float) -> dict[str, Any]:
+        """The metrics line of the step just trained (`result`: its `StepResult`)."""
+        state, elapsed = self.state, time.time() - self.started
+        dropped = self.dropped_by_reason()
+        record = {"step": state.step, "version": state.version, **result.metrics,
+                  **turn_health(trajectories, self.learner.end_of_turn_ids),
+                  "staleness": {str(k): v for k, v in sorted(result.staleness.items())},
+                  "dropped_total": sum(dropped.values()), "dropped_by_reason": dict(dropped),
+                  "requeued_total": state.counters.requeued + self.pending.requeued,
+                  "positions_owed": state.ledger.owed_count(),
+                  "stream_low_water_mark": state.ledger.low_water_mark, **self.pending.bias.step_record(),
+                  "learner_wait_s": self.waited,
+                  "update_s": time.monotonic() - step_began, "weight_push_s": push_seconds,
+                  **({"durable_wait_s": self.learner.durable_wait_s} if self.learner.memory_push else {}),
+                  "trajectories_per_s": self.trained_trajectories / elapsed,
+                  "tokens_per_s": self.trained_tokens / elapsed, "seconds": elapsed,
+                  "world_size": self.ctx.world_size}
+        services = self.services
+        if services is not None and services.delivery and push_seconds:   # the push's delivery check (rank 0)
+            record.update(delivery_logp_diff_mean=services.delivery["mean"],
+                          delivery_logp_diff_max=services.delivery["max"],
+                          delivery_check_s=self.learner.probe_s + services.delivery_seconds)
+        return record
 
-                on_rank0(ctx, ack)
-                if ctx.is_main and config.method == "grpo":
-                    services.resume()
-                trained_trajectories += len(trajectories)
-                trained_tokens += result.tokens
-                elapsed = time.time() - started
-                record = {"step": state.step, "version": state.version, **result.metrics,
-                          **turn_health(trajectories, learner.end_of_turn_ids),
-                          "staleness": {str(k): v for k, v in sorted(result.staleness.items())},
-                          "dropped_total": sum(dropped_by_reason().values()),
-                          "dropped_by_reason": dict(dropped_by_reason()),
-                          "requeued_total": state.counters.requeued + pending.requeued,
-                          "positions_owed": state.ledger.owed_count(),
-                          "stream_low_water_mark": state.ledger.low_water_mark, **pending.bias.step_record(),
-                          "learner_wait_s": waited,
-                          "update_s": time.monotonic() - step_began, "weight_push_s": push_seconds,
-                          **({"durable_wait_s": learner.durable_wait_s} if learner.memory_push else {}),
-                          "trajectories_per_s": trained_trajectories / elapsed,
-                          "tokens_per_s": trained_tokens / elapsed, "seconds": elapsed,
-                          "world_size": ctx.world_size}
-                if services is not None and services.delivery and push_seconds:   # the push's delivery check (rank 0)
-                    record.update(delivery_logp_diff_mean=services.delivery["mean"],
-                                  delivery_logp_diff_max=services.delivery["max"],
-                                  delivery_check_s=learner.probe_s + services.delivery_seconds)
-                evaluated = evaluator is not None and evaluator.due(state.step)
-                if evaluated:   # after the push of the version, before the next step: the current weights
-                    record.update(evaluate_now())
-                if ctx.is_main and (state.step % config.log_every == 0 or state.step == config.steps or evaluated):
-                    record["generator_idle_share"] = services.idle_share()
-                    metrics_log.append(record)
-                    metrics_log.sync()
-                if ctx.is_main:   # every report_every steps (a failure only warns)
-                    write_training_report(config.output, metrics=metrics_path, config=config, step=state.step,
-                                          every=config.report_every)
-                if config.checkpoint_every and state.step % config.checkpoint_every == 0 and \
-                        state.step < config.steps:
-                    checkpoint()
-                if progress and ctx.is_main:
-                    progress(state.step, record)
-        last_checkpoint = checkpoint()
-        model_uri, critic_uri = learner.save_final()
-        learner.flush_durable()   # the last version's durable copy (written in the background) is complete
-        if ctx.is_main:
-            counters = state.counters
-            summary = {
-                "method": config.method, "steps": state.step, "version": state.version,
-                "replayed_steps": replayed.steps,
-                "trained_trajectories": counters.trained_trajectories, "trained_tokens": counters.trained_tokens,
-                "dropped": sum(dropped_by_reason().values()), "dropped_by_reason": dict(dropped_by_reason()),
-                "requeued": counters.requeued + pending.requeued,
-                "admission": config.admission, "max_staleness": config.max_staleness,
-                "length_bias": pending.bias.summary(),
-                "stream": {"low_water_mark": state.ledger.low_water_mark, "frontier": state.ledger.frontier,
-                           "owed": state.ledger.owed_count(), "outcomes": dict(state.ledger.outcomes)},
-                "reward_first": sum(counters.first_rewards) / max(1, len(counters.first_rewards)),
-                "reward_last": sum(counters.last_rewards) / max(1, len(counters.last_rewards)),
-                "seconds": time.time() - started, "checkpoint": last_checkpoint, "model": model_uri,
-                "critic": critic_uri, "resumed_from": latest, "world_size": ctx.world_size,
-                "lora": learner.lora, "weights_published": "adapter" if learner.publishes_adapter else "full",
-            }
-            if evaluator is not None:   # from the metrics lines, so a resumed run's earlier evaluations count
-                from sao_core.learner.evaluation import eval_summary
+    def log_step(self, metrics_log: MetricsLog, record: dict[str, Any]) -> None:
+        """Evaluate when due (after the push of the version: the current weights), write the metrics line every
+        `log_every` steps and the report every `report_every` (rank 0)."""
+        step, config = self.state.step, self.config
+        evaluated = self.evaluator is not None and self.evaluator.due(step)
+        if evaluated:
+            record.update(self.evaluate_now())
+        if not self.ctx.is_main:
+            return
+        if step % config.log_every == 0 or step == config.steps or evaluated:
+            record["generator_idle_share"] = self.services.idle_share()
+            metrics_log.append(record)
+            metrics_log.sync()
+        # every report_every steps (a failure only warns)
+        write_training_report(config.output, metrics=self.metrics_path, config=config, step=step,
+                              every=config.report_every)
 
-                summary.update(eval_summary(_read_rows(metrics_path)))
-            if not storage.is_s3_uri(config.output):
-                (Path(config.output) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            else:
-                storage.write_text(storage.join(config.output, "summary.json"), json.dumps(summary, indent=2))
-            write_training_report(config.output, metrics=metrics_path, config=config, summary=summary)
-    finally:
-        if learner.durable is not None and learner.durable._thread is not None:
-            learner.durable._thread.join()   # a failing run still leaves no write running behind it
-        if services is not None:
-            services.stop(shutdown=config.shutdown_services)
-        if server is not None:
-            server.stop()
-    return broadcast_object(summary, ctx)
+    # ------------------------------------------------------------------------------------------ the end
+    def finish(self) -> dict[str, Any] | None:
+        """The last checkpoint, the trained model (and critic), then rank 0's summary (written beside them)."""
+        last_checkpoint = self.checkpoint()
+        model_uri, critic_uri = self.learner.save_final()
+        self.learner.flush_durable()   # the last version's durable copy (written in the background) is complete
+        if not self.ctx.is_main:
+            return None
+        summary = self.summary(last_checkpoint, model_uri, critic_uri)
+        if self.evaluator is not None:   # from the metrics lines, so a resumed run's earlier evaluations count
+            from sao_core.learner.evaluation import eval_summary
+
+            summary.update(eval_summary(_read_rows(self.metrics_path)))
+        output = self.config.output
+        if not storage.is_s3_uri(output):
+            (Path(output) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        else:
+            storage.write_text(storage.join(output, "summary.json"), json.dumps(summary, indent=2))
+        write_training_report(output, metrics=self.metrics_path, config=self.config, summary=summary)
+        return summary
+
+    def summary(self, last_checkpoint: str, model_uri: str, critic_uri: str | None) -> dict[str, Any]:
+        """The run's summary: counters over the whole run (before this process too), the stream ledger, the
+        outputs."""
+        state, counters, learner = self.state, self.state.counters, self.learner
+        dropped = self.dropped_by_reason()
+        return {
+            "method": self.config.method, "steps": state.step, "version": state.version,
+            "replayed_steps": self.replayed.steps,
+            "trained_trajectories": counters.trained_trajectories, "trained_tokens": counters.trained_tokens,
+            "dropped": sum(dropped.values()), "dropped_by_reason": dict(dropped),
+            "requeued": counters.requeued + self.pending.requeued,
+            "admission": self.policy.rule, "max_staleness": self.policy.max_staleness,
+            "length_bias": self.pending.bias.summary(),
+            "stream": {"low_water_mark": state.ledger.low_water_mark, "frontier": state.ledger.frontier,
+                       "owed": state.ledger.owed_count(), "outcomes": dict(state.ledger.outcomes)},
+            "reward_first": sum(counters.first_rewards) / max(1, len(counters.first_rewards)),
+            "reward_last": sum(counters.last_rewards) / max(1, len(counters.last_rewards)),
+            "seconds": time.time() - self.started, "checkpoint": last_checkpoint, "model": model_uri,
+            "critic": critic_uri, "resumed_from": self.latest, "world_size": self.ctx.world_size,
+            "lora": learner.lora, "weights_published": "adapter" if learner.publishes_adapter else "full",
+        }
+
+    def close(self) -> None:
+        """On every exit: no durable write left running, the services stopped (or shut down), the colocated
+        one stopped."""
+        durable = self.learner.durable
+        if durable is not None and durable._thread is not None:
+            durable._thread.join()   # a failing run still leaves no write running behind it
+        if self.services is not None:
+            self.services.stop(shutdown=self.config.shutdown_services)
+        if self.server is not None:
+            self.server.stop()

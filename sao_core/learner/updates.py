@@ -142,6 +142,8 @@ class Updater:
             self.critic_opt = build_optimizer(critic.parameters(), config.critic_lr, config.weight_decay)
             self.critic_sched = build_scheduler(self.critic_opt, config, config.steps)
         self.baseline = RunningMeanBaseline(window=config.baseline_window)
+        # Bins of the dis_kept_by_lag metric: lags 0..S of the run's admission policy, and one for every lag beyond.
+        self.lag_bins = config.admission_policy().max_staleness + 2
 
     def step(self, batch: RLBatch, step_index: int, allow_empty_rows: bool = False,
              version: int | None = None) -> tuple[dict[str, float], bool]:
@@ -158,24 +160,9 @@ class Updater:
         A trajectory without action tokens is refused (the learner drops it as "no_action_tokens" before it
         reaches a batch: it has nothing to train, and its prompt may be long enough to stall the critic's
         forward pass); `allow_empty_rows` only for replaying a journal written before that rule."""
-        method = self.config.method
-        if len(batch.trajectories) < self.ctx.world_size:
-            raise ValueError(f"a batch of {len(batch.trajectories)} trajectories cannot be shared by "
-                             f"{self.ctx.world_size} ranks")
-        if not allow_empty_rows:
-            empty = [t.id for t in batch.trajectories if t.num_action_tokens == 0]
-            if empty:
-                raise ValueError(f"trajectory {empty[0]} has no action tokens ({len(empty)} in this batch); the "
-                                 "learner must drop such trajectories (no_action_tokens), not train on them")
-        if method != "sao" and any(t.is_fragment for t in batch.trajectories):
-            raise ValueError(f"{method} cannot train a fragment of a running episode (no critic to bootstrap from); "
-                             "admission 'fragments' is for sao")
+        self._check_batch(batch, allow_empty_rows)
         # Scalar advantages need the whole batch (groups, running-mean history): computed on every rank.
-        scalar = None
-        if method == "running_mean":
-            scalar = torch.tensor([self.baseline.advantage(t.prompt_id, t.reward) for t in batch.trajectories])
-        elif method != "sao":
-            scalar = group_advantages(batch.rewards, group_index(batch)).to(torch.float32)
+        scalar = self._scalar_advantages(batch)
         # The episodes' rewards: a fragment's 0 is not a reward (its value comes from the critic at the cut).
         finals = [t.reward for t in batch.trajectories if not t.is_fragment]
         reward_mean = sum(finals) / len(finals) if finals else None
@@ -188,7 +175,7 @@ class Updater:
         loss_scale = n_local * self.ctx.world_size / max(n_global, 1.0)
         micro = self._micro_batches(batch)
         metrics: dict[str, float] = {"action_tokens": n_local}
-        if method == "sao":
+        if self.config.method == "sao":
             advantages = self._critic_phase(batch, micro, metrics, loss_scale)
             metrics["critic_lr"] = self.critic_sched.get_last_lr()[0]
             self.critic_sched.step()
@@ -199,19 +186,55 @@ class Updater:
             advantages = scalar[start:stop].to(self.ctx.device).unsqueeze(1) * mask
         if self.config.whiten_advantages:
             advantages = _whiten(advantages, mask, self.ctx)
+        turn_ends, by_lag = self._policy_phase(micro, advantages, metrics, n_local, loss_scale, version)
+        metrics["advantage_mean"] = float(advantages[mask.bool()].mean()) if mask.any() else 0.0
+        out = self._reduce(metrics, n_local, len(batch.trajectories), reward_mean)
+        out.update(self._token_diagnostics(turn_ends, by_lag, version))
+        return out, True
+
+    def _check_batch(self, batch: RLBatch, allow_empty_rows: bool) -> None:
+        """ValueError for a batch this step cannot train (see `step`)."""
+        method = self.config.method
+        if len(batch.trajectories) < self.ctx.world_size:
+            raise ValueError(f"a batch of {len(batch.trajectories)} trajectories cannot be shared by "
+                             f"{self.ctx.world_size} ranks")
+        if not allow_empty_rows:
+            empty = [t.id for t in batch.trajectories if t.num_action_tokens == 0]
+            if empty:
+                raise ValueError(f"trajectory {empty[0]} has no action tokens ({len(empty)} in this batch); the "
+                                 "learner must drop such trajectories (no_action_tokens), not train on them")
+        if method != "sao" and any(t.is_fragment for t in batch.trajectories):
+            raise ValueError(f"{method} cannot train a fragment of a running episode (no critic to bootstrap from); "
+                             "admission 'fragments' is for sao")
+
+    def _scalar_advantages(self, batch: RLBatch) -> torch.Tensor | None:
+        """[B] one advantage per trajectory of the whole batch (running_mean, the GRPO methods); None for sao."""
+        method = self.config.method
+        if method == "running_mean":
+            return torch.tensor([self.baseline.advantage(t.prompt_id, t.reward) for t in batch.trajectories])
+        if method != "sao":
+            return group_advantages(batch.rewards, group_index(batch)).to(torch.float32)
+        return None
+
+    def _policy_phase(self, micro: list[MicroBatch], advantages: torch.Tensor, metrics: dict[str, float],
+                      n_local: float, loss_scale: float, version: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy update on this rank's micro-batches (`advantages` [B_local, T]); adds its metrics to
+        `metrics` and returns the local sums of the token diagnostics: end-of-turn tokens [4] (count, Σ logp,
+        Σ kept, Σ advantage) and action tokens by lag [2, lag_bins] (all, kept by DIS)."""
+        track_lag = version is not None and self.config.method in DIS_METHODS
         self.policy.train()
         parts = []
-        turn_ends = torch.zeros(4, dtype=torch.float64)   # end-of-turn tokens: count, Σ logp, Σ kept, Σ advantage
-        lag_bins = self.config.max_staleness + 2           # lags 0..S and one bin for every lag beyond S
-        by_lag = torch.zeros(2, lag_bins, dtype=torch.float64)   # action tokens, kept by DIS; per lag
+        turn_ends = torch.zeros(4, dtype=torch.float64)
+        by_lag = torch.zeros(2, self.lag_bins, dtype=torch.float64)
         for index, mb, real in micro:
+            rows_advantages = advantages[index, :mb.input_ids.shape[1]]
             with autocast(self.config.precision, self.ctx.device):
                 logp, stats = _policy_forward(self.policy, mb)
-                loss, m = self._policy_loss(logp, mb, advantages[index, :mb.input_ids.shape[1]])
+                loss, m = self._policy_loss(logp, mb, rows_advantages)
             if real and self.end_of_turn_ids:
-                turn_ends += self._end_of_turn_sums(logp.detach(), mb, advantages[index, :mb.input_ids.shape[1]])
-            if real and version is not None and method in DIS_METHODS:
-                by_lag += self._kept_by_lag(logp.detach(), mb, version, lag_bins)
+                turn_ends += self._end_of_turn_sums(logp.detach(), mb, rows_advantages)
+            if real and track_lag:
+                by_lag += self._kept_by_lag(logp.detach(), mb, version, self.lag_bins)
             n_micro = float(mb.action_mask.sum()) if real else 0.0
             # The micro-batch's token mean times n_micro / n_local: its share of the local token mean.
             (loss * (n_micro / max(n_local, 1.0) * loss_scale)).backward()
@@ -222,20 +245,26 @@ class Updater:
         metrics["policy_lr"] = self.policy_sched.get_last_lr()[0]
         metrics["policy_grad_norm"] = clip_and_step(self.policy_opt, self.policy.parameters(), self.config.grad_clip,
                                                     self.policy_sched)
-        metrics["advantage_mean"] = float(advantages[mask.bool()].mean()) if mask.any() else 0.0
-        out = self._reduce(metrics, n_local, len(batch.trajectories), reward_mean)
-        if version is not None and method in DIS_METHODS:
+        return turn_ends, by_lag
+
+    def _token_diagnostics(self, turn_ends: torch.Tensor, by_lag: torch.Tensor, version: int | None
+                           ) -> dict[str, float]:
+        """The step's per-token diagnostics over all ranks (collective): ``dis_kept_by_lag`` (DIS methods, with
+        a `version`) and the ``end_of_turn_*`` metrics (with end-of-turn ids)."""
+        out: dict = {}
+        bins = self.lag_bins
+        if version is not None and self.config.method in DIS_METHODS:
             sums = all_reduce([float(x) for x in by_lag.flatten()], self.ctx)
-            last = f"{lag_bins - 1}+"     # every lag beyond max_staleness
-            out["dis_kept_by_lag"] = {(str(k) if k < lag_bins - 1 else last): sums[lag_bins + k] / sums[k]
-                                      for k in range(lag_bins) if sums[k]}
+            last = f"{bins - 1}+"     # every lag beyond max_staleness
+            out["dis_kept_by_lag"] = {(str(k) if k < bins - 1 else last): sums[bins + k] / sums[k]
+                                      for k in range(bins) if sums[k]}
         if self.end_of_turn_ids:
             count, logp_sum, kept_sum, adv_sum = all_reduce([float(x) for x in turn_ends], self.ctx)
             if count:
                 out.update(end_of_turn_learner_logprob=logp_sum / count, end_of_turn_advantage=adv_sum / count)
                 if self.config.method in DIS_METHODS:
                     out["end_of_turn_kept"] = kept_sum / count
-        return out, True
+        return out
 
     def _kept_by_lag(self, logp: torch.Tensor, mb: RLBatch, version: int, bins: int) -> torch.Tensor:
         """[2, bins]: action tokens and those inside the DIS band, by lag (version − the token's version; the

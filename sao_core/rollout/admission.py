@@ -50,6 +50,9 @@ DROPPING_RULES = ("window", "version_order", "requeue")
 # The methods that can train a fragment: its advantages are bootstrapped from a learned critic.
 FRAGMENT_METHODS = ("sao",)
 DEFAULT_RULE = "no_drop"   # README "Admission": fastest trained tokens/s, unbiased, learns as window does
+#: S's default, in weights versions: the one place it is written (RLConfig's setting, the policy and the simulator
+#: read it)
+DEFAULT_MAX_STALENESS = 4
 # The safety bound of the non-dropping rules, in multiples of S (when hard_staleness is 0).
 HARD_BOUND_FACTOR = 4
 
@@ -70,7 +73,7 @@ class AdmissionPolicy:
     batch_size: B, pieces per learner step (0: unknown; `fragments` then has no backlog cap)."""
 
     rule: str = DEFAULT_RULE
-    max_staleness: int = 4
+    max_staleness: int = DEFAULT_MAX_STALENESS
     max_in_flight: int = 64
     hard_staleness: int = 0
     batch_size: int = 0

@@ -18,27 +18,17 @@ import random
 import time
 from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from sao_core import storage
-from sao_core.rollout.admission import DEFAULT_RULE, Admission, AdmissionError, AdmissionPolicy
-from sao_core.rollout.engines.base import (
-    Engine,
-    EngineError,
-    SamplingParams,
-    check_context,
-    check_training_sampling,
-)
+from sao_core.rollout.admission import AdmissionPolicy
+from sao_core.rollout.engines.base import Engine, EngineError, SamplingParams, check_context
 from sao_core.rollout.episode import EpisodeLimits, run_episode
+from sao_core.rollout.plan import RolloutError, RolloutPlan
 from sao_core.rollout.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
-
-
-class RolloutError(ValueError):
-    """A request the manager cannot honour; the message says why (HTTP 4xx)."""
 
 
 class ConflictError(RolloutError):
@@ -47,90 +37,6 @@ class ConflictError(RolloutError):
 
 class ForbiddenError(RolloutError):
     """The request is authenticated but not allowed, e.g. weights outside the allowed roots (HTTP 403)."""
-
-
-@dataclass
-class RolloutPlan:
-    """What to roll out. `rollouts_per_prompt` = 1 for SAO, G for GRPO groups (started together)."""
-
-    dataset: str                                 # prepared rl dataset (directory, data.jsonl or s3://)
-    rollouts_per_prompt: int = 1
-    epochs: int = 1                              # 0: cycle until stopped
-    shuffle: bool = True
-    seed: int = 0
-    limit: int | None = None                     # use only the first N prompts
-    max_in_flight: int = 64                      # episodes started and not yet acknowledged
-    env_concurrency: dict[str, int] = field(default_factory=dict)   # per-environment running caps
-    env_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens_per_turn: int = 256
-    max_total_tokens: int = 4096
-    episode_timeout_s: float = 0.0
-    # The learner's staleness bound S (versions) and admission rule (rollout/admission.py: AdmissionPolicy, the
-    # one place their meaning is defined). With S set, an episode whose oldest untrained token is past the
-    # policy's `abandon_after` ends before its next turn with finish_reason "stale" (delivered for the learner to
-    # drop, with its whole group, as it would have been at the end), and under "fragments" its finished turns are
-    # handed over as fragments. None: no learner bound; episodes always run to the end whole.
-    max_staleness: int | None = None
-    training: bool = True                        # training mode refuses non-default sampling
-    # The prompt stream is one fixed sequence for a seed: position p = epoch × prompts + index in that
-    # epoch's order. Services sharing a run take the positions p ≡ shard (mod num_shards); a plan
-    # restarted for a resumed run rolls out the positions its learner still owes: those from start_position
-    # on, except `skip_positions` (settled: trained or dropped, see learner/ledger.py).
-    start_position: int = 0
-    skip_positions: list[int] = field(default_factory=list)
-    shard: int = 0
-    num_shards: int = 1
-    # The learner's admission rule (AdmissionPolicy.rule). On the service, "requeue" accepts requeue requests
-    # (POST /v1/trajectories/ack) and rolls such a position out once more; "fragments" cuts long episodes.
-    admission: Admission = DEFAULT_RULE
-    hard_staleness: int = 0                      # safety bound of no_drop / fragments (0: 4 x max_staleness)
-    batch_size: int = 0                          # the learner's B (fragments: generation waits on its backlog)
-
-    def policy(self) -> AdmissionPolicy | None:
-        """The admission policy of this plan (None without a learner bound: nothing abandoned or cut)."""
-        if self.max_staleness is None:
-            return None
-        return AdmissionPolicy(self.admission, self.max_staleness, self.max_in_flight, self.hard_staleness,
-                               self.batch_size)
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=self.max_new_tokens_per_turn)
-
-    def validate(self) -> None:
-        for name in ("rollouts_per_prompt", "max_in_flight", "max_new_tokens_per_turn", "max_total_tokens"):
-            if getattr(self, name) < 1:
-                raise RolloutError(f"plan.{name} must be >= 1, got {getattr(self, name)}")
-        if self.epochs < 0:
-            raise RolloutError(f"plan.epochs must be >= 0, got {self.epochs}")
-        if self.limit is not None and self.limit < 1:
-            raise RolloutError(f"plan.limit must be >= 1, got {self.limit}")
-        if self.start_position < 0 or self.num_shards < 1 or not 0 <= self.shard < self.num_shards:
-            raise RolloutError(f"plan needs start_position >= 0 and 0 <= shard < num_shards, got "
-                               f"{self.start_position}, {self.shard}, {self.num_shards}")
-        if any(p < 0 for p in self.skip_positions):
-            raise RolloutError("plan.skip_positions must be stream positions (>= 0)")
-        try:
-            AdmissionPolicy(self.admission, self.max_staleness or 0, self.max_in_flight, self.hard_staleness,
-                            self.batch_size).validate()
-        except AdmissionError as err:
-            raise RolloutError(f"plan.{err}") from None
-        if self.admission == "fragments" and self.max_staleness is None:
-            raise RolloutError("plan.admission 'fragments' needs plan.max_staleness (the bound the cuts keep)")
-        if self.max_in_flight < self.rollouts_per_prompt:
-            raise RolloutError(f"plan.max_in_flight ({self.max_in_flight}) must hold one prompt's "
-                               f"{self.rollouts_per_prompt} rollouts (they are admitted together)")
-        if any(v < 1 for v in self.env_concurrency.values()):
-            raise RolloutError("plan.env_concurrency values must be >= 1")
-        try:
-            self.sampling().validate()
-            if self.training:
-                check_training_sampling(self.sampling())
-        except ValueError as err:
-            raise RolloutError(str(err)) from err
 
 
 def stream_positions(plan: RolloutPlan, num_tasks: int):
@@ -272,6 +178,7 @@ class RolloutManager:
         self.cache_dir = cache_dir
         self.lease_seconds = lease_seconds
         self.plan: RolloutPlan | None = None
+        self.policy: AdmissionPolicy | None = None   # the plan's admission policy (None: no learner bound)
         self._producer: asyncio.Task | None = None
         self._env_pool: ThreadPoolExecutor | None = None
         self._episodes: set[asyncio.Task] = set()
@@ -332,6 +239,7 @@ class RolloutManager:
         if tasks is None:
             tasks = self.load_tasks(plan)
         self.plan = plan
+        self.policy = plan.policy()
         self.plan_done = False
         self._tasks = tasks
         self._retries.clear()
@@ -410,7 +318,7 @@ class RolloutManager:
                                         finish_reason="env_error", sample_index=k,
                                         metadata={"info": {"error": f"cannot create the environment: {err}"}})
             limits = EpisodeLimits(plan.max_total_tokens, plan.max_new_tokens_per_turn, plan.episode_timeout_s)
-            policy = plan.policy()
+            policy = self.policy
             params = SamplingParams(**{**plan.sampling().__dict__,
                                        "seed": episode_seed(plan.seed, position, k, attempt)})
             stamp = {"epoch": epoch, "position": position, "admitted_version": admitted, "attempt": attempt,
