@@ -5,7 +5,9 @@
 2. The `serial` tests (SAO's reward-rising learning run: its asynchronous schedule depends on timing and a
    busy machine weakens how far the reward rises) alone, after phase 1.
 
-The same pytest arguments go to both phases. A phase that selects nothing (pytest exit 5) is fine when the
+`--select EXPR` (a pytest -m expression) narrows both phases: `make test` leaves the real-model tier out
+(`not real_model`), `make test-real` runs only it. The same pytest arguments go to both phases.
+A phase that selects nothing (pytest exit 5) is fine when the
 other one ran tests; the exit status is the first failing phase's, 5 when neither phase ran a test.
 """
 
@@ -22,13 +24,17 @@ NO_TESTS = 5
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", default="2", help="pytest-xdist workers of phase 1 (a number, or auto)")
+    parser.add_argument("--select", default="", help="a pytest -m expression both phases are narrowed to")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest (after --)")
     args = parser.parse_args(argv)
     extra = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
     if args.workers != "auto" and not (args.workers.isdigit() and int(args.workers) >= 1):
         parser.error(f"--workers must be a positive number or auto, got {args.workers!r}")
-    phases = [("parallel", ["-n", args.workers, "--dist", "loadfile", "-m", "not serial"]),
-              ("serial", ["-m", "serial"])]
+    narrow = f" and ({args.select})" if args.select else ""
+    # --no-loadscope-reorder: files go to the workers in collection order (tests/conftest.py puts the longest first)
+    phases = [("parallel", ["-n", args.workers, "--dist", "loadfile", "--no-loadscope-reorder",
+                            "-m", f"not serial{narrow}"]),
+              ("serial", ["-m", f"serial{narrow}"])]
     codes, seconds = [], []
     for name, selection in phases:
         began = time.monotonic()

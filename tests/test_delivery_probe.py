@@ -123,6 +123,7 @@ def test_a_bf16_hf_engine_passes_the_check_of_a_float32_learner_on_the_embedded_
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_a_bf16_hf_engine_passes_the_check_of_a_float32_learner_on_smollm2(tmp_path):
     """The false alarm of issue 37 (SmolLM2-135M, bf16 engine, fp32 learner): on the chat probe the check passes
     with a wide margin. (The random-id probe differed by 0.29 nats/token on an H200 and up to 0.33 on CPU.)"""

@@ -44,6 +44,7 @@ def run_worker(*args: str) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.real_model   # the real vocabulary: the real-model tier (make test-real)
 def test_every_method_steps_at_a_real_vocabulary_under_a_memory_bound():
     results = run_worker(",".join(METHODS), "8192")
     assert [r["method"] for r in results] == list(METHODS)

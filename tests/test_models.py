@@ -191,6 +191,7 @@ def test_bad_dtype(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm2_gguf_loads_and_answers(tmp_path):
     pytest.importorskip("gguf")
     try:

