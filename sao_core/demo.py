@@ -129,8 +129,6 @@ DEMO_EVAL_SAMPLES = 2
 
 
 def _jsonl(path: Path, rows) -> Path:
-    import json
-
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
@@ -175,47 +173,17 @@ def run_sao_rl_demo(output: str | Path, cache_dir: str | Path, *, warm_start_ste
     report. `seed` is the SAO run's seed (RLConfig.seed). Returns the summary (also
     ``OUTPUT/summary.json``) with every path; ``held_out`` holds the before / after rewards.
     """
-    import json
-    import shutil
-    import time
-
-    from sao_core import storage
-    from sao_core.data.prepare import PrepareConfig, prepare
-    from sao_core.data.synthetic import tool_arith_sft_rows
-    from sao_core.envs.tool_arith import tool_arith_tasks
-    from sao_core.models import EMBEDDED_TINY
-
     started = time.time()
     out = Path(output).expanduser().resolve()
     for stale in ("inputs", "runs", "pipeline_root"):  # the demo starts over each time
         shutil.rmtree(out / stale, ignore_errors=True)
-    warm_rows = list(tool_arith_sft_rows(warm_start_rows, seed=WARM_SEED))
-    warm = _jsonl(out / "inputs" / "tool_arith_sft.jsonl", warm_rows)
-    rl_tasks = tool_arith_tasks(2000, seed=RL_SEED, p_more=1.0)
-    rl = _jsonl(out / "inputs" / "tool_arith_rl.jsonl", (
-        {"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer} for t in rl_tasks))
-    held = _jsonl(out / "inputs" / "tool_arith_held_out.jsonl", (
-        {"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer}
-        for t in held_out_tasks(held_out, rl_tasks, warm_rows)))
-    held_data = str(out / "inputs" / "held_out")
-    prepare(PrepareConfig(source=str(held), kind="rl", output=held_data))
-    say(f"[1/3] inputs: {warm} ({warm_start_rows} SFT conversations), {rl} (2000 RL prompts), {held} "
-        f"({held_out} held-out prompts); benchmark path: bundled IMO-AnswerBench")
-
+    warm, rl, held_data = _write_demo_inputs(out, warm_start_rows, held_out, say)
     from pipelines.sao_rl import sao_rl
-    from sao_core.kfp.local import LocalRunError, run_pipeline
+    from sao_core.kfp.local import run_pipeline
 
-    arguments = dict(
-        a0_rl_source=str(rl), a0_output_root=str(out / "runs"), a_base_model=EMBEDDED_TINY,
-        a_warm_start_source=str(warm), b_warm_start_steps=warm_start_steps,
-        b_warm_start_options={"lr": 3e-3, "batch_size": 16, "max_tokens": 256},
-        b_steps=sao_steps, b_batch_size=batch_size, b_policy_lr=policy_lr, b_engine="hf",
-        b_options={"critic_lr": 3e-4, "critic_warmup_steps": DEMO_CRITIC_WARMUP, "max_new_tokens_per_turn": 32,
-                   "max_total_tokens": 160, "seed": seed, "eval_every": eval_every, "eval_data": held_data,
-                   "eval_samples": eval_samples},
-        c_eval_benchmarks=["imo_answerbench"], c_eval_k=eval_k, c_eval_limit=eval_limit, c_eval_sandbox="local",
-        c_eval_options={"grader_workers": 1, "max_new_tokens": 64, "max_total_tokens": 512},
-    )
+    arguments = _demo_arguments(out, warm, rl, held_data, warm_start_steps=warm_start_steps, sao_steps=sao_steps,
+                                batch_size=batch_size, policy_lr=policy_lr, eval_every=eval_every,
+                                eval_samples=eval_samples, eval_limit=eval_limit, eval_k=eval_k, seed=seed)
     say(f"[2/3] running the sao_rl pipeline locally (KFP SubprocessRunner): prepare -> SFT {warm_start_steps} "
         f"steps -> SAO {sao_steps} steps of {batch_size}, held-out evaluation every {eval_every} -> evaluate "
         "-> report")
@@ -223,30 +191,19 @@ def run_sao_rl_demo(output: str | Path, cache_dir: str | Path, *, warm_start_ste
     report_uri = run_pipeline(sao_rl, arguments, out / "pipeline_root", cache_dir=cache_dir, threads=threads)
     pipeline_seconds = time.time() - pipeline_started
 
-    runs = [p for p in (out / "runs").iterdir() if p.is_dir()]
-    if len(runs) != 1:
-        raise LocalRunError(f"expected one run folder under {out / 'runs'}, found {len(runs)}")
-    run = runs[0]
+    run = _only_run(out / "runs")
     sao_summary = json.loads((run / "sao" / "summary.json").read_text())
     rows = [json.loads(line) for line in (run / "sao" / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if "reward_mean" in r]
-    window = max(1, len(steps) // 4)
-    curve = [{"steps": f"{chunk[0]['step']}-{chunk[-1]['step']}",
-              "reward": round(sum(r["reward_mean"] for r in chunk) / len(chunk), 3)}
-             for chunk in (steps[i:i + window] for i in range(0, len(steps), window))]
+    curve = _reward_curve(rows)
     evaluations = [{k: r[k] for k in ("step", "eval_sampled_reward", "eval_greedy_reward") if k in r}
                    for r in rows if "eval_sampled_reward" in r]
     eval_summary = json.loads((run / "report" / "summary.json").read_text())
-    sft_model = str(run / "sft" / "model")
-    before, after = evaluations[0], evaluations[-1]
-    held_result = {"prompts": held_out, "samples_per_prompt": eval_samples,
-                   "sampled_before": before["eval_sampled_reward"], "sampled_after": after["eval_sampled_reward"],
-                   "greedy_before": before.get("eval_greedy_reward"), "greedy_after": after.get("eval_greedy_reward"),
-                   "steps": [e["step"] for e in evaluations], "by_step": evaluations}
+    held_result = _held_out_result(evaluations, held_out, eval_samples)
     say("[3/3] SAO held-out rewards by step (sampled T = 1 / greedy): "
         + ", ".join(f"{e['step']}: {e['eval_sampled_reward']:.2f} / {e.get('eval_greedy_reward', float('nan')):.2f}"
                     for e in evaluations)
         + "; mean batch reward (sampled) by steps: " + ", ".join(f"{c['steps']}: {c['reward']:.2f}" for c in curve))
+    sft_model = str(run / "sft" / "model")
     result = {
         "output": str(out),
         "pipeline_seconds": round(pipeline_seconds, 1),
@@ -268,3 +225,71 @@ def run_sao_rl_demo(output: str | Path, cache_dir: str | Path, *, warm_start_ste
     result["summary_file"] = str(out / "summary.json")
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _write_demo_inputs(out: Path, warm_start_rows: int, held_out: int, say) -> tuple[Path, Path, str]:
+    """Write the warm-start SFT rows, the 2000 RL prompts and the held-out prompts under ``out/inputs`` and
+    prepare the held-out set; return (warm-start file, RL file, prepared held-out folder)."""
+    from sao_core.data.prepare import PrepareConfig, prepare
+    from sao_core.envs.tool_arith import tool_arith_tasks
+
+    warm_rows = list(tool_arith_sft_rows(warm_start_rows, seed=WARM_SEED))
+    warm = _jsonl(out / "inputs" / "tool_arith_sft.jsonl", warm_rows)
+    rl_tasks = tool_arith_tasks(2000, seed=RL_SEED, p_more=1.0)
+    rl = _jsonl(out / "inputs" / "tool_arith_rl.jsonl", (
+        {"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer} for t in rl_tasks))
+    held = _jsonl(out / "inputs" / "tool_arith_held_out.jsonl", (
+        {"id": t.id, "prompt": t.prompt, "env": t.env, "answer": t.answer}
+        for t in held_out_tasks(held_out, rl_tasks, warm_rows)))
+    held_data = str(out / "inputs" / "held_out")
+    prepare(PrepareConfig(source=str(held), kind="rl", output=held_data))
+    say(f"[1/3] inputs: {warm} ({warm_start_rows} SFT conversations), {rl} (2000 RL prompts), {held} "
+        f"({held_out} held-out prompts); benchmark path: bundled IMO-AnswerBench")
+    return warm, rl, held_data
+
+
+def _demo_arguments(out: Path, warm: Path, rl: Path, held_data: str, *, warm_start_steps: int, sao_steps: int,
+                    batch_size: int, policy_lr: float, eval_every: int, eval_samples: int, eval_limit: int,
+                    eval_k: int, seed: int) -> dict[str, Any]:
+    """The sao_rl pipeline's arguments for the demo (HF engine, evaluation on the held-out prompts)."""
+    from sao_core.models import EMBEDDED_TINY
+
+    return dict(
+        a0_rl_source=str(rl), a0_output_root=str(out / "runs"), a_base_model=EMBEDDED_TINY,
+        a_warm_start_source=str(warm), b_warm_start_steps=warm_start_steps,
+        b_warm_start_options={"lr": 3e-3, "batch_size": 16, "max_tokens": 256},
+        b_steps=sao_steps, b_batch_size=batch_size, b_policy_lr=policy_lr, b_engine="hf",
+        b_options={"critic_lr": 3e-4, "critic_warmup_steps": DEMO_CRITIC_WARMUP, "max_new_tokens_per_turn": 32,
+                   "max_total_tokens": 160, "seed": seed, "eval_every": eval_every, "eval_data": held_data,
+                   "eval_samples": eval_samples},
+        c_eval_benchmarks=["imo_answerbench"], c_eval_k=eval_k, c_eval_limit=eval_limit, c_eval_sandbox="local",
+        c_eval_options={"grader_workers": 1, "max_new_tokens": 64, "max_total_tokens": 512},
+    )
+
+
+def _only_run(runs_root: Path) -> Path:
+    """The one run folder the pipeline wrote under `runs_root`."""
+    from sao_core.kfp.local import LocalRunError
+
+    runs = [p for p in runs_root.iterdir() if p.is_dir()]
+    if len(runs) != 1:
+        raise LocalRunError(f"expected one run folder under {runs_root}, found {len(runs)}")
+    return runs[0]
+
+
+def _reward_curve(rows: list[dict]) -> list[dict]:
+    """The mean batch reward of the training steps in four windows (fewer when there are under four steps)."""
+    steps = [r for r in rows if "reward_mean" in r]
+    window = max(1, len(steps) // 4)
+    return [{"steps": f"{chunk[0]['step']}-{chunk[-1]['step']}",
+             "reward": round(sum(r["reward_mean"] for r in chunk) / len(chunk), 3)}
+            for chunk in (steps[i:i + window] for i in range(0, len(steps), window))]
+
+
+def _held_out_result(evaluations: list[dict], held_out: int, eval_samples: int) -> dict[str, Any]:
+    """The held-out rewards at the first and last evaluation, with every evaluation by step."""
+    before, after = evaluations[0], evaluations[-1]
+    return {"prompts": held_out, "samples_per_prompt": eval_samples,
+            "sampled_before": before["eval_sampled_reward"], "sampled_after": after["eval_sampled_reward"],
+            "greedy_before": before.get("eval_greedy_reward"), "greedy_after": after.get("eval_greedy_reward"),
+            "steps": [e["step"] for e in evaluations], "by_step": evaluations}

@@ -266,14 +266,7 @@ def prepare(config: PrepareConfig, progress: Callable[[int], None] | None = None
 
     with iter_rows(config.source, config.split) as rows:  # opened first: a bad source leaves no output
         stats.dataset_version = rows.version
-        if out_s3:
-            staging = Path(tempfile.mkdtemp(prefix="sao-prepare-"))
-        else:
-            out_dir = Path(config.output).expanduser()
-            if out_dir.exists() and not out_dir.is_dir():
-                raise DataError(f"output {config.output} exists and is not a folder")
-            out_dir.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
+        staging = _make_staging(config.output, out_s3)
         try:
             try:
                 first_reject, repairs = _run(config, rows, normalize, count_tokens, prompt_check, stats, staging,
@@ -281,36 +274,9 @@ def prepare(config: PrepareConfig, progress: Callable[[int], None] | None = None
             except Exception as exc:  # a source that breaks half-way, a tokenizer that fails: nothing is published
                 _mark_failed(config.output, f"{type(exc).__name__}: {exc}", None)
                 raise
-            frac = float(config.max_reject_fraction)
-            reason = None
-            if stats.rows_read == 0:
-                reason = f"no rows read from {config.source}"
-            elif stats.rows_rejected / stats.rows_read > frac:
-                reason = "too many rejects"
-            elif stats.rows_written == 0:
-                reason = "no rows written"
-            if reason is not None:
-                stats.status = "failed"
-                stats.files = _failed_files(config.output)
-                if reason == "too many rejects":
-                    stats.error = _summary(stats, frac, first_reject)
-                elif reason == "no rows written":
-                    stats.error = _nothing_written(stats, first_reject)
-                else:
-                    stats.error = reason
-                stats.error += (f". Nothing was published: {config.output} keeps its earlier data (if any), unused "
-                                f"while {stats.files['failed']} exists (removed by the next successful preparation)")
+            _judge(config, stats, first_reject)
             stats.seconds = round(time.monotonic() - started, 3)
-            report = {
-                **stats.to_dict(),
-                "config": dataclasses.asdict(config),
-                "repairs": repairs,
-                "row_numbering": "row: 0-based data row (CSV header and blank lines not counted); "
-                "line: 1-based physical line where the row starts (jsonl, csv)",
-            }
-            (staging / STATS_FILE).write_text(
-                json.dumps(report, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8"
-            )
+            _write_stats(staging, stats, config, repairs)
             if stats.status == "ok":
                 _publish(staging, config.output, out_s3)
             else:
@@ -332,6 +298,50 @@ def prepare(config: PrepareConfig, progress: Callable[[int], None] | None = None
     if stats.status != "ok":
         raise DataError(stats.error)
     return stats
+
+
+def _make_staging(output: str, out_s3: bool) -> Path:
+    """A fresh staging folder: a local temporary one for s3:// outputs, else a hidden one inside the output
+    folder (created if needed; an output that is a file is an error)."""
+    if out_s3:
+        return Path(tempfile.mkdtemp(prefix="sao-prepare-"))
+    out_dir = Path(output).expanduser()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"output {output} exists and is not a folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
+
+
+def _judge(config: PrepareConfig, stats: PrepareStats, first_reject: dict[str, Any] | None) -> None:
+    """Mark `stats` failed, with its error and the failed attempt's file locations, when no row was read, too
+    many were rejected, or none was written."""
+    frac = float(config.max_reject_fraction)
+    too_many = stats.rows_read > 0 and stats.rows_rejected / stats.rows_read > frac
+    if stats.rows_read and not too_many and stats.rows_written:
+        return
+    stats.status = "failed"
+    stats.files = _failed_files(config.output)   # set first: the messages point at the failed attempt's files
+    if stats.rows_read == 0:
+        error = f"no rows read from {config.source}"
+    elif too_many:
+        error = _summary(stats, frac, first_reject)
+    else:
+        error = _nothing_written(stats, first_reject)
+    stats.error = error + (f". Nothing was published: {config.output} keeps its earlier data (if any), unused "
+                           f"while {stats.files['failed']} exists (removed by the next successful preparation)")
+
+
+def _write_stats(staging: Path, stats: PrepareStats, config: PrepareConfig, repairs: list[dict[str, Any]]) -> None:
+    report = {
+        **stats.to_dict(),
+        "config": dataclasses.asdict(config),
+        "repairs": repairs,
+        "row_numbering": "row: 0-based data row (CSV header and blank lines not counted); "
+        "line: 1-based physical line where the row starts (jsonl, csv)",
+    }
+    (staging / STATS_FILE).write_text(
+        json.dumps(report, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8"
+    )
 
 
 def _published_files(output: str) -> dict[str, str]:
@@ -362,115 +372,146 @@ def _run(
     staging: Path,
     progress: Callable[[int], None] | None,
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    seen_content: dict[str, int] = {}
-    seen_ids: dict[str, int] = {}
-    reasons: Counter[str] = Counter()
-    first_reject: dict[str, Any] | None = None
-    repairs: list[dict[str, Any]] = []
-
+    """Read up to `config.limit` rows into the staged data.jsonl and rejects.jsonl, counting into `stats`;
+    return (the first reject that is not a duplicate, or None; the listed repairs)."""
     with (
         open(staging / DATA_FILE, "w", encoding="utf-8") as data_fh,
         open(staging / REJECTS_FILE, "w", encoding="utf-8") as rej_fh,
     ):
-
-        def reject(row: Any, fld: str | None, reason: str, detail: str, **extra: Any) -> None:
-            nonlocal first_reject
-            entry = {
-                "file": rows.name,
-                "row": row.index,
-                "line": row.line,
-                "field": fld,
-                "reason": reason,
-                "detail": detail,
-                **extra,
-            }
-            rej_fh.write(_dump(entry) + "\n")
-            if reason == schemas.DUPLICATE:
-                stats.duplicates += 1
-                return
-            stats.rows_rejected += 1
-            reasons[reason] += 1
-            if first_reject is None:
-                first_reject = entry
-
+        sink = _RowSink(config, rows.name, stats, data_fh, rej_fh)
         for row in rows:
             if config.limit is not None and stats.rows_read >= config.limit:
                 break
             stats.rows_read += 1
             if progress is not None and stats.rows_read % PROGRESS_EVERY == 0:
                 progress(stats.rows_read)
-            if isinstance(row.value, RowReadError):
-                reject(row, row.value.field, row.value.reason, row.value.detail)
-                continue
-            notes: list[str] = []
-            try:
-                record = normalize(row.value, notes)
-            except RowError as err:
-                reject(row, err.field, err.reason, err.detail)
-                continue
-            if prompt_check is not None:
-                over = prompt_check(record)
-                if over is not None:
-                    fld, n, limit, unit = over
-                    budget = (f"max_prompt_tokens {config.max_prompt_tokens}" if unit == "tokens" else
-                              f"max_prompt_tokens {config.max_prompt_tokens} x {CHARS_PER_TOKEN} characters a token; "
-                              "give a tokenizer to count tokens")
-                    reject(row, fld, "prompt_too_long", f"prompt of {n} {unit} > {limit} ({budget})",
-                           length=n, limit=limit, unit=unit)
-                    continue
-            if count_tokens is not None:
-                too_long = None
-                for fld, item in schemas.model_texts(config.kind, record):
-                    n = count_tokens(item)
-                    if n > config.max_tokens:
-                        too_long = (fld, n)
-                        break
-                if too_long is not None:
-                    reject(
-                        row, too_long[0], "too_long", f"{too_long[1]} tokens > max_tokens {config.max_tokens}",
-                        length=too_long[1], limit=config.max_tokens, unit="tokens",
-                    )
-                    continue
-            if config.dedup:
-                digest = schemas.content_hash(record)
-                if digest in seen_content:
-                    reject(
-                        row,
-                        None,
-                        schemas.DUPLICATE,
-                        f"same record as data row {seen_content[digest]} (id {record['id']!r})",
-                    )
-                    continue
-                seen_content[digest] = row.index
-            if (
-                record["id"] in seen_ids
-                and not config.dedup
-                and record["id"] == schemas.make_id(config.kind, record)
-            ):
-                # duplicates kept on purpose share their content-hash id: number the copies
-                n = 1
-                while f"{record['id']}-{n}" in seen_ids:
-                    n += 1
-                record = {**record, "id": f"{record['id']}-{n}"}
-            if record["id"] in seen_ids:
-                reject(
-                    row,
-                    "id",
-                    "duplicate_id",
-                    f"id {record['id']!r} already used by data row {seen_ids[record['id']]} with different content",
-                )
-                continue
-            seen_ids[record["id"]] = row.index
-            data_fh.write(_dump(record) + "\n")
-            stats.rows_written += 1
-            if notes:
-                stats.repaired += 1
-                if len(repairs) < _MAX_LISTED_REPAIRS:
-                    repairs.extend({"row": row.index, "id": record["id"], "note": note} for note in notes)
-    stats.rejected_by_reason = dict(reasons.most_common())
+            sink.add(row, normalize, count_tokens, prompt_check)
+    stats.rejected_by_reason = dict(sink.reasons.most_common())
     if progress is not None:
         progress(stats.rows_read)
-    return first_reject, repairs
+    return sink.first_reject, sink.repairs
+
+
+class _RowSink:
+    """Where each read row goes: data.jsonl when it normalises and passes the length and duplicate checks,
+    else rejects.jsonl with its reason."""
+
+    def __init__(self, config: PrepareConfig, file_name: str, stats: PrepareStats, data_fh: Any, rej_fh: Any):
+        self.config, self.file_name, self.stats = config, file_name, stats
+        self.data_fh, self.rej_fh = data_fh, rej_fh
+        self.seen_content: dict[str, int] = {}      # content hash -> data row written with it
+        self.seen_ids: dict[str, int] = {}          # id -> data row written with it
+        self.reasons: Counter[str] = Counter()
+        self.first_reject: dict[str, Any] | None = None
+        self.repairs: list[dict[str, Any]] = []
+
+    def add(
+        self,
+        row: Any,
+        normalize: Callable[..., dict[str, Any]],
+        count_tokens: Callable[[str | list[dict]], int] | None,
+        prompt_check: Callable[[dict], tuple[str, int, int, str] | None] | None,
+    ) -> None:
+        if isinstance(row.value, RowReadError):
+            self.reject(row, row.value.field, row.value.reason, row.value.detail)
+            return
+        notes: list[str] = []
+        try:
+            record = normalize(row.value, notes)
+        except RowError as err:
+            self.reject(row, err.field, err.reason, err.detail)
+            return
+        if self.prompt_too_long(row, record, prompt_check) or self.too_many_tokens(row, record, count_tokens):
+            return
+        if self.config.dedup and self.duplicate_content(row, record):
+            return
+        record = self.with_unique_id(row, record)
+        if record is not None:
+            self.write(row, record, notes)
+
+    def reject(self, row: Any, fld: str | None, reason: str, detail: str, **extra: Any) -> None:
+        entry = {
+            "file": self.file_name,
+            "row": row.index,
+            "line": row.line,
+            "field": fld,
+            "reason": reason,
+            "detail": detail,
+            **extra,
+        }
+        self.rej_fh.write(_dump(entry) + "\n")
+        if reason == schemas.DUPLICATE:
+            self.stats.duplicates += 1
+            return
+        self.stats.rows_rejected += 1
+        self.reasons[reason] += 1
+        if self.first_reject is None:
+            self.first_reject = entry
+
+    def prompt_too_long(self, row: Any, record: dict[str, Any],
+                        prompt_check: Callable[[dict], tuple[str, int, int, str] | None] | None) -> bool:
+        over = prompt_check(record) if prompt_check is not None else None
+        if over is None:
+            return False
+        fld, n, limit, unit = over
+        max_prompt = self.config.max_prompt_tokens
+        budget = (f"max_prompt_tokens {max_prompt}" if unit == "tokens" else
+                  f"max_prompt_tokens {max_prompt} x {CHARS_PER_TOKEN} characters a token; "
+                  "give a tokenizer to count tokens")
+        self.reject(row, fld, "prompt_too_long", f"prompt of {n} {unit} > {limit} ({budget})",
+                    length=n, limit=limit, unit=unit)
+        return True
+
+    def too_many_tokens(self, row: Any, record: dict[str, Any],
+                        count_tokens: Callable[[str | list[dict]], int] | None) -> bool:
+        if count_tokens is None:
+            return False
+        max_tokens = self.config.max_tokens
+        for fld, item in schemas.model_texts(self.config.kind, record):
+            n = count_tokens(item)
+            if n > max_tokens:
+                self.reject(row, fld, "too_long", f"{n} tokens > max_tokens {max_tokens}",
+                            length=n, limit=max_tokens, unit="tokens")
+                return True
+        return False
+
+    def duplicate_content(self, row: Any, record: dict[str, Any]) -> bool:
+        digest = schemas.content_hash(record)
+        if digest in self.seen_content:
+            self.reject(row, None, schemas.DUPLICATE,
+                        f"same record as data row {self.seen_content[digest]} (id {record['id']!r})")
+            return True
+        self.seen_content[digest] = row.index
+        return False
+
+    def with_unique_id(self, row: Any, record: dict[str, Any]) -> dict[str, Any] | None:
+        """The record, its id numbered when it is a copy kept on purpose; None (rejected) when another record
+        already holds its id."""
+        if (
+            record["id"] in self.seen_ids
+            and not self.config.dedup
+            and record["id"] == schemas.make_id(self.config.kind, record)
+        ):
+            # duplicates kept on purpose share their content-hash id: number the copies
+            n = 1
+            while f"{record['id']}-{n}" in self.seen_ids:
+                n += 1
+            record = {**record, "id": f"{record['id']}-{n}"}
+        if record["id"] in self.seen_ids:
+            self.reject(row, "id", "duplicate_id",
+                        f"id {record['id']!r} already used by data row {self.seen_ids[record['id']]} with different "
+                        "content")
+            return None
+        return record
+
+    def write(self, row: Any, record: dict[str, Any], notes: list[str]) -> None:
+        self.seen_ids[record["id"]] = row.index
+        self.data_fh.write(_dump(record) + "\n")
+        self.stats.rows_written += 1
+        if notes:
+            self.stats.repaired += 1
+            if len(self.repairs) < _MAX_LISTED_REPAIRS:
+                self.repairs.extend({"row": row.index, "id": record["id"], "note": note} for note in notes)
 
 
 def _publish(staging: Path, output: str, out_s3: bool) -> None:

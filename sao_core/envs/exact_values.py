@@ -784,43 +784,59 @@ def _rounds_to(answer: Any, gold_text: str) -> bool:
     return abs(value - sympy.Rational(Fraction(gold_text))) <= sympy.Rational(1, 2 * 10 ** decimals)
 
 
+_UNORDERED = ("list", "set")
+
+
 def nodes(answer: Node, gold: Node, *, top: bool = True) -> Outcome:
-    """Compare two structures."""
+    """Compare two structures (`top`: the whole answers, where a label on one side only may be skipped)."""
     if answer.text == gold.text:
         return Outcome(MATCH, "text", "the same text")
-    if answer.kind == "label" and gold.kind != "label":
-        label, value = answer.value
-        if gold.kind in ("list", "set") and all(i.kind == "label" for i in gold.items or []):
-            return _as_sets([answer], gold.items or [])
-        if top and gold.kind not in ("list", "set"):
-            return nodes(value, gold, top=False)
-        return Outcome(UNSETTLED, "structure", f"the answer names {label}, the reference does not")
-    if gold.kind == "label" and answer.kind != "label":
-        return nodes(answer, gold.value[1], top=False) if top else \
-            Outcome(UNSETTLED, "structure", "the reference names its parts, the answer does not")
+    if answer.kind == "label" or gold.kind == "label":
+        return _labelled(answer, gold, top)
     if answer.kind == "opaque" or gold.kind == "opaque":
         return Outcome(UNSETTLED, "unparsed", "the rules cannot read "
                        + ("the answer" if answer.kind == "opaque" else "the reference") + " exactly")
-    if answer.kind == "label":
-        (la, va), (lg, vg) = answer.value, gold.value
-        if la != lg:
-            return Outcome(UNSETTLED if top else MISMATCH, "structure", f"different labels: {la} and {lg}")
-        return nodes(va, vg, top=False)
     if answer.kind == "expr" and gold.kind == "expr":
         result = expressions(answer.value, gold.value)
         if result.grade == MISMATCH and re.fullmatch(r"-?\d*\.\d+", gold.text) and answer.value.is_number \
                 and _rounds_to(answer.value, gold.text):
             return Outcome(UNSETTLED, "decimal", "the answer rounds to the decimal reference but is not equal to it")
         return result
-    unordered = ("list", "set")
-    if answer.kind in unordered or gold.kind in unordered:
-        a_items = answer.items if answer.kind in unordered else [answer]
-        g_items = gold.items if gold.kind in unordered else [gold]
-        if answer.kind not in unordered + ("expr", "label") or gold.kind not in unordered + ("expr", "label"):
-            return Outcome(UNSETTLED, "structure", f"a {answer.kind} and a {gold.kind}")
-        if answer.kind == "set" and gold.kind == "list" or answer.kind == "list" and gold.kind == "set":
-            pass
-        return _as_sets(a_items or [], g_items or [])
+    if answer.kind in _UNORDERED or gold.kind in _UNORDERED:
+        return _unordered(answer, gold)
+    return _same_shape(answer, gold)
+
+
+def _labelled(answer: Node, gold: Node, top: bool) -> Outcome:
+    """Compare when one side or both are labelled (``x = 3``, ``A: 5``)."""
+    if answer.kind == "label" and gold.kind != "label":
+        label, value = answer.value
+        if gold.kind in _UNORDERED and all(i.kind == "label" for i in gold.items or []):
+            return _as_sets([answer], gold.items or [])
+        if top and gold.kind not in _UNORDERED:
+            return nodes(value, gold, top=False)
+        return Outcome(UNSETTLED, "structure", f"the answer names {label}, the reference does not")
+    if gold.kind == "label" and answer.kind != "label":
+        return nodes(answer, gold.value[1], top=False) if top else \
+            Outcome(UNSETTLED, "structure", "the reference names its parts, the answer does not")
+    (la, va), (lg, vg) = answer.value, gold.value
+    if la != lg:
+        return Outcome(UNSETTLED if top else MISMATCH, "structure", f"different labels: {la} and {lg}")
+    return nodes(va, vg, top=False)
+
+
+def _unordered(answer: Node, gold: Node) -> Outcome:
+    """Compare as sets when either side is a list or a set (a single value counting as one element)."""
+    comparable = _UNORDERED + ("expr", "label")
+    if answer.kind not in comparable or gold.kind not in comparable:
+        return Outcome(UNSETTLED, "structure", f"a {answer.kind} and a {gold.kind}")
+    a_items = answer.items if answer.kind in _UNORDERED else [answer]
+    g_items = gold.items if gold.kind in _UNORDERED else [gold]
+    return _as_sets(a_items or [], g_items or [])
+
+
+def _same_shape(answer: Node, gold: Node) -> Outcome:
+    """Compare tuples, sequences, intervals, unions and relations (a tuple and a sequence compare in order)."""
     if answer.kind != gold.kind:
         if {answer.kind, gold.kind} == {"tuple", "seq"}:
             return _in_order(answer.items or [], gold.items or [])

@@ -314,8 +314,7 @@ def _cut_tail(text: str | None, limit: int) -> str | None:
 
 async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, Any], index: int, engine: Any,
                 tokenizer: Any, graders: _Graders, executor: ThreadPoolExecutor | None = None) -> dict[str, Any]:
-    from sao_core.envs import make_env
-    from sao_core.envs.grading import extract_boxed
+    """Play and grade sample `index` of one problem; its samples.jsonl record."""
     from sao_core.rollout.engines import SamplingParams
     from sao_core.rollout.episode import EpisodeLimits, action_text, run_episode
 
@@ -323,14 +322,7 @@ async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, An
     problem_id = str(record["id"])
     seed = sample_seed(config.seed, spec.name, problem_id, index)
     task = task_for(spec, record, config.math_prompt, config.system_prompt)
-    grader = graders.for_benchmark(spec.name) if spec.env == "math" else None
-    recorder = None
-    if spec.env == "math":
-        recorder = _EpisodeGrader(lambda answer: grader.grade(answer, record["answer"], record))
-        env = make_env("math", **{**(config.env_options.get("math") or {}), "grader": recorder,
-                                  "grade_timeout_s": config.grade_timeout_s})
-    else:
-        env = make_env("swe", **swe_env_options(config))
+    env, recorder, grader = _sample_env(config, spec, record, graders)
     params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                             max_new_tokens=config.max_new_tokens, seed=seed)
     limits = EpisodeLimits(config.max_total_tokens, config.max_new_tokens, config.sample_timeout_s)
@@ -340,32 +332,10 @@ async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, An
     finish = trajectory.finish_reason
     info = dict(trajectory.metadata.get("info") or {})
     response = action_text(tokenizer, _last_turn(trajectory))
-    extra: dict[str, Any] = {}
     grade_started = time.monotonic()
-    if finish == "timeout":
-        verdict = Verdict(False, "timeout", None, extract_boxed(response) if spec.env == "math" else None,
-                          f"the sample took longer than sample_timeout_s = {config.sample_timeout_s:g} s")
-    elif finish in ("env_error", "tool_error"):
-        verdict = Verdict(False, "error", None, None, str(info.get("error") or finish))
-    elif spec.env == "math":
-        verdict = recorder.verdict if recorder is not None and recorder.verdict is not None else None
-        if verdict is None:   # cut off by the token limit: grade what was written
-            verdict = await asyncio.to_thread(grader.grade, extract_boxed(response), record["answer"], record)
-    elif isinstance(info.get("grade"), dict):
-        verdict = verdict_from_swe_report(info["grade"], info.get("patch"))
-        extra["patch"] = _cut_tail(info.get("patch"), _MAX_PATCH_CHARS)
-    else:
-        verdict = Verdict(False, "no_submission", None, None,
-                          f"the agent did not submit a patch (episode ended: {finish})")
+    verdict, extra = await _sample_verdict(config, spec.env, record, finish, info, response, recorder, grader)
     status = "timeout" if finish == "timeout" else "error" if finish in ("env_error", "tool_error") else "graded"
-    if spec.env == "swe":
-        extra["tests"] = {k: v for k, v in verdict.extra.items() if k.endswith(("_total", "_passed", "_failed"))}
-        if verdict.extra.get("harness"):     # what the SWE-bench harness decided, and which one
-            extra["harness"] = {k: verdict.extra.get(k) for k in ("harness", "log_parser", "resolution", "log_valid",
-                                                                   "test_command")}
-    if "judge" in verdict.extra:
-        extra["judge"] = verdict.extra["judge"]
-        extra["rule_grade"] = verdict.extra.get("rule_grade")
+    extra.update(_verdict_details(spec.env, verdict))
     prompt_tokens = next((i for i, m in enumerate(trajectory.action_mask) if m), len(trajectory.action_mask))
     return {
         "benchmark": spec.name,
@@ -393,6 +363,59 @@ async def _play(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, An
         "response": _cut_tail(response, config.response_chars),
         **extra,
     }
+
+
+def _sample_env(config: EvalConfig, spec: Any, record: dict[str, Any],
+                graders: _Graders) -> tuple[Any, _EpisodeGrader | None, Any]:
+    """(environment, the recorder that keeps its verdict, the benchmark's grader) of one sample: a `math`
+    environment grading with the benchmark's grader, else a `swe` one (no recorder, no grader)."""
+    from sao_core.envs import make_env
+
+    if spec.env != "math":
+        return make_env("swe", **swe_env_options(config)), None, None
+    grader = graders.for_benchmark(spec.name)
+    recorder = _EpisodeGrader(lambda answer: grader.grade(answer, record["answer"], record))
+    env = make_env("math", **{**(config.env_options.get("math") or {}), "grader": recorder,
+                              "grade_timeout_s": config.grade_timeout_s})
+    return env, recorder, grader
+
+
+async def _sample_verdict(config: EvalConfig, env: str, record: dict[str, Any], finish: str, info: dict[str, Any],
+                          response: str, recorder: _EpisodeGrader | None,
+                          grader: Any) -> tuple[Verdict, dict[str, Any]]:
+    """The verdict on a played sample, and the record's extra fields it brings (a SWE sample's patch)."""
+    from sao_core.envs.grading import extract_boxed
+
+    if finish == "timeout":
+        return Verdict(False, "timeout", None, extract_boxed(response) if env == "math" else None,
+                       f"the sample took longer than sample_timeout_s = {config.sample_timeout_s:g} s"), {}
+    if finish in ("env_error", "tool_error"):
+        return Verdict(False, "error", None, None, str(info.get("error") or finish)), {}
+    if env == "math":
+        verdict = recorder.verdict if recorder is not None and recorder.verdict is not None else None
+        if verdict is None:   # cut off by the token limit: grade what was written
+            verdict = await asyncio.to_thread(grader.grade, extract_boxed(response), record["answer"], record)
+        return verdict, {}
+    if isinstance(info.get("grade"), dict):
+        return (verdict_from_swe_report(info["grade"], info.get("patch")),
+                {"patch": _cut_tail(info.get("patch"), _MAX_PATCH_CHARS)})
+    return Verdict(False, "no_submission", None, None,
+                   f"the agent did not submit a patch (episode ended: {finish})"), {}
+
+
+def _verdict_details(env: str, verdict: Verdict) -> dict[str, Any]:
+    """What the record shows of the grader's workings: a SWE sample's test counts and harness, a judge's
+    opinion next to the rules' grade."""
+    details: dict[str, Any] = {}
+    if env == "swe":
+        details["tests"] = {k: v for k, v in verdict.extra.items() if k.endswith(("_total", "_passed", "_failed"))}
+        if verdict.extra.get("harness"):     # what the SWE-bench harness decided, and which one
+            details["harness"] = {k: verdict.extra.get(k) for k in ("harness", "log_parser", "resolution",
+                                                                     "log_valid", "test_command")}
+    if "judge" in verdict.extra:
+        details["judge"] = verdict.extra["judge"]
+        details["rule_grade"] = verdict.extra.get("rule_grade")
+    return details
 
 
 def _failed_sample(config: EvalConfig, bench: LoadedBenchmark, record: dict[str, Any], index: int,
@@ -593,22 +616,8 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
     previous summary, a model that cannot be loaded, an adapter that cannot be merged into it (before any other
     work), or when every sample failed.
     """
-    from sao_core.eval.report import write_report
-
     started, started_at = time.monotonic(), _now()
-    try:
-        config.validate()
-    except EvalError:
-        raise
-    except (TypeError, ValueError) as err:
-        raise EvalError(f"bad evaluation settings: {err}") from err
-    specs = [get_benchmark(name) for name in config.benchmark_list]
-    if any(spec.env == "swe" for spec in specs):
-        _check_swe_settings(config)
-    _check_context(config, engine)
-    if config.adapter and engine is not None:
-        raise EvalError("adapter cannot be applied to a given engine: evaluate with the engine's own weights, or "
-                        "without engine= so the merged model gets its own")
+    specs = _checked_specs(config, engine)
     merged = _merge_adapter(config) if config.adapter else None
     try:
         output = _Output(config.output)
@@ -624,32 +633,9 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
             for spec in specs
         ]
         settings = run_settings(config, loaded, merged["adapter_sha256"] if merged else None)
-        if config.resume:
-            output.fetch(RUN_FILE)
-            output.fetch(SAMPLES_FILE)
-        _check_resume(output, settings, config.resume)
-        (output.local / RUN_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-        store = _SampleStore(output.local / SAMPLES_FILE)
-        try:
-            todo, total, reused = [], 0, 0
-            for index in range(config.k):             # sample 0 of every problem first: early results are balanced
-                for b, bench in enumerate(loaded):
-                    for record in bench.records:
-                        total += 1
-                        if store.done((bench.spec.name, str(record["id"]), index)):
-                            reused += 1
-                        else:
-                            todo.append((b, record, index))
-            log.info("evaluating %s%s on %s: %d samples to generate, %d reused", config.model,
-                     f" + adapter {config.adapter}" if config.adapter else "", ", ".join(s.name for s in specs),
-                     len(todo), reused)
-            if progress is not None:
-                progress(reused, total)
-            generated = asyncio.run(_generate(config, loaded, todo, store, output, progress, total, reused,
-                                              engine, merged["model"] if merged else None)) if todo else 0
-        finally:
-            store.close()
-        samples = {b.spec.name: _in_scope(b, store.of(b.spec.name), config.k) for b in loaded}
+        _start_run_files(output, settings, config.resume)
+        samples, generated, total, reused = _run_samples(config, loaded, output, progress, engine,
+                                                         merged["model"] if merged else None)
         summary = summarize(config, loaded, samples, previous, equivalent=_voting_equivalence(config, loaded))
         if engine is not None:
             summary["engine"] = f"{type(engine).__name__} (given)"
@@ -660,22 +646,97 @@ def evaluate(config: EvalConfig, progress: Progress | None = None, *, engine: An
                        files={key: output.uri_of(name) for key, name in (
                            ("samples", SAMPLES_FILE), ("summary", SUMMARY_FILE), ("metrics", METRICS_FILE),
                            ("report", REPORT_FILE), ("run", RUN_FILE), ("datasets", DATASETS_DIR))})
-        (output.local / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n",
-                                                 encoding="utf-8")
-        (output.local / METRICS_FILE).write_text(json.dumps(summary["metrics"], indent=2, sort_keys=True) + "\n",
-                                                 encoding="utf-8")
-        write_report(summary, [s for b in loaded for s in samples[b.spec.name]], str(output.local), previous)
-        output.upload(SAMPLES_FILE, RUN_FILE, SUMMARY_FILE, METRICS_FILE, REPORT_FILE, DATASETS_DIR)
+        _write_outputs(output, summary, [s for b in loaded for s in samples[b.spec.name]], previous)
     finally:
         output.close()
         if merged is not None:
             shutil.rmtree(merged["scratch"], ignore_errors=True)
+    _check_not_all_failed(config, summary, total)
+    return summary
+
+
+def _checked_specs(config: EvalConfig, engine: Any) -> list[Any]:
+    """The benchmark specs of `config`, after every check that needs no data: the settings, the SWE settings,
+    the context, and no adapter with a given engine."""
+    try:
+        config.validate()
+    except EvalError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise EvalError(f"bad evaluation settings: {err}") from err
+    specs = [get_benchmark(name) for name in config.benchmark_list]
+    if any(spec.env == "swe" for spec in specs):
+        _check_swe_settings(config)
+    _check_context(config, engine)
+    if config.adapter and engine is not None:
+        raise EvalError("adapter cannot be applied to a given engine: evaluate with the engine's own weights, or "
+                        "without engine= so the merged model gets its own")
+    return specs
+
+
+def _start_run_files(output: _Output, settings: dict[str, Any], resume: bool) -> None:
+    """Fetch the earlier run's files when resuming (and check they belong to this run), then write run.json."""
+    if resume:
+        output.fetch(RUN_FILE)
+        output.fetch(SAMPLES_FILE)
+    _check_resume(output, settings, resume)
+    (output.local / RUN_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+
+
+def _run_samples(config: EvalConfig, loaded: list[LoadedBenchmark], output: _Output, progress: Progress | None,
+                 engine: Any, model: str | None) -> tuple[dict[str, list[dict[str, Any]]], int, int, int]:
+    """Generate and grade every sample not done yet (appended to samples.jsonl); return (this run's samples by
+    benchmark, samples generated, samples in all, samples reused)."""
+    store = _SampleStore(output.local / SAMPLES_FILE)
+    try:
+        todo, total, reused = _plan_samples(config, loaded, store)
+        log.info("evaluating %s%s on %s: %d samples to generate, %d reused", config.model,
+                 f" + adapter {config.adapter}" if config.adapter else "", ", ".join(b.spec.name for b in loaded),
+                 len(todo), reused)
+        if progress is not None:
+            progress(reused, total)
+        generated = asyncio.run(_generate(config, loaded, todo, store, output, progress, total, reused,
+                                          engine, model)) if todo else 0
+    finally:
+        store.close()
+    samples = {b.spec.name: _in_scope(b, store.of(b.spec.name), config.k) for b in loaded}
+    return samples, generated, total, reused
+
+
+def _plan_samples(config: EvalConfig, loaded: list[LoadedBenchmark],
+                  store: _SampleStore) -> tuple[list[tuple[int, dict, int]], int, int]:
+    """(samples to generate as (benchmark index, record, sample index), samples in all, samples reused)."""
+    todo, total, reused = [], 0, 0
+    for index in range(config.k):             # sample 0 of every problem first: early results are balanced
+        for b, bench in enumerate(loaded):
+            for record in bench.records:
+                total += 1
+                if store.done((bench.spec.name, str(record["id"]), index)):
+                    reused += 1
+                else:
+                    todo.append((b, record, index))
+    return todo, total, reused
+
+
+def _write_outputs(output: _Output, summary: dict[str, Any], samples: list[dict[str, Any]],
+                   previous: dict[str, Any] | None) -> None:
+    """summary.json, metrics.json and the report, then upload every output (s3://)."""
+    from sao_core.eval.report import write_report
+
+    (output.local / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n",
+                                             encoding="utf-8")
+    (output.local / METRICS_FILE).write_text(json.dumps(summary["metrics"], indent=2, sort_keys=True) + "\n",
+                                             encoding="utf-8")
+    write_report(summary, samples, str(output.local), previous)
+    output.upload(SAMPLES_FILE, RUN_FILE, SUMMARY_FILE, METRICS_FILE, REPORT_FILE, DATASETS_DIR)
+
+
+def _check_not_all_failed(config: EvalConfig, summary: dict[str, Any], total: int) -> None:
     errors = sum(bench["counts"].get("error", 0) for bench in summary["benchmarks"].values())
     if total and errors == total:
         first = next((b["errors"][0] for b in summary["benchmarks"].values() if b["errors"]), {})
         raise EvalError(f"all {total} samples failed (outputs written to {config.output}); first: "
                         f"{first.get('benchmark')} {first.get('id')}: {first.get('detail')}")
-    return summary
 
 
 def _in_scope(bench: LoadedBenchmark, samples: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:

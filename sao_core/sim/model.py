@@ -38,6 +38,8 @@ import random
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from sao_core.rollout.admission import DEFAULT_MAX_STALENESS
+
 
 class SimError(ValueError):
     """A simulation cannot run with these inputs (bad settings, unreadable recorded trajectories, a stall)."""
@@ -106,7 +108,7 @@ class SimConfig:
     method: str = "async"                      # sync | async
     batch_size: int = 32                       # trajectories per learner step (B)
     group_size: int = 1                        # G: 1 for SAO; > 1 for GRPO (sync or async)
-    max_staleness: int = 4
+    max_staleness: int = DEFAULT_MAX_STALENESS   # S, in policy versions
     in_flight: int = 0                         # 0: sync B, async (S + 1) B
     rollout_gpus: int = 1
     train_gpus: int = 1
@@ -193,292 +195,389 @@ class _Engine:
         return rows / (n * (self.a + self.b * rows))
 
 
-def simulate(cfg: SimConfig, workload: Workload) -> dict:
-    """Run the simulation until `cfg.trajectories` trajectories are trained; return the metrics."""
-    cfg.validate()
-    rng = random.Random(cfg.seed)
-    gpus_gen = cfg.rollout_gpus + (cfg.train_gpus if cfg.colocated else 0)
-    engines = [_Engine(cfg.step_overhead_s, cfg.step_per_row_s, cfg.max_batch) for _ in range(gpus_gen)]
-    train_gpus = cfg.train_gpus + (cfg.rollout_gpus if cfg.colocated else 0)
-    now = 0.0
-    timed: list[tuple[float, int, str, int]] = []   # (time, tiebreak, kind, id)
-    counter = 0
-    episodes: dict[int, dict] = {}
-    next_id = 0
-    in_flight = 0
-    prompt = 0
-    ready: dict[int, None] = {}                       # finished, not yet taken, in finishing order
-    learner_busy_until = None
-    learner = {"version": 0, "engine_version": 0, "busy_s": 0.0, "wait_s": 0.0, "trained": 0, "tokens": 0,
-               "staleness": [], "dropped": 0, "steps": 0, "train_s": 0.0, "push_s": 0.0, "step_end": []}
-    paused = False
-    finished_at = None
+@dataclass
+class _Flight:
+    """One started episode: the turn it is in, its engine, its prompt (its group) and the policy version that
+    started it; recompute engines also track its context (tokens) and the tokens left in this turn."""
 
-    def schedule(t: float, kind: str, ident: int) -> None:
-        nonlocal counter
-        counter += 1
-        heapq.heappush(timed, (t, counter, kind, ident))
+    episode: Episode
+    engine: int
+    prompt: int
+    version: int
+    turn: int = 0
+    context: float = 0.0
+    left: int = 0
 
-    recompute = cfg.engine_mode == "recompute"
 
-    def start_decode(eid: int) -> None:
-        ep = episodes[eid]
-        engine = engines[ep["engine"]]
-        if not recompute:
-            heapq.heappush(engine.heap, (engine.service + ep["episode"].action_tokens[ep["turn"]], eid))
+@dataclass
+class _Learner:
+    """The learner's version and counters. Seconds in `*_s`; `staleness` holds one entry per trained
+    trajectory (policy versions); `step_end` the time each step's weights were loaded."""
+
+    version: int = 0                      # the learner's weights
+    engine_version: int = 0               # the weights the engines run (behind while a push is under way)
+    busy_until: float | None = None
+    wait_s: float = 0.0
+    trained: int = 0
+    tokens: int = 0
+    staleness: list[int] = field(default_factory=list)
+    dropped: int = 0
+    steps: int = 0
+    train_s: float = 0.0
+    push_s: float = 0.0
+    step_end: list[float] = field(default_factory=list)
+
+
+class _Simulation:
+    """The event simulator. Engines decode continuously (KV mode: a fluid share of each engine per sequence) or
+    in discrete steps (recompute mode: "kick" and "step" events); everything else is a timed event: "begin" (a
+    turn's service time before decoding), "tool" (a tool call ends), "trained" (a learner step ends) and
+    "pushed" (the new weights are loaded)."""
+
+    def __init__(self, cfg: SimConfig, workload: Workload):
+        self.cfg, self.workload = cfg, workload
+        self.rng = random.Random(cfg.seed)
+        self.recompute = cfg.engine_mode == "recompute"
+        gpus_gen = cfg.rollout_gpus + (cfg.train_gpus if cfg.colocated else 0)
+        self.engines = [_Engine(cfg.step_overhead_s, cfg.step_per_row_s, cfg.max_batch) for _ in range(gpus_gen)]
+        self.train_gpus = cfg.train_gpus + (cfg.rollout_gpus if cfg.colocated else 0)
+        self.now = 0.0
+        self.timed: list[tuple[float, int, str, int]] = []    # (time, tiebreak, kind, id)
+        self.counter = 0
+        self.flights: dict[int, _Flight] = {}
+        self.next_id = 0
+        self.in_flight = 0                                     # started and not yet trained or dropped
+        self.prompt = 0
+        self.ready: dict[int, None] = {}                       # finished, not yet taken, in finishing order
+        self.pending_by_prompt: dict[int, list[int]] = {}
+        self.complete: dict[int, None] = {}                    # prompts whose G members are all pending, in order
+        self.scanned_version = -1
+        self.learner = _Learner()
+        self.pending_batch: list[int] = []
+        self.wait_since = 0.0
+        self.paused = False                                    # sync: generation stops while the learner works
+        self.finished_at: float | None = None
+        self.handlers = {"kick": self.on_kick, "step": self.on_step, "begin": self.start_decode,
+                         "tool": self.on_tool, "trained": self.on_trained, "pushed": self.on_pushed}
+
+    def run(self) -> dict:
+        """Admit the first episodes, then process events until enough trajectories are trained."""
+        self.admit()
+        while self.finished_at is None:
+            self.next_event()
+        return _metrics(self.cfg, self.engines, self.learner, self.finished_at)
+
+    # --- time --------------------------------------------------------------------------------------------
+
+    def schedule(self, t: float, kind: str, ident: int) -> None:
+        """A timed event of `kind` for episode or engine `ident` at `t` seconds (ties: in scheduling order)."""
+        self.counter += 1
+        heapq.heappush(self.timed, (t, self.counter, kind, ident))
+
+    def next_event(self) -> None:
+        """Advance to the earliest decode completion or timed event and handle it."""
+        best_t, best_engine = self.next_decode()
+        t_timed = self.timed[0][0] if self.timed else math.inf
+        t_next = min(best_t, t_timed)
+        if t_next == math.inf:
+            raise SimError("simulation stalled (nothing in flight and nothing scheduled)")
+        self.advance_engines(t_next - self.now)
+        self.now = t_next
+        if best_t <= t_timed:
+            _, eid = heapq.heappop(self.engines[best_engine].heap)
+            self.finish_turn(eid)
             return
-        if ep["turn"] == 0:
-            ep["context"] = ep["episode"].prompt_tokens
-        else:
-            ep["context"] += ep["episode"].observation_tokens()
-        ep["left"] = ep["episode"].action_tokens[ep["turn"]]
-        engine.active.append(eid)
-        kick(ep["engine"])
+        _, _, kind, ident = heapq.heappop(self.timed)
+        self.handlers[kind](ident)
 
-    def kick(index: int) -> None:
+    def next_decode(self) -> tuple[float, int]:
+        """(time, engine index) of the next turn to finish decoding on a KV engine; (inf, -1) when none."""
+        best_t, best_engine = math.inf, -1
+        for i, engine in enumerate(self.engines):
+            if engine.heap and not self.paused:
+                rate = engine.rate()
+                t = self.now + max(0.0, engine.heap[0][0] - engine.service) / rate
+                if t < best_t:
+                    best_t, best_engine = t, i
+        return best_t, best_engine
+
+    def advance_engines(self, dt: float) -> None:
+        """Deliver `dt` seconds of decoding on every active KV engine."""
+        for engine in self.engines:
+            if engine.heap and not self.paused:
+                rate = engine.rate()
+                engine.service += rate * dt
+                engine.busy_s += dt
+                engine.tokens += rate * dt * len(engine.heap)
+
+    # --- episodes ----------------------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Start whole prompts (G episodes each) while the in-flight cap allows and generation is not paused."""
+        g = self.cfg.group_size
+        while self.in_flight + g <= self.cfg.cap and not self.paused:
+            turns = self.workload.draw_turns(self.rng)
+            for _ in range(g):
+                episode = self.workload.draw(self.rng, turns)
+                engine = min(range(len(self.engines)), key=lambda e: len(self.engines[e].heap))
+                self.flights[self.next_id] = _Flight(episode, engine, self.prompt, self.learner.engine_version)
+                if self.workload.turn_overhead_s > 0:
+                    self.schedule(self.now + self.workload.turn_overhead_s, "begin", self.next_id)
+                else:
+                    self.start_decode(self.next_id)
+                self.next_id += 1
+            self.in_flight += g
+            self.prompt += 1
+
+    def start_decode(self, eid: int) -> None:
+        """Hand the episode's current turn to its engine."""
+        flight = self.flights[eid]
+        engine = self.engines[flight.engine]
+        if not self.recompute:
+            heapq.heappush(engine.heap, (engine.service + flight.episode.action_tokens[flight.turn], eid))
+            return
+        if flight.turn == 0:
+            flight.context = flight.episode.prompt_tokens
+        else:
+            flight.context += flight.episode.observation_tokens()
+        flight.left = flight.episode.action_tokens[flight.turn]
+        engine.active.append(eid)
+        self.kick(flight.engine)
+
+    def finish_turn(self, eid: int) -> None:
+        """A turn is decoded: the episode ends after its last turn, else it calls its tool."""
+        flight = self.flights[eid]
+        if flight.turn == len(flight.episode.action_tokens) - 1:
+            self.end_episode(eid, stale=self.is_stale(eid))
+        else:
+            self.schedule(self.now + flight.episode.tool_s[flight.turn], "tool", eid)
+
+    def on_tool(self, eid: int) -> None:
+        """A tool call returned: the next turn starts, unless the service abandons the episode as too stale."""
+        cfg = self.cfg
+        if cfg.abandon_stale and cfg.method == "async" and \
+                self.learner.engine_version - self.flights[eid].version > cfg.max_staleness:
+            self.end_episode(eid, stale=True)   # ended early; stale for the learner too (its version is never behind)
+            return
+        self.flights[eid].turn += 1
+        self.start_decode(eid)
+
+    def end_episode(self, eid: int, stale: bool) -> None:
+        """The trajectory reaches the learner (dropped at once when stale and ungrouped)."""
+        self.arrive(eid)
+        if stale and self.cfg.group_size == 1:
+            self.drop([eid])
+        self.try_learn()
+
+    # --- recompute engines -------------------------------------------------------------------------------
+
+    def kick(self, index: int) -> None:
         """Start a step at this instant, after every arrival of the same instant (as the engine thread takes its
         whole inbox at the start of a step)."""
-        engine = engines[index]
-        if engine.stepping is None and not engine.kicked and not paused:
+        engine = self.engines[index]
+        if engine.stepping is None and not engine.kicked and not self.paused:
             engine.kicked = True
-            schedule(now, "kick", index)
+            self.schedule(self.now, "kick", index)
 
-    def start_step(index: int) -> None:
+    def on_kick(self, index: int) -> None:
+        """The engine takes its inbox: a step starts unless one is running or generation is paused."""
+        self.engines[index].kicked = False
+        if self.engines[index].stepping is None and not self.paused:
+            self.start_step(index)
+
+    def start_step(self, index: int) -> None:
         """Recompute engine (the HF engine): one step samples a token for each of up to max_batch sequences,
         re-encoding their left-padded contexts; the others wait their turn (round robin)."""
-        engine = engines[index]
+        cfg, engine = self.cfg, self.engines[index]
         batch = engine.active[:cfg.max_batch]
         if not batch:
             engine.stepping = None
             return
         engine.active = engine.active[cfg.max_batch:] + batch
-        width = max(episodes[e]["context"] for e in batch)
+        width = max(self.flights[e].context for e in batch)
         seconds = cfg.step_overhead_s + len(batch) * (cfg.step_per_row_s + cfg.step_per_position_s * width)
         engine.busy_s += seconds
         engine.tokens += len(batch)
         engine.stepping = batch
-        schedule(now + seconds, "step", index)
+        self.schedule(self.now + seconds, "step", index)
 
-    def finish_turn(eid: int) -> None:
-        ep = episodes[eid]
-        if ep["turn"] == len(ep["episode"].action_tokens) - 1:
-            arrive(eid)
-            if is_stale(eid) and cfg.group_size == 1:
-                drop([eid])
-            try_learn()
-        else:
-            schedule(now + ep["episode"].tool_s[ep["turn"]], "tool", eid)
+    def on_step(self, index: int) -> None:
+        """A recompute step ended: every row got one token; turns that are complete finish after the whole batch
+        is updated."""
+        engine = self.engines[index]
+        batch, engine.stepping = engine.stepping, None
+        done = []
+        for eid in batch:
+            flight = self.flights[eid]
+            flight.context += 1
+            flight.left -= 1
+            if flight.left <= 0:
+                engine.active.remove(eid)
+                done.append(eid)
+        for eid in done:
+            self.finish_turn(eid)
+        self.kick(index)
 
-    def admit() -> None:
-        nonlocal in_flight, prompt, next_id
-        g = cfg.group_size
-        while in_flight + g <= cfg.cap and not paused:
-            turns = workload.draw_turns(rng)
-            for k in range(g):
-                episode = workload.draw(rng, turns)
-                engine = min(range(len(engines)), key=lambda e: len(engines[e].heap))
-                episodes[next_id] = {"episode": episode, "turn": 0, "engine": engine, "prompt": prompt, "k": k,
-                                     "version": learner["engine_version"], "started": now}
-                if workload.turn_overhead_s > 0:
-                    schedule(now + workload.turn_overhead_s, "begin", next_id)
-                else:
-                    start_decode(next_id)
-                next_id += 1
-            in_flight += g
-            prompt += 1
+    # --- the learner's queue -----------------------------------------------------------------------------
 
-    pending_by_prompt: dict[int, list[int]] = {}
-    complete: dict[int, None] = {}                   # prompts whose G members are all pending, in order
-    scanned_version = [-1]
+    def is_stale(self, e: int) -> bool:
+        """Async only: started more than max_staleness versions before the learner's weights."""
+        return self.cfg.method == "async" and self.learner.version - self.flights[e].version > self.cfg.max_staleness
 
-    def is_stale(e: int) -> bool:
-        return cfg.method == "async" and learner["version"] - episodes[e]["version"] > cfg.max_staleness
+    def arrive(self, e: int) -> None:
+        """A finished trajectory joins the learner's queue (and its group, complete once all G are in)."""
+        self.ready[e] = None
+        prompt_id = self.flights[e].prompt
+        members = self.pending_by_prompt.setdefault(prompt_id, [])
+        members.append(e)
+        if len(members) == self.cfg.group_size:
+            self.complete[prompt_id] = None
 
-    def drop(eids: list[int]) -> None:
+    def drop(self, eids: list[int]) -> None:
+        """Discard queued trajectories (counted as dropped); their slots free."""
         for e in eids:
-            del ready[e]
-            prompt_id = episodes[e]["prompt"]
-            members = pending_by_prompt.get(prompt_id)
+            del self.ready[e]
+            prompt_id = self.flights[e].prompt
+            members = self.pending_by_prompt.get(prompt_id)
             if members is not None and e in members:
                 members.remove(e)
-                complete.pop(prompt_id, None)
-            del episodes[e]
-        learner["dropped"] += len(eids)
-        release(len(eids))
+                self.complete.pop(prompt_id, None)
+            del self.flights[e]
+        self.learner.dropped += len(eids)
+        self.release(len(eids))
 
-    def arrive(e: int) -> None:
-        ready[e] = None
-        prompt_id = episodes[e]["prompt"]
-        members = pending_by_prompt.setdefault(prompt_id, [])
-        members.append(e)
-        if len(members) == cfg.group_size:
-            complete[prompt_id] = None
+    def release(self, n: int) -> None:
+        """`n` slots free: admit new prompts into them."""
+        self.in_flight -= n
+        self.admit()
 
-    def take_batch() -> list[int] | None:
-        # Drop stale trajectories first (all pending members of their group for grouped methods); staleness only
-        # changes with the version, so one full scan per version, as the learner's drop_unusable at each take.
-        if cfg.method == "async" and scanned_version[0] != learner["version"]:
-            scanned_version[0] = learner["version"]
-            stale = [e for e in ready if is_stale(e)]
-            if cfg.group_size > 1:
-                prompts = {episodes[e]["prompt"] for e in stale}
-                stale = [e for p_ in prompts for e in pending_by_prompt.get(p_, [])]
-            if stale:
-                drop(stale)
-        if cfg.group_size == 1:
-            if len(ready) < cfg.batch_size:
-                return None
-            chosen = list(itertools.islice(ready, cfg.batch_size))
-        else:
-            if len(complete) * cfg.group_size < cfg.batch_size:
-                return None
-            prompts = list(itertools.islice(complete, cfg.batch_size // cfg.group_size))
-            chosen = [e for p_ in prompts for e in pending_by_prompt[p_]]
-            for p_ in prompts:
-                del complete[p_]
-                del pending_by_prompt[p_]
+    def drop_stale(self) -> None:
+        """Drop stale trajectories (all pending members of their group for grouped methods). Staleness only
+        changes with the version, so one full scan per version, as the learner's drop_unusable at each take."""
+        if self.cfg.method != "async" or self.scanned_version == self.learner.version:
+            return
+        self.scanned_version = self.learner.version
+        stale = [e for e in self.ready if self.is_stale(e)]
+        if self.cfg.group_size > 1:
+            prompts = {self.flights[e].prompt for e in stale}
+            stale = [e for p_ in prompts for e in self.pending_by_prompt.get(p_, [])]
+        if stale:
+            self.drop(stale)
+
+    def take_batch(self) -> list[int] | None:
+        """The next batch of trajectory ids (the first B finished; grouped: the first B/G complete groups), or
+        None while there are not enough."""
+        self.drop_stale()
+        chosen = self.take_single() if self.cfg.group_size == 1 else self.take_groups()
+        if chosen is None:
+            return None
         for e in chosen:
-            del ready[e]
-        if cfg.group_size == 1:
+            del self.ready[e]
+        if self.cfg.group_size == 1:
             for e in chosen:
-                pending_by_prompt.pop(episodes[e]["prompt"], None)
+                self.pending_by_prompt.pop(self.flights[e].prompt, None)
         return chosen
 
-    def release(n: int) -> None:
-        nonlocal in_flight
-        in_flight -= n
-        admit()
+    def take_single(self) -> list[int] | None:
+        """SAO: the first B finished trajectories."""
+        if len(self.ready) < self.cfg.batch_size:
+            return None
+        return list(itertools.islice(self.ready, self.cfg.batch_size))
 
-    pending_batch: list[int] = []
-    wait_since = 0.0
+    def take_groups(self) -> list[int] | None:
+        """Grouped methods: every member of the first B/G complete groups."""
+        cfg = self.cfg
+        if len(self.complete) * cfg.group_size < cfg.batch_size:
+            return None
+        prompts = list(itertools.islice(self.complete, cfg.batch_size // cfg.group_size))
+        chosen = [e for p_ in prompts for e in self.pending_by_prompt[p_]]
+        for p_ in prompts:
+            del self.complete[p_]
+            del self.pending_by_prompt[p_]
+        return chosen
 
-    def try_learn() -> None:
-        nonlocal learner_busy_until, pending_batch, paused, wait_since
-        if learner_busy_until is not None:
+    # --- the learner -------------------------------------------------------------------------------------
+
+    def try_learn(self) -> None:
+        """Start a learner step when the learner is free and a batch is ready (sync: generation pauses)."""
+        cfg, learner = self.cfg, self.learner
+        if learner.busy_until is not None:
             return
-        chosen = take_batch()
+        chosen = self.take_batch()
         if chosen is None:
             return
-        learner["wait_s"] += now - wait_since
-        eps = [episodes[e]["episode"] for e in chosen]
+        learner.wait_s += self.now - self.wait_since
+        eps = [self.flights[e].episode for e in chosen]
         tokens = len(eps) * max(e.tokens for e in eps) if cfg.padded else sum(e.tokens for e in eps)
-        train_s = cfg.train_step_overhead_s + tokens / (cfg.train_tokens_per_s_per_gpu * train_gpus)
-        learner["staleness"] += [learner["version"] - episodes[e]["version"] for e in chosen]
-        learner["train_s"] += train_s
-        learner["push_s"] += cfg.push_s
-        learner_busy_until = now + train_s + cfg.push_s
-        pending_batch = chosen
+        train_s = cfg.train_step_overhead_s + tokens / (cfg.train_tokens_per_s_per_gpu * self.train_gpus)
+        learner.staleness += [learner.version - self.flights[e].version for e in chosen]
+        learner.train_s += train_s
+        learner.push_s += cfg.push_s
+        learner.busy_until = self.now + train_s + cfg.push_s
+        self.pending_batch = chosen
         if cfg.method == "sync":
-            paused = True
-        schedule(now + train_s, "trained", 0)
-        schedule(learner_busy_until, "pushed", 0)
+            self.paused = True
+        self.schedule(self.now + train_s, "trained", 0)
+        self.schedule(learner.busy_until, "pushed", 0)
 
-    admit()
-    while finished_at is None:
-        # next decode completion over the engines
-        best_t, best_engine = math.inf, -1
-        for i, engine in enumerate(engines):
-            if engine.heap and not paused:
-                rate = engine.rate()
-                t = now + max(0.0, engine.heap[0][0] - engine.service) / rate
-                if t < best_t:
-                    best_t, best_engine = t, i
-        t_timed = timed[0][0] if timed else math.inf
-        t_next = min(best_t, t_timed)
-        if t_next == math.inf:
-            raise SimError("simulation stalled (nothing in flight and nothing scheduled)")
-        dt = t_next - now
-        for engine in engines:
-            if engine.heap and not paused:
-                rate = engine.rate()
-                engine.service += rate * dt
-                engine.busy_s += dt
-                engine.tokens += rate * dt * len(engine.heap)
-        now = t_next
-        if best_t <= t_timed:
-            engine = engines[best_engine]
-            _, eid = heapq.heappop(engine.heap)
-            finish_turn(eid)
-            continue
-        _, _, kind, ident = heapq.heappop(timed)
-        if kind == "kick":
-            engines[ident].kicked = False
-            if engines[ident].stepping is None and not paused:
-                start_step(ident)
-        elif kind == "step":
-            engine = engines[ident]
-            batch, engine.stepping = engine.stepping, None
-            done = []
-            for eid in batch:
-                ep = episodes[eid]
-                ep["context"] += 1
-                ep["left"] -= 1
-                if ep["left"] <= 0:
-                    engine.active.remove(eid)
-                    done.append(eid)
-            for eid in done:          # after the whole batch is updated
-                finish_turn(eid)
-            kick(ident)
-        elif kind == "begin":
-            start_decode(ident)
-        elif kind == "tool":
-            if cfg.abandon_stale and cfg.method == "async" and \
-                    learner["engine_version"] - episodes[ident]["version"] > cfg.max_staleness:
-                arrive(ident)           # ended early; stale for the learner too (its version is never behind)
-                if cfg.group_size == 1:
-                    drop([ident])
-                try_learn()
-                continue
-            episodes[ident]["turn"] += 1
-            start_decode(ident)
-        elif kind == "trained":
-            batch = pending_batch
-            learner["trained"] += len(batch)
-            learner["tokens"] += sum(episodes[e]["episode"].tokens for e in batch)
-            learner["steps"] += 1
-            learner["step_end"].append(now + cfg.push_s)
-            learner["version"] += 1
-            for e in batch:
-                del episodes[e]
-            if learner["trained"] >= cfg.trajectories:
-                finished_at = now + cfg.push_s
-            release(len(batch))     # acknowledged: the slots free (sync: admitted once resumed)
-        elif kind == "pushed":
-            learner["engine_version"] = learner["version"]
-            learner_busy_until = None
-            wait_since = now
-            if paused:
-                paused = False
-                admit()
-                for index, engine in enumerate(engines):
-                    if recompute and engine.active:
-                        kick(index)
-            try_learn()
-    wall = finished_at
+    def on_trained(self, _: int) -> None:
+        """The step is trained: the version advances and the batch's slots free (sync: admitted once resumed)."""
+        batch, learner = self.pending_batch, self.learner
+        learner.trained += len(batch)
+        learner.tokens += sum(self.flights[e].episode.tokens for e in batch)
+        learner.steps += 1
+        learner.step_end.append(self.now + self.cfg.push_s)
+        learner.version += 1
+        for e in batch:
+            del self.flights[e]
+        if learner.trained >= self.cfg.trajectories:
+            self.finished_at = self.now + self.cfg.push_s
+        self.release(len(batch))
+
+    def on_pushed(self, _: int) -> None:
+        """The engines run the new weights; a paused (sync) generation resumes."""
+        self.learner.engine_version = self.learner.version
+        self.learner.busy_until = None
+        self.wait_since = self.now
+        if self.paused:
+            self.paused = False
+            self.admit()
+            for index, engine in enumerate(self.engines):
+                if self.recompute and engine.active:
+                    self.kick(index)
+        self.try_learn()
+
+
+def _metrics(cfg: SimConfig, engines: list[_Engine], learner: _Learner, wall: float) -> dict:
+    """The result of a finished simulation of `wall` seconds (see the module docstring for the keys)."""
     gen_busy = statistics.mean(e.busy_s for e in engines) / wall
-    train_busy = (learner["train_s"] + learner["push_s"]) / wall
+    train_busy = (learner.train_s + learner.push_s) / wall
     gpus = cfg.rollout_gpus + cfg.train_gpus
     if cfg.colocated:  # every GPU does both jobs in turn
-        gen_share = statistics.mean(e.busy_s for e in engines) / wall
-        rollout_idle = train_idle = 1.0 - gen_share - train_busy
+        rollout_idle = train_idle = 1.0 - gen_busy - train_busy
     else:
         rollout_idle, train_idle = 1.0 - gen_busy, 1.0 - train_busy
-    ends, half = learner["step_end"], learner["steps"] // 2
+    ends, half = learner.step_end, learner.steps // 2
     steady = (cfg.batch_size * (len(ends) - half) / (ends[-1] - ends[half - 1])) if half >= 1 and \
-        ends[-1] > ends[half - 1] else learner["trained"] / wall
+        ends[-1] > ends[half - 1] else learner.trained / wall
     utilisation = None
-    if not recompute:
+    if cfg.engine_mode != "recompute":
         capacity = cfg.max_batch / (cfg.step_overhead_s + cfg.step_per_row_s * cfg.max_batch)   # tokens/s per engine
         utilisation = sum(e.tokens for e in engines) / (capacity * len(engines) * wall)
-    return {"config": asdict(cfg), "wall_s": wall, "trained": learner["trained"], "steps": learner["steps"],
+    return {"config": asdict(cfg), "wall_s": wall, "trained": learner.trained, "steps": learner.steps,
             "rollout_utilisation": utilisation,
             "decoded_tokens": sum(e.tokens for e in engines),      # all sampled tokens, dropped episodes' too
             "steady_trajectories_per_s": steady,
-            "trajectories_per_s": learner["trained"] / wall, "trajectories_per_hour": learner["trained"] / wall * 3600,
-            "tokens_per_s": learner["tokens"] / wall, "rollout_busy_share": gen_busy, "rollout_idle_share": rollout_idle,
+            "trajectories_per_s": learner.trained / wall, "trajectories_per_hour": learner.trained / wall * 3600,
+            "tokens_per_s": learner.tokens / wall, "rollout_busy_share": gen_busy, "rollout_idle_share": rollout_idle,
             "train_busy_share": train_busy, "train_idle_share": train_idle,
-            "learner_wait_share": learner["wait_s"] / wall,
-            "gpu_hours_per_1000": gpus * wall / 3600 / learner["trained"] * 1000,
-            "staleness_mean": statistics.mean(learner["staleness"]) if learner["staleness"] else 0.0,
-            "dropped": learner["dropped"]}
+            "learner_wait_share": learner.wait_s / wall,
+            "gpu_hours_per_1000": gpus * wall / 3600 / learner.trained * 1000,
+            "staleness_mean": statistics.mean(learner.staleness) if learner.staleness else 0.0,
+            "dropped": learner.dropped}
 
+
+def simulate(cfg: SimConfig, workload: Workload) -> dict:
+    """Run the simulation until `cfg.trajectories` trajectories are trained; return the metrics."""
+    cfg.validate()
+    return _Simulation(cfg, workload).run()

@@ -100,77 +100,101 @@ def predict_measured(measured: dict, calibrate_arms: bool = True) -> dict:
     admission, staleness drops) is the simulator's own."""
     if not isinstance(measured, dict) or not {"settings", "tails"} <= set(measured):
         raise SimError("not a bench/async_vs_sync.py result (expected the keys 'settings' and 'tails')")
-    s = measured["settings"]
-    out = []
-    for tail in measured["tails"]:
-        arms, t = tail["arms"], tail["tail_settings"]
-        if not any(r.get("engine", {}).get("tokens") for r in arms.values()):
-            continue
-        mode, a, b, c = _fit_engine(arms)
-        gen = arms.get("gen_only")
-        shape = {}
-        if gen and (Path(gen["run_dir"]) / "trajectories.jsonl").exists():
-            shape = _shape_from_trajectories(Path(gen["run_dir"]) / "trajectories.jsonl")
-        train_fit = {}
-        for method in ("sao", "grpo"):
-            replay = arms.get(f"train_only_{method}")
-            if replay and replay.get("padded_tokens_per_step"):
-                train_fit[method] = _fit_line(list(zip(replay["padded_tokens_per_step"], replay["step_s"],
-                                                       strict=True)))
-        for name, r in arms.items():
-            method = r.get("method")
-            if not method or name.startswith("train_only"):
-                continue
-            # The simulator models the window rule at the run's staleness bound only.
-            if r.get("admission", "window") != "window" or r.get("max_staleness", s["max_staleness"]) != \
-                    s["max_staleness"]:
-                continue
-            fit = train_fit.get("sao" if method == "sao" else "grpo")
-            if fit is None:
-                continue
-            profile = _arm_profile(r)
-            e = r["engine"]
-            engine_scale = learner_scale = 1.0
-            push = r.get("weight_push_s_mean", 0.0)
-            if calibrate_arms:
-                modelled = a * e["steps"] + (c * e.get("positions", 0) if mode == "recompute" else
-                                             b * e["tokens"])
-                engine_scale = e["busy_s"] / modelled if modelled > 0 else 1.0
-                predicted_train = sum(fit[0] + fit[1] * x for x in profile["padded_tokens_per_step"])
-                measured_train = sum(r["step_update_s"]) - push * len(r["step_update_s"])
-                learner_scale = measured_train / predicted_train if predicted_train > 0 else 1.0
-            workload = Workload(turns_p_more=t["p_more"], min_turns=2, max_turns=t["max_ops"] + 1,
-                                tool_median_s=t["latency_median_s"], tool_sigma=t["latency_sigma"],
-                                turn_overhead_s=profile["turn_overhead_s"], **shape)
-            group = s["group_size"] if method in ("grpo", "grpo_async") else 1
-            slope = fit[1] * learner_scale
-            cfg = SimConfig(method="sync" if method == "grpo" else "async", batch_size=s["batch_size"],
-                            group_size=group, max_staleness=s["max_staleness"], in_flight=r["in_flight"],
-                            engine_mode=mode, step_overhead_s=a * engine_scale, step_per_row_s=b * engine_scale,
-                            step_per_position_s=c * engine_scale, max_batch=s["max_batch"],
-                            train_tokens_per_s_per_gpu=1.0 / slope if slope else 1e12,
-                            train_step_overhead_s=fit[0] * learner_scale, push_s=push,
-                            trajectories=r["trajectories"], seed=s["seed"])
-            runs = [simulate(SimConfig(**{**asdict(cfg), "seed": cfg.seed + k}), workload) for k in range(5)]
-            predicted = statistics.mean(x["steady_trajectories_per_s"] for x in runs)
-            measured_rate = r["steady"]["trajectories_per_s"] if "steady" in r else r["trajectories_per_s"]
-            predicted_e2e = statistics.mean(x["trajectories_per_s"] for x in runs)
-            out.append({"tail": tail["tail"], "arm": name, "measured": measured_rate,
-                        "predicted": predicted, "error": predicted / measured_rate - 1.0,
-                        "measured_e2e": r["trajectories_per_s"], "predicted_e2e": predicted_e2e,
-                        "error_e2e": predicted_e2e / r["trajectories_per_s"] - 1.0,
-                        "predicted_idle": statistics.mean(x["rollout_idle_share"] for x in runs),
-                        "measured_idle": r.get("generator_idle_share"),
-                        "predicted_staleness": statistics.mean(x["staleness_mean"] for x in runs),
-                        "measured_staleness": r.get("staleness_mean"),
-                        "inputs": {"engine_mode": mode, "step_overhead_s": cfg.step_overhead_s,
-                                   "step_per_row_s": cfg.step_per_row_s,
-                                   "step_per_position_s": cfg.step_per_position_s, "engine_scale": engine_scale,
-                                   "train_fit": fit, "learner_scale": learner_scale, "push_s": push,
-                                   "turn_overhead_s": profile["turn_overhead_s"], **shape}})
+    out = [row for tail in measured["tails"] for row in _predict_tail(measured["settings"], tail, calibrate_arms)]
     return {"calibrate_arms": calibrate_arms, "rows": out,
             "mean_abs_error": statistics.mean(abs(r["error"]) for r in out) if out else None,
             "mean_abs_error_e2e": statistics.mean(abs(r["error_e2e"]) for r in out) if out else None}
+
+
+def _predict_tail(s: dict, tail: dict, calibrate_arms: bool) -> list[dict]:
+    """The prediction rows of one tail's learner arms (none when its arms recorded no engine tokens);
+    `s` is the result's settings."""
+    arms = tail["arms"]
+    if not any(r.get("engine", {}).get("tokens") for r in arms.values()):
+        return []
+    engine = _fit_engine(arms)
+    gen = arms.get("gen_only")
+    shape = {}
+    if gen and (Path(gen["run_dir"]) / "trajectories.jsonl").exists():
+        shape = _shape_from_trajectories(Path(gen["run_dir"]) / "trajectories.jsonl")
+    train_fit = {}
+    for method in ("sao", "grpo"):
+        replay = arms.get(f"train_only_{method}")
+        if replay and replay.get("padded_tokens_per_step"):
+            train_fit[method] = _fit_line(list(zip(replay["padded_tokens_per_step"], replay["step_s"], strict=True)))
+    rows = []
+    for name, r in arms.items():
+        fit = _learner_fit(s, name, r, train_fit)
+        if fit is not None:
+            rows.append(_predict_arm(s, tail, name, r, engine, shape, fit, calibrate_arms))
+    return rows
+
+
+def _learner_fit(s: dict, name: str, r: dict, train_fit: dict) -> tuple[float, float] | None:
+    """The learner's (seconds per step, seconds per padded token) for a learner arm the simulator can model;
+    None for the other arms."""
+    method = r.get("method")
+    if not method or name.startswith("train_only"):
+        return None
+    # The simulator models the window rule at the run's staleness bound only.
+    if r.get("admission", "window") != "window" or r.get("max_staleness", s["max_staleness"]) != s["max_staleness"]:
+        return None
+    return train_fit.get("sao" if method == "sao" else "grpo")
+
+
+def _arm_scales(r: dict, profile: dict, engine: tuple[str, float, float, float], fit: tuple[float, float],
+                push: float) -> tuple[float, float]:
+    """(engine_scale, learner_scale): the arm's measured engine busy seconds and update seconds (weight push
+    excluded) over what the fitted costs predict for it."""
+    mode, a, b, c = engine
+    e = r["engine"]
+    modelled = a * e["steps"] + (c * e.get("positions", 0) if mode == "recompute" else b * e["tokens"])
+    engine_scale = e["busy_s"] / modelled if modelled > 0 else 1.0
+    predicted_train = sum(fit[0] + fit[1] * x for x in profile["padded_tokens_per_step"])
+    measured_train = sum(r["step_update_s"]) - push * len(r["step_update_s"])
+    learner_scale = measured_train / predicted_train if predicted_train > 0 else 1.0
+    return engine_scale, learner_scale
+
+
+def _predict_arm(s: dict, tail: dict, name: str, r: dict, engine: tuple[str, float, float, float], shape: dict,
+                 fit: tuple[float, float], calibrate_arms: bool) -> dict:
+    """Simulate one learner arm five times (seeds s["seed"] + 0..4); its row of predicted against measured
+    trajectories/s, idle share and staleness, with the inputs used."""
+    mode, a, b, c = engine
+    t = tail["tail_settings"]
+    method = r["method"]
+    profile = _arm_profile(r)
+    push = r.get("weight_push_s_mean", 0.0)
+    engine_scale, learner_scale = _arm_scales(r, profile, engine, fit, push) if calibrate_arms else (1.0, 1.0)
+    workload = Workload(turns_p_more=t["p_more"], min_turns=2, max_turns=t["max_ops"] + 1,
+                        tool_median_s=t["latency_median_s"], tool_sigma=t["latency_sigma"],
+                        turn_overhead_s=profile["turn_overhead_s"], **shape)
+    group = s["group_size"] if method in ("grpo", "grpo_async") else 1
+    slope = fit[1] * learner_scale
+    cfg = SimConfig(method="sync" if method == "grpo" else "async", batch_size=s["batch_size"],
+                    group_size=group, max_staleness=s["max_staleness"], in_flight=r["in_flight"],
+                    engine_mode=mode, step_overhead_s=a * engine_scale, step_per_row_s=b * engine_scale,
+                    step_per_position_s=c * engine_scale, max_batch=s["max_batch"],
+                    train_tokens_per_s_per_gpu=1.0 / slope if slope else 1e12,
+                    train_step_overhead_s=fit[0] * learner_scale, push_s=push,
+                    trajectories=r["trajectories"], seed=s["seed"])
+    runs = [simulate(SimConfig(**{**asdict(cfg), "seed": cfg.seed + k}), workload) for k in range(5)]
+    predicted = statistics.mean(x["steady_trajectories_per_s"] for x in runs)
+    measured_rate = r["steady"]["trajectories_per_s"] if "steady" in r else r["trajectories_per_s"]
+    predicted_e2e = statistics.mean(x["trajectories_per_s"] for x in runs)
+    return {"tail": tail["tail"], "arm": name, "measured": measured_rate,
+            "predicted": predicted, "error": predicted / measured_rate - 1.0,
+            "measured_e2e": r["trajectories_per_s"], "predicted_e2e": predicted_e2e,
+            "error_e2e": predicted_e2e / r["trajectories_per_s"] - 1.0,
+            "predicted_idle": statistics.mean(x["rollout_idle_share"] for x in runs),
+            "measured_idle": r.get("generator_idle_share"),
+            "predicted_staleness": statistics.mean(x["staleness_mean"] for x in runs),
+            "measured_staleness": r.get("staleness_mean"),
+            "inputs": {"engine_mode": mode, "step_overhead_s": cfg.step_overhead_s,
+                       "step_per_row_s": cfg.step_per_row_s,
+                       "step_per_position_s": cfg.step_per_position_s, "engine_scale": engine_scale,
+                       "train_fit": fit, "learner_scale": learner_scale, "push_s": push,
+                       "turn_overhead_s": profile["turn_overhead_s"], **shape}}
 
 
 # Published anchors, reconstructed. "stated" is what the source says; everything in "assumed" is our reading or

@@ -90,167 +90,250 @@ def train(method: str, config: TrainConfig, progress: Callable[[int, dict], None
     Every check that can fail (method, config, dataset kind and rows, model, resume checkpoint) runs
     before the first step. `progress(step, metrics)` is called on rank 0 after every optimiser step.
     """
-    from sao_core.models import load_model_and_tokenizer
     from sao_core.training.methods import METHODS
 
     _check_config(method, config)
     started = time.time()
     ctx = init_distributed()
-    if config.batch_size % (ctx.world_size * config.grad_accum):
-        raise TrainingError(f"batch_size {config.batch_size} must be a multiple of world_size × grad_accum "
-                            f"= {ctx.world_size} × {config.grad_accum}")
+    _check_batch_split(config, ctx.world_size)
     impl_cls = METHODS[method]
+    rows, data_uri = _open_data(method, config, impl_cls.dataset_kind)
+    resume_from, local_resume = _find_resume(method, config)
+    model, tokenizer = _load_model(config, ctx)
+    torch.manual_seed(config.seed)
+    impl = impl_cls(config, tokenizer, ctx)
+    examples = _build_examples(impl, rows, data_uri)
+    run = _TrainingRun(method, config, ctx, impl, tokenizer, started, progress)
+    run.place_model(model, examples)
+    if local_resume is not None:
+        run.resume(resume_from, local_resume)
+    return run.run()
+
+
+def _check_batch_split(config: TrainConfig, world_size: int) -> None:
+    if config.batch_size % (world_size * config.grad_accum):
+        raise TrainingError(f"batch_size {config.batch_size} must be a multiple of world_size × grad_accum "
+                            f"= {world_size} × {config.grad_accum}")
+
+
+def _open_data(method: str, config: TrainConfig, dataset_kind: str) -> tuple[list, str]:
+    """(rows, data URI) of the prepared dataset, which must have been prepared for this method's kind."""
     try:
         prepared = open_prepared(config.data)
     except DataError as err:
         raise TrainingError(str(err)) from err
     rows, kind, data_uri = prepared.rows, prepared.kind, prepared.data_uri
-    if kind is not None and kind != impl_cls.dataset_kind:
-        raise TrainingError(f"method {method!r} needs a dataset prepared with --kind {impl_cls.dataset_kind}, "
+    if kind is not None and kind != dataset_kind:
+        raise TrainingError(f"method {method!r} needs a dataset prepared with --kind {dataset_kind}, "
                             f"but {data_uri} was prepared with --kind {kind}")
+    return rows, data_uri
 
-    checkpoints_uri = storage.join(config.output, "checkpoints")
-    resume_from = storage.latest_checkpoint(checkpoints_uri)
+
+def _find_resume(method: str, config: TrainConfig) -> tuple[str | None, Path | None]:
+    """(URI, local copy) of the newest checkpoint of this output to resume from, or (None, None) for a fresh
+    run. Checkpoints without `resume` are an error (a second run must not overwrite them), as is another
+    method's checkpoint."""
+    resume_from = storage.latest_checkpoint(storage.join(config.output, "checkpoints"))
     if resume_from and not config.resume:
         raise TrainingError(f"{config.output} already holds checkpoints (newest {resume_from}); pass resume=true "
                             "(--resume) to continue that run, or choose another output")
-    local_resume = None
-    if resume_from:
-        try:
-            local_resume = storage.fetch_checkpoint(resume_from, Path(config.cache_dir) / "s3")
-        except storage.StorageError as err:
-            raise TrainingError(f"cannot resume from {resume_from}: {err}") from err
-        resume_state = json.loads((local_resume / "trainer_state.json").read_text())
-        if resume_state.get("method") != method:
-            raise TrainingError(f"{resume_from} belongs to a {resume_state.get('method')!r} run, not {method!r}")
+    if not resume_from:
+        return resume_from, None
+    try:
+        local_resume = storage.fetch_checkpoint(resume_from, Path(config.cache_dir) / "s3")
+    except storage.StorageError as err:
+        raise TrainingError(f"cannot resume from {resume_from}: {err}") from err
+    resume_state = json.loads((local_resume / "trainer_state.json").read_text())
+    if resume_state.get("method") != method:
+        raise TrainingError(f"{resume_from} belongs to a {resume_state.get('method')!r} run, not {method!r}")
+    return resume_from, local_resume
 
-    # Rank 0 resolves the model first so concurrent ranks never build or download the same cache entry.
+
+def _load_model(config: TrainConfig, ctx) -> tuple[Any, Any]:
+    """(model, tokenizer). Rank 0 resolves the model first so concurrent ranks never build or download the same
+    cache entry."""
+    from sao_core.models import load_model_and_tokenizer
+
     if ctx.is_main:
-        model, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir, unverified=config.unverified)
+        loaded = load_model_and_tokenizer(config.model, config.cache_dir, unverified=config.unverified)
     barrier(ctx)
     if not ctx.is_main:
-        model, tokenizer = load_model_and_tokenizer(config.model, config.cache_dir, unverified=config.unverified)
+        loaded = load_model_and_tokenizer(config.model, config.cache_dir, unverified=config.unverified)
+    return loaded
 
-    torch.manual_seed(config.seed)
-    impl = impl_cls(config, tokenizer, ctx)
+
+def _build_examples(impl, rows: list, data_uri: str) -> list:
     try:
         examples = impl.build_examples(rows, data_uri)
     except ValueError as err:
         raise TrainingError(str(err)) from err
     if not examples:
         raise TrainingError(f"{data_uri}: no trainable examples")
-    n_eval = min(max(1, len(examples) // 20), 64) if len(examples) > 1 else 0
-    eval_set, train_set = examples[:n_eval], examples[n_eval:] or examples
+    return examples
 
-    model.to(ctx.device)
-    precision = autocast(config.precision, ctx.device)
-    with precision:  # reference log-probs (DPO) in the precision the policy trains in
-        impl.setup(model, examples)
-    # After setup: DPO's reference log-probs come from the base weights (the adapter starts at zero, so the base
-    # model is the initial policy), and no second copy of the model is kept.
-    try:
-        model, lora_summary = apply_lora_settings(model, config)
-    except ValueError as err:
-        raise TrainingError(str(err)) from err
-    if lora_summary:
-        log.info("LoRA rank %d: %d of %d parameters train", config.lora_rank, lora_summary["trainable_parameters"],
-                 lora_summary["parameters"])
-    model = prepare_model(model, ctx, config.gradient_checkpointing)
-    model.train()
-    optimizer = build_optimizer(model.parameters(), config.lr, config.weight_decay)
-    scheduler = build_scheduler(optimizer, config, config.steps)
-    step, cursor = 0, 0
-    if local_resume is not None:
-        state = load_training_checkpoint(local_resume, {"model": (model, optimizer)}, ctx)
-        scheduler.load_state_dict(state["scheduler"])
-        step, cursor = int(state["step"]), int(state["cursor"])
-        if ctx.is_main:
-            log.info("resumed from %s at step %d", resume_from, step)
 
-    local_run = _local_run_dir(config)
-    local_run.mkdir(parents=True, exist_ok=True)
-    order = DataOrder(len(train_set), config.seed)
-    per_rank = config.batch_size // ctx.world_size
-    micro = per_rank // config.grad_accum
+class _TrainingRun:
+    """One training job past its checks: the held-out split, the wrapped model, optimiser and schedule, the data
+    order, and the counters a checkpoint saves (`step`; `cursor`, the global position in the data order)."""
 
-    def evaluate() -> float | None:
-        if not eval_set:
+    def __init__(self, method: str, config: TrainConfig, ctx, impl, tokenizer, started: float,
+                 progress: Callable[[int, dict], None] | None):
+        self.method, self.config, self.ctx, self.impl, self.tokenizer = method, config, ctx, impl, tokenizer
+        self.started, self.progress = started, progress
+        self.checkpoints_uri = storage.join(config.output, "checkpoints")
+        self.precision = autocast(config.precision, ctx.device)
+        self.per_rank = config.batch_size // ctx.world_size
+        self.micro = self.per_rank // config.grad_accum            # examples per micro-batch on this rank
+        self.step, self.cursor = 0, 0
+        self.resumed_from: str | None = None
+        self.local_run = _local_run_dir(config)
+        self.first_loss = self.last_loss = None
+        self.tokens_total = 0.0
+
+    def place_model(self, model, examples: list) -> None:
+        """Hold out up to 64 examples (1 in 20) for evaluation; move the model to the device, let the method
+        set up (DPO's reference log-probs), apply LoRA, wrap the model (FSDP2 under torchrun) and build the
+        optimiser and schedule."""
+        config = self.config
+        n_eval = min(max(1, len(examples) // 20), 64) if len(examples) > 1 else 0
+        self.eval_set, self.train_set = examples[:n_eval], examples[n_eval:] or examples
+        self.order = DataOrder(len(self.train_set), config.seed)
+        model.to(self.ctx.device)
+        with self.precision:  # reference log-probs (DPO) in the precision the policy trains in
+            self.impl.setup(model, examples)
+        # After setup: DPO's reference log-probs come from the base weights (the adapter starts at zero, so the
+        # base model is the initial policy), and no second copy of the model is kept.
+        try:
+            model, self.lora_summary = apply_lora_settings(model, config)
+        except ValueError as err:
+            raise TrainingError(str(err)) from err
+        if self.lora_summary:
+            log.info("LoRA rank %d: %d of %d parameters train", config.lora_rank,
+                     self.lora_summary["trainable_parameters"], self.lora_summary["parameters"])
+        self.model = prepare_model(model, self.ctx, config.gradient_checkpointing)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model.parameters(), config.lr, config.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, config, config.steps)
+
+    def resume(self, resume_from: str, local_resume: Path) -> None:
+        """Load the model, optimiser, schedule, step and data cursor of a checkpoint."""
+        state = load_training_checkpoint(local_resume, {"model": (self.model, self.optimizer)}, self.ctx)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.cursor = int(state["step"]), int(state["cursor"])
+        self.resumed_from = resume_from
+        if self.ctx.is_main:
+            log.info("resumed from %s at step %d", resume_from, self.step)
+
+    def run(self) -> dict[str, Any]:
+        """Evaluate, train to `config.steps`, evaluate again; checkpoint, export the model, write the summary."""
+        self.local_run.mkdir(parents=True, exist_ok=True)
+        eval_before = self.evaluate()
+        # Resumed: the steps after the checkpoint are trained again, so their lines from the killed run go.
+        with MetricsLog(self.config.output, self.metrics_path, resume=self.resumed_from is not None,
+                        enabled=self.ctx.is_main, keep_through=self.step,
+                        sinks=run_sinks(self.config, self.method)) as metrics_log:
+            while self.step < self.config.steps:
+                record = self.train_step()
+                self.after_step(record, metrics_log)
+        eval_after = self.evaluate()
+        return self.finish(eval_before, eval_after)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.local_run / "metrics.jsonl"
+
+    def evaluate(self) -> float | None:
+        """Mean loss per example over the held-out set (None without one)."""
+        if not self.eval_set:
             return None
-        model.eval()
+        self.model.eval()
         total = 0.0
-        with torch.no_grad(), precision:
-            for start in range(0, len(eval_set), micro):
-                loss, _ = impl.loss(model, eval_set[start:start + micro], step, training=False)
-                total += float(loss) * len(eval_set[start:start + micro])
-        model.train()
-        return total / len(eval_set)
+        with torch.no_grad(), self.precision:
+            for start in range(0, len(self.eval_set), self.micro):
+                chunk = self.eval_set[start:start + self.micro]
+                loss, _ = self.impl.loss(self.model, chunk, self.step, training=False)
+                total += float(loss) * len(chunk)
+        self.model.train()
+        return total / len(self.eval_set)
 
-    def trainer_state() -> dict[str, Any]:
-        return {"method": method, "step": step, "cursor": cursor, "scheduler": scheduler.state_dict(),
-                "config": dataclasses.asdict(config)}
+    def train_step(self) -> dict[str, float]:
+        """One optimiser step on the next `batch_size` examples; its metrics, averaged over ranks, with step, lr,
+        seconds since the start and the gradient norm before clipping."""
+        config, ctx = self.config, self.ctx
+        picked = self.order.take(self.cursor, config.batch_size)
+        mine = picked[ctx.rank * self.per_rank:(ctx.rank + 1) * self.per_rank]
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = self.accumulate_gradients(mine)
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm = clip_and_step(self.optimizer, self.model.parameters(), config.grad_clip, self.scheduler)
+        self.step += 1
+        self.cursor += config.batch_size
+        record = all_reduce_mean(sums, ctx)
+        self.tokens_total += record.get("tokens", 0.0) * ctx.world_size
+        record.update(step=self.step, lr=lr, seconds=time.time() - self.started, grad_norm=grad_norm)
+        self.first_loss = record["loss"] if self.first_loss is None else self.first_loss
+        self.last_loss = record["loss"]
+        return record
 
-    def checkpoint() -> str:
-        uri = save_training_checkpoint(local_run / ".staging" / step_name(step),
-                                       storage.join(checkpoints_uri, step_name(step)),
-                                       {"model": (model, optimizer)}, trainer_state(), ctx)
-        if ctx.is_main:   # only now, with a newer one complete, may older ones go
-            prune_checkpoints(checkpoints_uri, config.keep_checkpoints, config.pin_checkpoints)
+    def accumulate_gradients(self, mine: list[int]) -> dict[str, float]:
+        """Backward over this rank's examples in `grad_accum` micro-batches; the loss and the method's metrics,
+        averaged over the micro-batches."""
+        accum = self.config.grad_accum
+        sums: dict[str, float] = {}
+        for i in range(accum):
+            batch = [self.train_set[j] for j in mine[i * self.micro:(i + 1) * self.micro]]
+            with self.precision:
+                loss, metrics = self.impl.loss(self.model, batch, self.step, training=True, micro=i)
+            (loss / accum).backward()
+            for key, value in {"loss": float(loss.detach()), **metrics}.items():
+                sums[key] = sums.get(key, 0.0) + value / accum
+        return sums
+
+    def after_step(self, record: dict[str, float], metrics_log: MetricsLog) -> None:
+        """Log the step (every `log_every` and the last), refresh the report, checkpoint every
+        `checkpoint_every` steps (the last one is saved by `finish`), report progress."""
+        config, step, is_main = self.config, self.step, self.ctx.is_main
+        if is_main and (step % config.log_every == 0 or step == config.steps):
+            metrics_log.append(record)
+            metrics_log.sync()
+        if is_main:   # every report_every steps (a failure only warns)
+            write_training_report(config.output, metrics=self.metrics_path, config=config, method=self.method,
+                                  step=step, every=config.report_every)
+        if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
+            self.checkpoint()
+        if is_main and self.progress:
+            self.progress(step, record)
+
+    def checkpoint(self) -> str:
+        """Save a resumable checkpoint of this step; return its URI."""
+        state = {"method": self.method, "step": self.step, "cursor": self.cursor,
+                 "scheduler": self.scheduler.state_dict(), "config": dataclasses.asdict(self.config)}
+        name = step_name(self.step)
+        uri = save_training_checkpoint(self.local_run / ".staging" / name, storage.join(self.checkpoints_uri, name),
+                                       {"model": (self.model, self.optimizer)}, state, self.ctx)
+        if self.ctx.is_main:   # only now, with a newer one complete, may older ones go
+            prune_checkpoints(self.checkpoints_uri, self.config.keep_checkpoints, self.config.pin_checkpoints)
         return uri
 
-    eval_before = evaluate()
-    metrics_path = local_run / "metrics.jsonl"
-    first_loss = last_loss = None
-    tokens_total = 0.0
-    # Resumed: the steps after the checkpoint are trained again, so their lines from the killed run go.
-    with MetricsLog(config.output, metrics_path, resume=local_resume is not None, enabled=ctx.is_main,
-                    keep_through=step, sinks=run_sinks(config, method)) as metrics_log:
-        while step < config.steps:
-            picked = order.take(cursor, config.batch_size)
-            mine = picked[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
-            optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = {}
-            for i in range(config.grad_accum):
-                batch = [train_set[j] for j in mine[i * micro:(i + 1) * micro]]
-                with precision:
-                    loss, metrics = impl.loss(model, batch, step, training=True, micro=i)
-                (loss / config.grad_accum).backward()
-                for key, value in {"loss": float(loss.detach()), **metrics}.items():
-                    sums[key] = sums.get(key, 0.0) + value / config.grad_accum
-            lr = scheduler.get_last_lr()[0]
-            grad_norm = clip_and_step(optimizer, model.parameters(), config.grad_clip, scheduler)
-            step += 1
-            cursor += config.batch_size
-            record = all_reduce_mean(sums, ctx)
-            tokens_total += record.get("tokens", 0.0) * ctx.world_size
-            record.update(step=step, lr=lr, seconds=time.time() - started, grad_norm=grad_norm)
-            first_loss = record["loss"] if first_loss is None else first_loss
-            last_loss = record["loss"]
-            if ctx.is_main and (step % config.log_every == 0 or step == config.steps):
-                metrics_log.append(record)
-                metrics_log.sync()
-            if ctx.is_main:   # every report_every steps (a failure only warns)
-                write_training_report(config.output, metrics=metrics_path, config=config, method=method, step=step,
-                                      every=config.report_every)
-            if config.checkpoint_every and step % config.checkpoint_every == 0 and step < config.steps:
-                checkpoint()
-            if ctx.is_main and progress:
-                progress(step, record)
-    eval_after = evaluate()
-    last_checkpoint = checkpoint()
-    model_uri = storage.join(config.output, "model")
-    export_hf_model(model, tokenizer, local_run / ".staging" / "model", model_uri,
-                    {"method": method, "step": step, "base_model": config.model}, ctx)
-    summary = {
-        "method": method, "steps": step, "examples": len(train_set), "eval_examples": len(eval_set),
-        "world_size": ctx.world_size, "first_train_loss": first_loss, "last_train_loss": last_loss,
-        "eval_loss_before": eval_before, "eval_loss_after": eval_after, "trained_tokens": tokens_total,
-        "resumed_from": resume_from, "checkpoint": last_checkpoint, "model": model_uri,
-        "seconds": time.time() - started, "lora": lora_summary,
-    }
-    if ctx.is_main:
-        (local_run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if storage.is_s3_uri(config.output):
-            storage.upload_file(local_run / "summary.json", storage.join(config.output, "summary.json"))
-        write_training_report(config.output, metrics=metrics_path, config=config, method=method, summary=summary)
-    barrier(ctx)
-    return summary
+    def finish(self, eval_before: float | None, eval_after: float | None) -> dict[str, Any]:
+        """The last checkpoint, the exported model (``<output>/model``), the summary and the final report."""
+        config, ctx = self.config, self.ctx
+        last_checkpoint = self.checkpoint()
+        model_uri = storage.join(config.output, "model")
+        export_hf_model(self.model, self.tokenizer, self.local_run / ".staging" / "model", model_uri,
+                        {"method": self.method, "step": self.step, "base_model": config.model}, ctx)
+        summary = {
+            "method": self.method, "steps": self.step, "examples": len(self.train_set),
+            "eval_examples": len(self.eval_set), "world_size": ctx.world_size, "first_train_loss": self.first_loss,
+            "last_train_loss": self.last_loss, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
+            "trained_tokens": self.tokens_total, "resumed_from": self.resumed_from, "checkpoint": last_checkpoint,
+            "model": model_uri, "seconds": time.time() - self.started, "lora": self.lora_summary,
+        }
+        if ctx.is_main:
+            (self.local_run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            if storage.is_s3_uri(config.output):
+                storage.upload_file(self.local_run / "summary.json", storage.join(config.output, "summary.json"))
+            write_training_report(config.output, metrics=self.metrics_path, config=config, method=self.method,
+                                  summary=summary)
+        barrier(ctx)
+        return summary
