@@ -486,37 +486,37 @@ class _Launch:
         return labels.get(TRAINJOB_LABEL) == self.name and (
             not self.config.run_id or labels.get(names.RUN_ID_LABEL, self.config.run_id) == self.config.run_id)
 
+    def _create_or_adopt(self, obj: dict, kind: str, api: str, delete_hint: str) -> tuple[dict, bool]:
+        """Create `obj`, a `kind` named `self.name`; one of that name this run created before is adopted.
+        Returns the object and whether it was created now. LaunchError when the Kubeflow Trainer API (`api`, as
+        named in the message) is not installed, or when the existing object is not this run's (`delete_hint`
+        follows "delete it" in that message)."""
+        try:
+            return self.api.create(obj), True
+        except ClusterError as err:
+            if err.status == 404:
+                raise LaunchError(f"{err}: the Kubeflow Trainer API ({api}) is not installed in this cluster; "
+                                  "install Kubeflow Trainer v2 (deploy/README.md)") from None
+            if err.status != 409:
+                raise
+            existing = self.api.get(kind, self.name, self.namespace)
+            if existing is None or not self._ours(existing):
+                raise LaunchError(f"a {kind} {self.namespace}/{self.name} already exists and was not created by "
+                                  f"this run; delete it{delete_hint} or choose another name") from None
+            return existing, False
+
     def create(self, runtime: dict | None, trainjob: dict) -> dict:
         """Create the runtime and the TrainJob; an existing one of the same run is re-attached."""
         if runtime is not None:
-            try:
-                self.api.create(runtime)
-            except ClusterError as err:
-                if err.status == 404:
-                    raise LaunchError(f"{err}: the Kubeflow Trainer API (trainer.kubeflow.org/v1alpha1) is not "
-                                      "installed in this cluster; install Kubeflow Trainer v2 (deploy/README.md)") from None
-                if err.status != 409:
-                    raise
-                existing = self.api.get("TrainingRuntime", self.name, self.namespace)
-                if existing is None or not self._ours(existing):
-                    raise LaunchError(f"a TrainingRuntime {self.namespace}/{self.name} already exists and was not "
-                                      "created by this run; delete it or choose another name") from None
+            self._create_or_adopt(runtime, "TrainingRuntime", "trainer.kubeflow.org/v1alpha1", "")
         self.create_token_secret()
-        try:
-            created = self.api.create(trainjob)
+        created, new = self._create_or_adopt(trainjob, "TrainJob", "trainer.kubeflow.org/v1alpha1 trainjobs",
+                                             " (`sao cluster delete NAME`)")
+        if new:
             self.say(f"created TrainJob {self.namespace}/{self.name} (runtime "
                      f"{trainjob['spec']['runtimeRef']['kind']} {trainjob['spec']['runtimeRef']['name']}"
                      + (f", Kueue queue {self.config.queue_name}" if self.config.queue_name else "") + ")")
-        except ClusterError as err:
-            if err.status == 404:
-                raise LaunchError(f"{err}: the Kubeflow Trainer API (trainer.kubeflow.org/v1alpha1 trainjobs) is not "
-                                  "installed in this cluster; install Kubeflow Trainer v2 (deploy/README.md)") from None
-            if err.status != 409:
-                raise
-            created = self.api.get("TrainJob", self.name, self.namespace)
-            if created is None or not self._ours(created):
-                raise LaunchError(f"a TrainJob {self.namespace}/{self.name} already exists and was not created by "
-                                  "this run; delete it (`sao cluster delete NAME`) or choose another name") from None
+        else:
             self.say(f"re-attaching to the existing TrainJob {self.namespace}/{self.name} of this run")
         uid = (created.get("metadata") or {}).get("uid")
         if uid:  # the token Secret goes away with the TrainJob even if nobody deletes it

@@ -5,6 +5,7 @@ rules on values (`expressions`, `nodes`: numbers, expressions, sets, tuples, int
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -428,18 +429,29 @@ def _split_top(tokens: list[str], seps: set[str]) -> list[list[str]]:
     return parts
 
 
+_OPENING = ("(", "[", "{", "\\{")
+_CLOSING = (")", "]", "}", "\\}")
+
+
+def _depths(tokens: list[str]) -> Iterator[tuple[str, int]]:
+    """Each of `tokens` with the bracket depth just after it: ``(``, ``[``, ``{`` and ``\\{`` open a level, their
+    closing tokens close one (an unmatched closing goes below 0)."""
+    depth = 0
+    for tok in tokens:
+        if tok in _OPENING:
+            depth += 1
+        elif tok in _CLOSING:
+            depth -= 1
+        yield tok, depth
+
+
 def _wrapped(tokens: list[str], opening: str, closing: str) -> bool:
     """Do `tokens` start with `opening` whose matching bracket is the last token?"""
     if len(tokens) < 2 or tokens[0] != opening or tokens[-1] != closing:
         return False
-    depth = 0
-    for k, tok in enumerate(tokens):
-        if tok in ("(", "[", "{", "\\{"):
-            depth += 1
-        elif tok in (")", "]", "}", "\\}"):
-            depth -= 1
-            if depth == 0 and k != len(tokens) - 1:
-                return False
+    for k, (tok, depth) in enumerate(_depths(tokens)):
+        if depth == 0 and tok in _CLOSING and k != len(tokens) - 1:
+            return False
     return True
 
 
@@ -570,12 +582,7 @@ def relation_chain(tokens: list[str]) -> tuple[list[list[str]], list[str]]:
     them, normalised by `_RELS`); no relation gives one side and no relations."""
     chain: list[list[str]] = [[]]
     ops: list[str] = []
-    depth = 0
-    for tok in tokens:
-        if tok in ("(", "[", "{", "\\{"):
-            depth += 1
-        elif tok in (")", "]", "}", "\\}"):
-            depth -= 1
+    for tok, depth in _depths(tokens):
         if depth == 0 and tok in _RELS:
             ops.append(_RELS[tok])
             chain.append([])
@@ -588,11 +595,7 @@ def _interval_shape(tokens: list[str]) -> bool:
     """``(a, b]`` / ``[a, b)``: a bracket pair of different kinds around a top-level comma."""
     inner = tokens[1:-1]
     depth = 0
-    for tok in inner:
-        if tok in ("(", "[", "{", "\\{"):
-            depth += 1
-        elif tok in (")", "]", "}", "\\}"):
-            depth -= 1
+    for _, depth in _depths(inner):
         if depth < 0:
             return False
     return depth == 0 and "," in inner

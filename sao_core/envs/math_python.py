@@ -20,6 +20,8 @@ directly starts none) and closed by `close()`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 from sao_core.envs.base import StepResult, Task
 from sao_core.envs.episode import Episode
@@ -44,34 +46,26 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
+@dataclass(eq=False)   # eq=False: an episode is equal only to itself (and stays hashable)
 class MathPythonEnv(Episode):
     """One math-with-python episode (see the module docstring)."""
 
-    name = NAME
-    tools = (PYTHON_TOOL,)
+    name: ClassVar[str] = NAME
+    tools: ClassVar[tuple[dict, ...]] = (PYTHON_TOOL,)
 
-    def __init__(
-        self,
-        sandbox_factory: Callable[[], Sandbox],
-        max_turns: int = 16,
-        call_timeout_s: float = 10.0,
-        max_output_chars: int = 4096,
-        grader: MathGrader | None = None,
-        grade_timeout_s: float | None = None,
-        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-        python: str = "python3",
-    ):
-        if max_turns < 1:
+    sandbox_factory: Callable[[], Sandbox]
+    max_turns: int = 16
+    call_timeout_s: float = 10.0
+    max_output_chars: int = 4096
+    grader: MathGrader | None = None
+    grade_timeout_s: float | None = None
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
+    python: str = "python3"
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
             raise ValueError("max_turns must be >= 1")
         super().__init__()
-        self.sandbox_factory = sandbox_factory
-        self.max_turns = max_turns
-        self.call_timeout_s = call_timeout_s
-        self.max_output_chars = max_output_chars
-        self.grader = grader
-        self.grade_timeout_s = grade_timeout_s
-        self.system_prompt = system_prompt
-        self.python = python
         self.sandbox: Sandbox | None = None
 
     def reset(self, task: Task) -> list[dict]:
