@@ -62,88 +62,93 @@ METRICS_LIMITS = HttpLimits(max_header_bytes=DEFAULT_MAX_HEADER_BYTES, max_heade
 
 def limited_protocol(limits: HttpLimits) -> type[H11Protocol]:
     """An h11 protocol class for uvicorn (`uvicorn.Config(http=...)`) that enforces `limits`."""
+    return type("LimitedH11Protocol", (LimitedH11Protocol,), {"limits": limits})
 
-    class LimitedH11Protocol(H11Protocol):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            # h11's own bound must not fire first (it answers a bare 400): ours is checked after each chunk.
-            self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes + (1 << 20))
+
+class LimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a request-head size limit and head / body read timeouts. Use the subclass
+    `limited_protocol(limits)` makes: uvicorn builds the protocol itself, so the limits are a class attribute."""
+
+    limits: HttpLimits
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # h11's own bound must not fire first (it answers a bare 400): ours is checked after each chunk.
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes + (1 << 20))
+        self._head_bytes = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_phase: str | None = None
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._arm("head")
+
+    def connection_lost(self, exc):
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        waiting_for_head = self.conn.their_state is h11.IDLE
+        if waiting_for_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        state = self.conn.their_state
+        if state is h11.IDLE:          # the head is still incomplete
+            if self._head_bytes > self.limits.max_header_bytes:
+                self._refuse(431, f"request head above {self.limits.max_header_bytes} bytes")
+                return
+            self._arm("head")
+        else:
             self._head_bytes = 0
-            self._timer: asyncio.TimerHandle | None = None
-            self._timer_phase: str | None = None
+            if state is h11.SEND_BODY:
+                self._arm("body")
+            else:
+                self._disarm()
 
-        def connection_made(self, transport):
-            super().connection_made(transport)
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # The next request's head is timed from the end of this response (uvicorn's keep-alive timer
+        # closes the connection earlier if nothing at all arrives).
+        self._head_bytes = 0
+        if not self.transport.is_closing():
             self._arm("head")
 
-        def connection_lost(self, exc):
-            self._disarm()
-            super().connection_lost(exc)
+    # ---------------------------------------------------------------- timers
+    def _arm(self, phase: str) -> None:
+        if self._timer is not None and self._timer_phase == phase:
+            return
+        self._disarm()
+        delay = self.limits.header_timeout_s if phase == "head" else self.limits.body_timeout_s
+        self._timer = self.loop.call_later(delay, self._expired, phase)
+        self._timer_phase = phase
 
-        def data_received(self, data: bytes) -> None:
-            waiting_for_head = self.conn.their_state is h11.IDLE
-            if waiting_for_head:
-                self._head_bytes += len(data)
-            super().data_received(data)
-            if self.transport.is_closing():
-                return
-            state = self.conn.their_state
-            if state is h11.IDLE:          # the head is still incomplete
-                if self._head_bytes > limits.max_header_bytes:
-                    self._refuse(431, f"request head above {limits.max_header_bytes} bytes")
-                    return
-                self._arm("head")
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_phase = None, None
+
+    def _expired(self, phase: str) -> None:
+        self._timer, self._timer_phase = None, None
+        if self.transport.is_closing():
+            return
+        if phase == "head" and self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
+            if self._head_bytes:
+                self._refuse(408, f"request head not received within {self.limits.header_timeout_s} s")
             else:
-                self._head_bytes = 0
-                if state is h11.SEND_BODY:
-                    self._arm("body")
-                else:
-                    self._disarm()
+                self.transport.close()
+        elif phase == "body" and self.conn.their_state is h11.SEND_BODY:
+            self.transport.close()   # the app sees a disconnect
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            # The next request's head is timed from the end of this response (uvicorn's keep-alive timer
-            # closes the connection earlier if nothing at all arrives).
-            self._head_bytes = 0
-            if not self.transport.is_closing():
-                self._arm("head")
-
-        # ---------------------------------------------------------------- timers
-        def _arm(self, phase: str) -> None:
-            if self._timer is not None and self._timer_phase == phase:
-                return
-            self._disarm()
-            delay = limits.header_timeout_s if phase == "head" else limits.body_timeout_s
-            self._timer = self.loop.call_later(delay, self._expired, phase)
-            self._timer_phase = phase
-
-        def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer, self._timer_phase = None, None
-
-        def _expired(self, phase: str) -> None:
-            self._timer, self._timer_phase = None, None
-            if self.transport.is_closing():
-                return
-            if phase == "head" and self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
-                if self._head_bytes:
-                    self._refuse(408, f"request head not received within {limits.header_timeout_s} s")
-                else:
-                    self.transport.close()
-            elif phase == "body" and self.conn.their_state is h11.SEND_BODY:
-                self.transport.close()   # the app sees a disconnect
-
-        def _refuse(self, status: int, message: str) -> None:
-            self._disarm()
-            reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
-            body = message.encode()
-            head = (b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
-                    b"connection: close\r\n\r\n" % (status, reason, len(body)))
-            self.transport.write(head + body)
-            self.transport.close()
-
-    return LimitedH11Protocol
+    def _refuse(self, status: int, message: str) -> None:
+        self._disarm()
+        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        body = message.encode()
+        head = (b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n" % (status, reason, len(body)))
+        self.transport.write(head + body)
+        self.transport.close()
 
 
 class HeaderCount:

@@ -28,15 +28,14 @@ import functools
 import json
 import logging
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from sao_core.rollout.admission import DEFAULT_RULE, RULES
 from sao_core.rollout.auth import REALM, is_loopback, same_token
 from sao_core.rollout.engines.base import SEED_LIMIT, SamplingParams
 from sao_core.rollout.manager import (
@@ -48,12 +47,9 @@ from sao_core.rollout.manager import (
     RolloutPlan,
     ScoreBusyError,
 )
+from sao_core.rollout.plan import SEED_MAX, request_model
 
 log = logging.getLogger(__name__)
-
-#: the largest seed a request may give: 2^53 - 1, the largest integer every JSON client (and JSON-schema
-#: tools, which compare bounds as floats) holds exactly; the engines themselves take [0, 2^63)
-SEED_MAX = 2**53 - 1
 
 
 class _Strict(BaseModel):
@@ -96,39 +92,8 @@ def _bounded_options(value: dict) -> dict:
     return value
 
 
-class PlanRequest(_Strict):
-    dataset: str = Field(min_length=1, description="prepared rl dataset: directory, data.jsonl or s3:// URI")
-    rollouts_per_prompt: int = Field(1, ge=1, le=1024)
-    epochs: int = Field(1, ge=0)
-    shuffle: bool = True
-    seed: int = Field(0, ge=0, le=SEED_MAX)
-    limit: int | None = Field(None, ge=1)
-    max_in_flight: int = Field(64, ge=1, le=100_000)
-    env_concurrency: dict[str, int] = Field(default_factory=dict)
-    env_options: Annotated[dict[str, dict[str, Any]], AfterValidator(_bounded_options)] = Field(default_factory=dict)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    max_new_tokens_per_turn: int = Field(256, ge=1, le=1_000_000)
-    max_total_tokens: int = Field(4096, ge=1, le=10_000_000)
-    episode_timeout_s: float = Field(0.0, ge=0)
-    max_staleness: int | None = Field(None, ge=0, le=1_000_000, description=(
-        "the learner's staleness bound S in weights versions (rollout/admission.py); None: episodes run to the end "
-        "whole. With it an episode past the rule's bound ends before its next turn as 'stale'"))
-    training: bool = True
-    start_position: int = Field(0, ge=0, description="skip prompt slots before this stream position")
-    skip_positions: list[Annotated[int, Field(ge=0)]] = Field(
-        default_factory=list, max_length=1_000_000,
-        description="stream positions at or after start_position a resumed learner has settled already")
-    admission: Literal[RULES] = Field(
-        DEFAULT_RULE, description="the learner's admission rule (rollout/admission.py); requeue lets acks re-queue a "
-                                  "dropped position once; fragments cuts long episodes at turn boundaries")
-    hard_staleness: int = Field(0, ge=0, le=1_000_000, description="safety bound of no_drop / fragments in versions "
-                                                                   "(0: 4 x max_staleness)")
-    batch_size: int = Field(0, ge=0, le=1_000_000, description="the learner's batch size B (fragments: generation "
-                                                               "waits while its backlog is max(1, S - S//2 - 1)·B pieces)")
-    shard: int = Field(0, ge=0, description="this service's share of the prompt stream (0-based)")
-    num_shards: int = Field(1, ge=1, le=100_000, description="services sharing one prompt stream")
+#: a plan in POST /v1/rollouts/start: RolloutPlan's fields, defaults and HTTP bounds (rollout/plan.py)
+PlanRequest = request_model("PlanRequest", _Strict, {"env_options": (AfterValidator(_bounded_options),)})
 
 
 class AckRequest(_Strict):
@@ -306,8 +271,25 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
     Without a token the service answers only loopback Hosts and same-host origins (`LoopbackGuard`), unless
     `insecure` (served without a token on purpose, on any address).
     """
-    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+    app = FastAPI(title="SAO rollout service", version="1")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if token is None and not insecure:
+        app.add_middleware(LoopbackGuard)
+    _add_error_handlers(app)
+    guarded = [Depends(_bearer_check(token))]
+    metrics = _metrics_router(manager)   # built first: its tool-latency listener joins the manager now
+    # In this order: the order of the paths in /openapi.json.
+    app.include_router(_status_router(manager, guarded))
+    app.include_router(_rollouts_router(manager, guarded))
+    app.include_router(_weights_router(manager, guarded))
+    app.include_router(_control_router(manager, guarded, on_shutdown))
+    app.include_router(_sampling_router(manager, guarded))
+    app.include_router(metrics)
+    return app
 
+
+def _bearer_check(token: str | None):
+    """The dependency of every /v1 endpoint: 401 unless the request's bearer token is `token` (None: no check)."""
     bearer = HTTPBearer(auto_error=False, scheme_name="rolloutToken",
                         description="the run's rollout token ($SAO_ROLLOUT_TOKEN or a mounted Secret file)")
 
@@ -318,68 +300,79 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
             raise HTTPException(status_code=401, detail="missing or wrong bearer token (Authorization: Bearer ...)",
                                 headers={"WWW-Authenticate": f'Bearer realm="{REALM}"'})
 
-    app = FastAPI(title="SAO rollout service", version="1")
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    if token is None and not insecure:
-        app.add_middleware(LoopbackGuard)
-    guarded = {"dependencies": [Depends(authenticated)]}
-    shutdown_tasks: set[asyncio.Task] = set()
-    registry = CollectorRegistry()
-    gauges = {name: Gauge(f"sao_rollout_{name}", doc, registry=registry) for name, doc in {
-        "tokens_generated": "tokens sampled by the engine since start",
-        "in_flight": "episodes started and not yet acknowledged",
-        "tokens_per_second": "tokens sampled per second since start",
-        "weight_load_seconds": "seconds the last weight update took",
-        "policy_version": "policy version of the weights in use",
-    }.items()}
-    episodes = Gauge("sao_rollout_episodes", "finished episodes by finish reason", ["finish_reason"], registry=registry)
-    tool_latency = Histogram("sao_rollout_tool_seconds", "tool seconds per episode", registry=registry,
-                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-    manager.listeners.append(lambda t: tool_latency.observe(t.timings.tool_seconds))
+    return authenticated
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError):
-        # Where and what, never the input itself: it may not be encodable (NaN, an unpaired surrogate) or be
-        # large, and echoing it made FastAPI's own handler answer 500.
-        def clean(text) -> str:
-            return str(text).encode("utf-8", "backslashreplace").decode("utf-8")[:500]
 
-        detail = [{"loc": [clean(x) if isinstance(x, str) else x for x in e.get("loc", ())],
-                   "msg": clean(e.get("msg", "")), "type": clean(e.get("type", ""))} for e in err.errors()[:20]]
-        return JSONResponse(status_code=422, content={"detail": detail})
+# ------------------------------------------------------------------------------------------ errors
 
-    @app.exception_handler(ForbiddenError)
-    async def _forbidden(_: Request, err: ForbiddenError):
-        return JSONResponse(status_code=403, content={"detail": str(err)})
+def _add_error_handlers(app: FastAPI) -> None:
+    """422 for an invalid request (where and what, never the input), and the manager's errors: ForbiddenError
+    403, ConflictError 409, any other RolloutError 400; each as {"detail": ...}."""
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(ForbiddenError, _forbidden)
+    app.add_exception_handler(ConflictError, _conflict)
+    app.add_exception_handler(RolloutError, _bad)
 
-    @app.exception_handler(ConflictError)
-    async def _conflict(_: Request, err: ConflictError):
-        return JSONResponse(status_code=409, content={"detail": str(err)})
 
-    @app.exception_handler(RolloutError)
-    async def _bad(_: Request, err: RolloutError):
-        return JSONResponse(status_code=400, content={"detail": str(err)})
+def _clean(text) -> str:
+    """`text` as a string that always encodes (unpaired surrogates escaped), at most 500 characters."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")[:500]
 
-    @app.get("/healthz")
+
+async def _invalid(_: Request, err: RequestValidationError):
+    # Where and what, never the input itself: it may not be encodable (NaN, an unpaired surrogate) or be
+    # large, and echoing it made FastAPI's own handler answer 500.
+    detail = [{"loc": [_clean(x) if isinstance(x, str) else x for x in e.get("loc", ())],
+               "msg": _clean(e.get("msg", "")), "type": _clean(e.get("type", ""))} for e in err.errors()[:20]]
+    return JSONResponse(status_code=422, content={"detail": detail})
+
+
+async def _forbidden(_: Request, err: ForbiddenError):
+    return JSONResponse(status_code=403, content={"detail": str(err)})
+
+
+async def _conflict(_: Request, err: ConflictError):
+    return JSONResponse(status_code=409, content={"detail": str(err)})
+
+
+async def _bad(_: Request, err: RolloutError):
+    return JSONResponse(status_code=400, content={"detail": str(err)})
+
+
+# ------------------------------------------------------------------------------------------ routers
+
+def _status_router(manager: RolloutManager, guarded: list) -> APIRouter:
+    """GET /healthz (open) and GET /v1/status."""
+    router = APIRouter()
+
+    @router.get("/healthz")
     async def healthz() -> dict:
         return {"ok": True, "version": manager.engine.version}
 
-    @app.get("/v1/status", **guarded, responses={**UNAUTHORIZED})
+    @router.get("/v1/status", dependencies=guarded, responses={**UNAUTHORIZED})
     async def status() -> dict:
         return manager.status()
 
-    @app.post("/v1/rollouts/start", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
+    return router
+
+
+def _rollouts_router(manager: RolloutManager, guarded: list) -> APIRouter:
+    """The plan and its trajectories: POST /v1/rollouts/start and /stop, GET /v1/trajectories, POST /ack."""
+    router = APIRouter()
+
+    @router.post("/v1/rollouts/start", dependencies=guarded,
+                 responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
     async def start(plan: PlanRequest) -> dict:
         rollout_plan = RolloutPlan(**plan.model_dump())
         tasks = await asyncio.to_thread(manager.load_tasks, rollout_plan)   # reading a dataset: off the loop
         return manager.start(rollout_plan, tasks)
 
-    @app.post("/v1/rollouts/stop", **guarded, responses={**UNAUTHORIZED})
+    @router.post("/v1/rollouts/stop", dependencies=guarded, responses={**UNAUTHORIZED})
     async def stop() -> dict:
         await manager.stop()
         return manager.status()
 
-    @app.get("/v1/trajectories", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED})
+    @router.get("/v1/trajectories", dependencies=guarded, responses={**BAD_REQUEST, **UNAUTHORIZED})
     async def take(consumer: str = Query(min_length=1, max_length=200),
                    max: int = Query(1, ge=1, le=10_000),  # noqa: A002 - the wire name
                    wait_s: float = Query(0.0, ge=0, le=300),
@@ -389,26 +382,35 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
         return {"trajectories": [t.to_dict() for t in items], "redelivered": redelivered,
                 "version": manager.engine.version, "plan_done": manager.plan_done and not manager.status()["ready"]}
 
-    @app.post("/v1/trajectories/ack", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
+    @router.post("/v1/trajectories/ack", dependencies=guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
     async def ack(body: AckRequest) -> dict:
         return manager.ack(body.ids, body.dropped, body.requeue)
 
-    @app.post("/v1/weights", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **FORBIDDEN, **CONFLICT, **TOO_LARGE})
+    return router
+
+
+def _weights_router(manager: RolloutManager, guarded: list) -> APIRouter:
+    """Weight updates: POST /v1/weights (from a checkpoint), and over a learner's weight channel GET
+    /v1/weights/spec, POST /v1/weights/channel, /receive and /commit."""
+    from sao_core.rollout.channel import ChannelError, ServiceChannel, check_spec, dtype_name, parse_dtype
+
+    router = APIRouter()
+    channel = ServiceChannel()
+
+    @router.post("/v1/weights", dependencies=guarded,
+                 responses={**BAD_REQUEST, **UNAUTHORIZED, **FORBIDDEN, **CONFLICT, **TOO_LARGE})
     async def weights(body: WeightsRequest) -> dict:
         return await manager.update_weights(body.version, body.uri, body.sha256, resync=body.resync)
 
-    from sao_core.rollout.channel import ChannelError, ServiceChannel, check_spec, dtype_name, parse_dtype
-
-    channel = ServiceChannel()
-
-    @app.get("/v1/weights/spec", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED})
+    @router.get("/v1/weights/spec", dependencies=guarded, responses={**BAD_REQUEST, **UNAUTHORIZED})
     async def weights_spec() -> dict:
         model = manager.weight_model()
         return {"tensors": [[name, list(t.shape), dtype_name(t.dtype)]
                             for name, t in model.state_dict(keep_vars=True).items()],
                 "version": manager.engine.version}
 
-    @app.post("/v1/weights/channel", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
+    @router.post("/v1/weights/channel", dependencies=guarded,
+                 responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
     async def weights_channel(body: ChannelRequest) -> dict:
         """Join a learner's weight channel (leaving any earlier one); answers once the whole group is formed."""
         manager.weight_model()
@@ -425,7 +427,8 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
         finally:
             channel.joining = False
 
-    @app.post("/v1/weights/receive", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
+    @router.post("/v1/weights/receive", dependencies=guarded,
+                 responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
     async def weights_receive(body: ReceiveRequest) -> dict:
         """Check an announced update against the engine and the version rules, then start receiving it: the
         learner broadcasts only after every service answered ready."""
@@ -444,7 +447,8 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
         channel.start(body.version, body.resync, spec, body.digest, body.bucket_bytes)
         return {"ready": True, "version": body.version}
 
-    @app.post("/v1/weights/commit", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
+    @router.post("/v1/weights/commit", dependencies=guarded,
+                 responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
     async def weights_commit(body: CommitRequest) -> dict:
         """Wait for the receive of `version` and apply it (the manager's version rules and lock, the engine's
         digest check); answers like POST /v1/weights with the digest the engine recomputed."""
@@ -457,85 +461,72 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
             raise RolloutError(f"{outcome['error']}; the current weights (version {manager.engine.version}) stay")
         return await manager.update_in_memory(outcome["update"], resync)
 
-    @app.post("/v1/pause", **guarded, responses={**UNAUTHORIZED})
+    return router
+
+
+def _control_router(manager: RolloutManager, guarded: list, on_shutdown) -> APIRouter:
+    """POST /v1/pause, /v1/resume and /v1/shutdown (graceful; then `on_shutdown()`)."""
+    router = APIRouter()
+    shutdown_tasks: set[asyncio.Task] = set()
+
+    @router.post("/v1/pause", dependencies=guarded, responses={**UNAUTHORIZED})
     async def pause() -> dict:
         await manager.pause()
         return {"paused": True}
 
-    @app.post("/v1/resume", **guarded, responses={**UNAUTHORIZED})
+    @router.post("/v1/resume", dependencies=guarded, responses={**UNAUTHORIZED})
     async def resume() -> dict:
         await manager.resume()
         return {"paused": False}
 
-    @app.post("/v1/shutdown", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
+    @router.post("/v1/shutdown", dependencies=guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
     async def shutdown(body: ShutdownRequest | None = None) -> dict:
         grace = body.grace_s if body else 30.0
-
-        async def finish():
-            log.info("shutdown requested: running episodes get %.0f s to finish", grace)
-            try:
-                await manager.shutdown(grace)
-                log.info("rollout service stopped; exiting")
-            except Exception:  # the process must still exit, or its TrainJob never ends
-                log.exception("graceful shutdown failed; exiting anyway")
-            finally:
-                if on_shutdown is not None:
-                    on_shutdown()
-
         # The loop keeps only a weak reference to a task: without this one it can be collected mid-shutdown.
-        task = asyncio.get_running_loop().create_task(finish())
+        task = asyncio.get_running_loop().create_task(_shut_down(manager, grace, on_shutdown))
         shutdown_tasks.add(task)
         task.add_done_callback(shutdown_tasks.discard)
         return {"shutting_down": True, "grace_s": grace}
 
-    @app.post("/v1/generate", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
+    return router
+
+
+async def _shut_down(manager: RolloutManager, grace_s: float, on_shutdown) -> None:
+    """Stop the manager, running episodes getting `grace_s` seconds, then call `on_shutdown()` whatever happened."""
+    log.info("shutdown requested: running episodes get %.0f s to finish", grace_s)
+    try:
+        await manager.shutdown(grace_s)
+        log.info("rollout service stopped; exiting")
+    except Exception:  # the process must still exit, or its TrainJob never ends
+        log.exception("graceful shutdown failed; exiting anyway")
+    finally:
+        if on_shutdown is not None:
+            on_shutdown()
+
+
+#: POST /v1/score's answer when too many scores run or wait
+SCORE_BUSY = {429: {**_error("too many scores running or waiting; retry after Retry-After seconds"),
+                    "headers": {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}}}
+
+
+def _sampling_router(manager: RolloutManager, guarded: list) -> APIRouter:
+    """Sampling and scoring under the weights in use: POST /v1/generate (evaluation) and POST /v1/score."""
+    router = APIRouter()
+
+    @router.post("/v1/generate", dependencies=guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE})
     async def generate(body: GenerateRequest) -> dict:
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                 max_new_tokens=body.max_new_tokens, seed=body.seed)
         tokenizer = manager.tokenizer
-        from sao_core.rollout.episode import prompt_tokens
-
         limit = getattr(manager.engine, "context_length", None)
         if limit is not None:
-            # Bounded before any work in proportion to the input: a prompt of more characters than the context
-            # times the longest token's cannot fit, and is refused without tokenising it.
-            most = limit * _longest_token_chars(tokenizer)
-            for i, prompt in enumerate(body.prompts):
-                if prompt and not all(isinstance(x, int) for x in prompt):
-                    chars = sum(len(str(m.get("content", ""))) for m in prompt if isinstance(m, dict))
-                    if chars > most:
-                        raise RolloutError(f"prompts[{i}]: {chars} characters cannot fit the engine's context of "
-                                           f"{limit} tokens")
-
-        def tokenise() -> list[list[int]]:
-            out = []
-            for i, prompt in enumerate(body.prompts):
-                if prompt and all(isinstance(x, int) for x in prompt):
-                    if any(x < 0 or x >= len(tokenizer) for x in prompt):
-                        raise RolloutError(f"prompts[{i}]: token id out of range [0, {len(tokenizer)})")
-                    out.append(list(prompt))
-                else:
-                    try:
-                        out.append(prompt_tokens(tokenizer, prompt))
-                    except Exception as err:
-                        raise RolloutError(f"prompts[{i}]: not valid chat messages ({err})") from err
-            return out
-
-        prompt_ids = await asyncio.to_thread(tokenise)   # off the event loop: health checks and acks go on
+            _check_prompt_chars(body.prompts, limit, tokenizer)
+        # off the event loop: health checks and acks go on
+        prompt_ids = await asyncio.to_thread(_tokenise_prompts, body.prompts, tokenizer)
         if limit is not None:
-            for i, ids in enumerate(prompt_ids):
-                if len(ids) >= limit:
-                    raise RolloutError(f"prompts[{i}]: {len(ids)} tokens; the engine's context is {limit} tokens "
-                                       f"({getattr(manager.engine, 'context_source', 'max_model_len')}), which "
-                                       "leaves no room to generate")
-        jobs = []
-        for i, ids in enumerate(prompt_ids):
-            # Generation stops at the end of the context (finish_reason "length").
-            room = params.max_new_tokens if limit is None else min(params.max_new_tokens, limit - len(ids))
-            for k in range(body.n):
-                seed = None if body.seed is None else (body.seed + i * body.n + k) % SEED_LIMIT
-                jobs.append(manager.engine.generate(ids, SamplingParams(**{**params.__dict__, "seed": seed,
-                                                                          "max_new_tokens": room})))
+            _check_prompt_tokens(prompt_ids, limit, getattr(manager.engine, "context_source", "max_model_len"))
+        jobs = [manager.engine.generate(ids, sample_params)
+                for ids, sample_params in _sample_params(prompt_ids, params, body.n, body.seed, limit)]
         results = await asyncio.gather(*jobs)
         out = []
         for i in range(len(prompt_ids)):
@@ -545,10 +536,8 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
                          if g.versions else manager.engine.version} for g in samples])
         return {"results": out}
 
-    score_busy = {429: {**_error("too many scores running or waiting; retry after Retry-After seconds"),
-                        "headers": {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}}}
-
-    @app.post("/v1/score", **guarded, responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE, **score_busy})
+    @router.post("/v1/score", dependencies=guarded,
+                 responses={**BAD_REQUEST, **UNAUTHORIZED, **TOO_LARGE, **SCORE_BUSY})
     async def score(body: ScoreRequest) -> dict:
         """Log-probs of token_ids[start:] under the weights in use and their version (the learner's delivery
         check after a weight push). Scores run one at a time and a weight update goes before those waiting; above
@@ -567,7 +556,86 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
             raise HTTPException(status_code=429, detail=str(err),
                                 headers={"Retry-After": str(SCORE_RETRY_AFTER_S)}) from err
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"}})
+    return router
+
+
+def _is_token_ids(prompt: list) -> bool:
+    """Whether a /v1/generate prompt is token ids (else chat messages)."""
+    return bool(prompt) and all(isinstance(x, int) for x in prompt)
+
+
+def _check_prompt_chars(prompts: list[list], limit: int, tokenizer) -> None:
+    """RolloutError for a chat prompt of more characters than `limit` tokens of the tokenizer's longest entry can
+    hold: bounded before any work in proportion to the input, so such a prompt is refused without tokenising it."""
+    most = limit * _longest_token_chars(tokenizer)
+    for i, prompt in enumerate(prompts):
+        if not _is_token_ids(prompt):
+            chars = sum(len(str(m.get("content", ""))) for m in prompt if isinstance(m, dict))
+            if chars > most:
+                raise RolloutError(f"prompts[{i}]: {chars} characters cannot fit the engine's context of "
+                                   f"{limit} tokens")
+
+
+def _tokenise_prompts(prompts: list[list], tokenizer) -> list[list[int]]:
+    """Token ids of each prompt: token ids as given (checked against the vocabulary), chat messages through the
+    tokenizer's chat template (RolloutError naming the prompt otherwise)."""
+    from sao_core.rollout.episode import prompt_tokens
+
+    out = []
+    for i, prompt in enumerate(prompts):
+        if _is_token_ids(prompt):
+            if any(x < 0 or x >= len(tokenizer) for x in prompt):
+                raise RolloutError(f"prompts[{i}]: token id out of range [0, {len(tokenizer)})")
+            out.append(list(prompt))
+        else:
+            try:
+                out.append(prompt_tokens(tokenizer, prompt))
+            except Exception as err:
+                raise RolloutError(f"prompts[{i}]: not valid chat messages ({err})") from err
+    return out
+
+
+def _check_prompt_tokens(prompt_ids: list[list[int]], limit: int, context_source: str) -> None:
+    """RolloutError for a prompt that leaves no room to generate within the engine's context of `limit` tokens."""
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) >= limit:
+            raise RolloutError(f"prompts[{i}]: {len(ids)} tokens; the engine's context is {limit} tokens "
+                               f"({context_source}), which leaves no room to generate")
+
+
+def _sample_params(prompt_ids: list[list[int]], params: SamplingParams, n: int, seed: int | None,
+                   limit: int | None) -> list[tuple[list[int], SamplingParams]]:
+    """(prompt, sampling) of each of the `n` samples per prompt, prompt by prompt: sample k of prompt i is seeded
+    seed + i * n + k (mod 2^63), and stops at the end of the context of `limit` tokens (finish_reason "length")."""
+    out = []
+    for i, ids in enumerate(prompt_ids):
+        room = params.max_new_tokens if limit is None else min(params.max_new_tokens, limit - len(ids))
+        for k in range(n):
+            sample_seed = None if seed is None else (seed + i * n + k) % SEED_LIMIT
+            out.append((ids, SamplingParams(**{**params.__dict__, "seed": sample_seed, "max_new_tokens": room})))
+    return out
+
+
+def _metrics_router(manager: RolloutManager) -> APIRouter:
+    """GET /metrics (open): the service's Prometheus gauges and its tool-latency histogram, which starts listening
+    to the manager's finished trajectories here."""
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    gauges = {name: Gauge(f"sao_rollout_{name}", doc, registry=registry) for name, doc in {
+        "tokens_generated": "tokens sampled by the engine since start",
+        "in_flight": "episodes started and not yet acknowledged",
+        "tokens_per_second": "tokens sampled per second since start",
+        "weight_load_seconds": "seconds the last weight update took",
+        "policy_version": "policy version of the weights in use",
+    }.items()}
+    episodes = Gauge("sao_rollout_episodes", "finished episodes by finish reason", ["finish_reason"], registry=registry)
+    tool_latency = Histogram("sao_rollout_tool_seconds", "tool seconds per episode", registry=registry,
+                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+    manager.listeners.append(lambda t: tool_latency.observe(t.timings.tool_seconds))
+    router = APIRouter()
+
+    @router.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"}})
     async def metrics() -> PlainTextResponse:
         stats = manager.engine.stats()
         elapsed = max(time.time() - manager.started_at, 1e-9)
@@ -580,4 +648,4 @@ def create_app(manager: RolloutManager, on_shutdown=None, token: str | None = No
             episodes.labels(finish_reason=reason).set(count)
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
-    return app
+    return router

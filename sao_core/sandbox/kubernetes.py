@@ -174,41 +174,13 @@ def pod_manifest(
     `mount_workdir`: an emptyDir at `workdir` (writable also as non-root); set False when the work
     dir comes with the image (SWE-bench's /testbed). `run_as_non_root` needs an image whose USER is
     not root, or `run_as_user`."""
-    memory = f"{max(1, int(limits.memory_mb))}Mi"
-    resources: dict[str, dict[str, str]] = {"requests": {"cpu": cpu, "memory": memory},
-                                            "limits": {"cpu": cpu, "memory": memory}}
-    if ephemeral_storage:
-        resources["requests"]["ephemeral-storage"] = ephemeral_storage
-        resources["limits"]["ephemeral-storage"] = ephemeral_storage
-    all_labels = {
-        **(labels or {}),
-        **MANAGED_BY_LABELS,
-        NETWORK_LABEL: "allowed" if limits.network else "none",
-    }
-    if sandbox_id:
-        all_labels[SANDBOX_ID_LABEL] = sandbox_id
-    container_sc: dict[str, Any] = {
-        "allowPrivilegeEscalation": False,
-        "privileged": False,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-    if drop_capabilities:
-        container_sc["capabilities"] = {"drop": ["ALL"]}
-    pod_sc: dict[str, Any] = {}
-    if run_as_non_root:
-        container_sc["runAsNonRoot"] = True
-        pod_sc["runAsNonRoot"] = True
-    if run_as_user is not None:
-        container_sc["runAsUser"] = int(run_as_user)
-        pod_sc["runAsUser"] = int(run_as_user)
-        pod_sc["runAsGroup"] = int(run_as_user)
-        pod_sc["fsGroup"] = int(run_as_user)
+    container_sc, pod_sc = _security_contexts(drop_capabilities, run_as_non_root, run_as_user)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": image,
         "command": ["sleep", "infinity"],
         "workingDir": workdir,
-        "resources": resources,
+        "resources": _resources(cpu, limits.memory_mb, ephemeral_storage),
         "securityContext": container_sc,
         "stdin": False,
         "tty": False,
@@ -231,6 +203,64 @@ def pod_manifest(
         if ephemeral_storage:
             volume["emptyDir"]["sizeLimit"] = ephemeral_storage
         spec["volumes"] = [volume]
+    spec.update(_placement(service_account, node_selector, tolerations, max_lifetime_s))
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": _pod_labels(labels, limits.network, sandbox_id)},
+        "spec": spec,
+    }
+
+
+def _resources(cpu: str, memory_mb: int, ephemeral_storage: str | None) -> dict[str, dict[str, str]]:
+    """Equal requests and limits: `cpu` (Kubernetes quantity), `memory_mb` MiB, and the ephemeral storage if given."""
+    memory = f"{max(1, int(memory_mb))}Mi"
+    resources: dict[str, dict[str, str]] = {"requests": {"cpu": cpu, "memory": memory},
+                                            "limits": {"cpu": cpu, "memory": memory}}
+    if ephemeral_storage:
+        resources["requests"]["ephemeral-storage"] = ephemeral_storage
+        resources["limits"]["ephemeral-storage"] = ephemeral_storage
+    return resources
+
+
+def _pod_labels(labels: dict[str, str] | None, network: bool, sandbox_id: str | None) -> dict[str, str]:
+    """The caller's labels plus the bulk-cleanup labels, the network label the NetworkPolicy selects, and the id."""
+    all_labels = {
+        **(labels or {}),
+        **MANAGED_BY_LABELS,
+        NETWORK_LABEL: "allowed" if network else "none",
+    }
+    if sandbox_id:
+        all_labels[SANDBOX_ID_LABEL] = sandbox_id
+    return all_labels
+
+
+def _security_contexts(drop_capabilities: bool, run_as_non_root: bool,
+                       run_as_user: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the container's securityContext, the pod's; empty when the image's user is kept)."""
+    container_sc: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if drop_capabilities:
+        container_sc["capabilities"] = {"drop": ["ALL"]}
+    pod_sc: dict[str, Any] = {}
+    if run_as_non_root:
+        container_sc["runAsNonRoot"] = True
+        pod_sc["runAsNonRoot"] = True
+    if run_as_user is not None:
+        container_sc["runAsUser"] = int(run_as_user)
+        pod_sc["runAsUser"] = int(run_as_user)
+        pod_sc["runAsGroup"] = int(run_as_user)
+        pod_sc["fsGroup"] = int(run_as_user)
+    return container_sc, pod_sc
+
+
+def _placement(service_account: str | None, node_selector: dict[str, str] | None,
+               tolerations: list[dict[str, Any]] | None, max_lifetime_s: int | None) -> dict[str, Any]:
+    """The optional pod spec fields: service account, node selector, tolerations, lifetime backstop (seconds)."""
+    spec: dict[str, Any] = {}
     if service_account:
         spec["serviceAccountName"] = service_account
     if node_selector:
@@ -239,12 +269,7 @@ def pod_manifest(
         spec["tolerations"] = [dict(t) for t in tolerations]
     if max_lifetime_s:
         spec["activeDeadlineSeconds"] = int(max_lifetime_s)
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": all_labels},
-        "spec": spec,
-    }
+    return spec
 
 
 def network_policy_manifest(namespace: str = "default", name: str = "sao-sandbox-no-network") -> dict[str, Any]:
@@ -324,11 +349,12 @@ class KubernetesPodSandbox:
         poll_interval_s: float = 1.0,
         name_prefix: str = "sao-sbx",
     ):
+        """The pod's shape (node_selector ... max_lifetime_s) is `pod_manifest`'s; `api`: a CoreV1Api (default:
+        from the cluster's or the kubeconfig's configuration). Times in seconds."""
         self.limits = limits
         self.namespace = namespace
         self.workdir = workdir
         self.exec_grace_s = exec_grace_s
-        self.api = api if api is not None else load_core_v1_api()
         self.sandbox_id = uuid.uuid4().hex[:12]
         self.name = f"{name_prefix}-{self.sandbox_id}"
         self.manifest = pod_manifest(
@@ -338,6 +364,7 @@ class KubernetesPodSandbox:
             ephemeral_storage=ephemeral_storage, mount_workdir=mount_workdir,
             drop_capabilities=drop_capabilities, max_lifetime_s=max_lifetime_s, sandbox_id=self.sandbox_id,
         )
+        self.api = api if api is not None else load_core_v1_api()
         self._exec_lock = threading.Lock()
         self._exec_api: Any = None
         self._closed = False

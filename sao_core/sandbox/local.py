@@ -389,6 +389,27 @@ class _Capture:
         return bytes(self.buf).decode("utf-8", errors="replace")
 
 
+def _command_argv(command: str | list[str]) -> list[str]:
+    """The argv of a sandbox command: a string runs under `bash -c`; a list is the argv (ValueError when empty)."""
+    if isinstance(command, str):
+        return ["bash", "-c", command]
+    argv = [os.fspath(a) for a in command]
+    if not argv:
+        raise ValueError("empty command")
+    return argv
+
+
+def _read_to_end(fd: int) -> bytes:
+    """All bytes from `fd` until EOF; closes it."""
+    data = b""
+    try:
+        while chunk := os.read(fd, _CHUNK):
+            data += chunk
+    finally:
+        os.close(fd)
+    return data
+
+
 def _feed(fd: int, data: bytes) -> None:
     """Write stdin in a thread (a child that does not read must not block us), then close it."""
     try:
@@ -636,30 +657,49 @@ class LocalSandbox:
     # ------------------------------------------------------------------ Sandbox protocol
 
     def exec(self, command: str | list[str], timeout_s: float | None = None, stdin: str | None = None) -> ExecResult:
+        """Run `command` (a string for bash, or an argv) in the jail with `stdin` as its input, for at most
+        `timeout_s` seconds (default `limits.wall_seconds`). SandboxError when the jail could not run it."""
         if self._closed:
             raise SandboxError("sandbox is closed")
-        if isinstance(command, str):
-            argv = ["bash", "-c", command]
-        else:
-            argv = [os.fspath(a) for a in command]
-            if not argv:
-                raise ValueError("empty command")
+        argv = _command_argv(command)
         timeout = self.limits.wall_seconds if timeout_s is None else float(timeout_s)
         status_r = status_w = None
-        pass_fds: tuple[int, ...] = ()
         if "--json-status-fd" in self._features:
             status_r, status_w = os.pipe()  # tells a failed jail set-up from a failing command
-            pass_fds = (status_w,)
         full = self.bwrap_argv(argv, status_w)
-        user_kw = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []} if self._as_root else {}
         start = time.monotonic()
+        proc = self._spawn(full, stdin is not None, status_r, status_w)
+        out, err, feeder = self._capture(proc, stdin)
+        timed_out, over = self._wait(proc, timeout)
+        # The PID namespace is gone with bwrap, so every writer of the pipes is dead: EOF follows.
+        for t in (out.thread, err.thread) + ((feeder,) if feeder else ()):
+            t.join(timeout=10)
+        seconds = time.monotonic() - start
+        jail_status = _read_to_end(status_r) if status_r is not None else None
+        stderr_text = err.text()
+        code = self._exit_code(proc.returncode, timed_out, over, jail_status, stderr_text)
+        return ExecResult(
+            exit_code=code,
+            stdout=out.text(),
+            stderr=stderr_text,
+            timed_out=timed_out,
+            truncated=out.truncated or err.truncated,
+            seconds=seconds,
+        )
+
+    def _spawn(self, full: list[str], with_stdin: bool, status_r: int | None, status_w: int | None):
+        """Start bwrap (`full`) in a session of its own, as the sandbox user when running as root, and track it
+        for close(). The write end of the status pipe is closed here either way (the child has its copy); the
+        read end too when the start failed."""
+        pass_fds: tuple[int, ...] = (status_w,) if status_w is not None else ()
+        user_kw = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []} if self._as_root else {}
         try:
             with self._lock:
                 if self._closed:
                     raise SandboxError("sandbox is closed")
                 proc = subprocess.Popen(
                     full,
-                    stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                    stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     env=self._env,
@@ -679,6 +719,11 @@ class LocalSandbox:
         finally:
             if status_w is not None:
                 os.close(status_w)  # the child has its copy; EOF comes when bwrap is gone
+        return proc
+
+    def _capture(self, proc: subprocess.Popen, stdin: str | None):
+        """Threads that read the command's stdout and stderr (each capped at `limits.output_bytes`) and, with
+        `stdin`, feed it: (out, err, feeder or None)."""
         # Popen's file objects are unbuffered wrappers; we read the raw fds ourselves.
         out = _Capture(os.dup(proc.stdout.fileno()), self.limits.output_bytes)
         err = _Capture(os.dup(proc.stderr.fileno()), self.limits.output_bytes)
@@ -689,6 +734,11 @@ class LocalSandbox:
             feeder = threading.Thread(target=_feed, args=(os.dup(proc.stdin.fileno()), stdin.encode()), daemon=True)
             proc.stdin.close()
             feeder.start()
+        return out, err, feeder
+
+    def _wait(self, proc: subprocess.Popen, timeout: float) -> tuple[bool, int | None]:
+        """Wait for bwrap at most `timeout` seconds (then kill it) while watching the work dir's size (killing it
+        when over `limits.workdir_bytes`): (timed out, the work dir's bytes when over its limit else None)."""
         watch = _DiskWatch(self.workdir, int(self.limits.workdir_bytes), lambda: self._kill(proc))
         timed_out = False
         try:
@@ -705,41 +755,28 @@ class LocalSandbox:
             with self._lock:
                 self._procs.discard(proc)
             over = watch.finish()
-        # The PID namespace is gone with bwrap, so every writer of the pipes is dead: EOF follows.
-        for t in (out.thread, err.thread) + ((feeder,) if feeder else ()):
-            t.join(timeout=10)
-        seconds = time.monotonic() - start
-        status = b""
-        if status_r is not None:
-            try:
-                while chunk := os.read(status_r, _CHUNK):
-                    status += chunk
-            finally:
-                os.close(status_r)
-        stderr_text = err.text()
-        code: int | None = proc.returncode
+        return timed_out, over
+
+    def _exit_code(self, code: int | None, timed_out: bool, over: int | None, jail_status: bytes | None,
+                   stderr_text: str) -> int | None:
+        """The command's exit code (None when it timed out), or SandboxError when the jail, not the command,
+        failed: the work dir over its limit, bwrap killed, or (`jail_status`: bwrap's JSON status output, None
+        when bwrap cannot give it) the jail set-up failed."""
         if over is not None:
             raise SandboxError(f"the work directory uses {over} bytes, over its limit of "
                                f"{int(self.limits.workdir_bytes)} bytes (SandboxLimits.workdir_bytes); "
                                "the command was stopped")
         if timed_out:
-            code = None
-        elif code is not None and code < 0:
+            return None
+        if code is not None and code < 0:
             # bwrap itself was killed by a signal: only close() (or someone outside) does that
             if self._closed:
                 raise SandboxError("sandbox was closed while the command was running")
             raise SandboxError(f"bubblewrap was killed by signal {-code}")
-        elif status_r is not None and b'"exit-code"' not in status:
+        if jail_status is not None and b'"exit-code"' not in jail_status:
             # bwrap reports the exit code only once the command ran; otherwise the jail set-up failed
             raise SandboxError(f"bubblewrap failed to set up the sandbox (exit {code}): {stderr_text.strip()}")
-        return ExecResult(
-            exit_code=code,
-            stdout=out.text(),
-            stderr=stderr_text,
-            timed_out=timed_out,
-            truncated=out.truncated or err.truncated,
-            seconds=seconds,
-        )
+        return code
 
     # -- files: host side, confined to the work dir with openat(O_NOFOLLOW) walks
 

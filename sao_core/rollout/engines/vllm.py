@@ -211,6 +211,33 @@ def check_adapter(adapter_dir: str, base_shapes: dict[str, tuple[int, ...]] | No
     return max(ranks.values())
 
 
+def _check_engine_options(recompute_kv_on_update, max_lora_rank, engine_kwargs: dict) -> None:
+    """EngineError unless `recompute_kv_on_update` is a bool and `max_lora_rank` an int in 0..vLLM's largest rank,
+    and LoRA is asked for through `max_lora_rank` rather than vLLM's `enable_lora`."""
+    if not isinstance(recompute_kv_on_update, bool):
+        raise EngineError(f"recompute_kv_on_update must be true or false, got {recompute_kv_on_update!r}")
+    if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 0:
+        raise EngineError(f"max_lora_rank must be an integer >= 0 (0: LoRA off), got {max_lora_rank!r}")
+    if max_lora_rank > _VLLM_LORA_RANKS[-1]:
+        raise EngineError(f"max_lora_rank {max_lora_rank} exceeds vLLM's largest LoRA rank {_VLLM_LORA_RANKS[-1]}")
+    if "enable_lora" in engine_kwargs:
+        raise EngineError("give max_lora_rank (> 0 enables LoRA) instead of enable_lora")
+
+
+def _vllm_engine_kwargs(engine_kwargs: dict, max_lora_rank: int, on_cpu: bool) -> dict:
+    """The caller's `AsyncEngineArgs` extras plus this engine's defaults: eager mode on CPU (torch.compile takes
+    minutes there) and, for `max_lora_rank` > 0, vLLM's LoRA at the next rank it supports."""
+    kwargs = dict(engine_kwargs)
+    if on_cpu:
+        kwargs.setdefault("enforce_eager", True)
+    if max_lora_rank:
+        kwargs["enable_lora"] = True
+        kwargs["max_lora_rank"] = next(r for r in _VLLM_LORA_RANKS if r >= max_lora_rank)
+        kwargs.setdefault("max_loras", 2)   # the adapter in use and the one before, for requests in flight
+        kwargs.setdefault("max_cpu_loras", max(4, kwargs["max_loras"]))
+    return kwargs
+
+
 class VLLMWorkerExtension:
     """Methods added to vLLM's worker (`worker_extension_cls`), called by name with `collective_rpc`.
 
@@ -263,21 +290,14 @@ class VLLMEngine:
         `max_lora_rank`: > 0 starts vLLM with LoRA (the largest adapter rank `load_weights` takes; vLLM allocates
         the next of its ranks 1, 8, 16, 32, ...; `max_loras` 2 unless given) so adapters apply unmerged; 0 (the
         default): LoRA off, adapters are merged into the base (see the module docstring)."""
-        if not isinstance(recompute_kv_on_update, bool):
-            raise EngineError(f"recompute_kv_on_update must be true or false, got {recompute_kv_on_update!r}")
+        _check_engine_options(recompute_kv_on_update, max_lora_rank, engine_kwargs)
         self.recompute_kv_on_update = recompute_kv_on_update
-        if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 0:
-            raise EngineError(f"max_lora_rank must be an integer >= 0 (0: LoRA off), got {max_lora_rank!r}")
-        if max_lora_rank > _VLLM_LORA_RANKS[-1]:
-            raise EngineError(f"max_lora_rank {max_lora_rank} exceeds vLLM's largest LoRA rank {_VLLM_LORA_RANKS[-1]}")
-        if "enable_lora" in engine_kwargs:
-            raise EngineError("give max_lora_rank (> 0 enables LoRA) instead of enable_lora")
         self.max_lora_rank = max_lora_rank
         VSamplingParams, TokensPrompt, AsyncEngineArgs, RequestOutputKind, AsyncLLM = _import_vllm()
         import torch
         from vllm.platforms import current_platform
 
-        from sao_core.models import ModelLoadError, load_tokenizer, resolve_dtype, resolve_model
+        from sao_core.models import resolve_dtype
 
         try:
             dtype = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
@@ -290,6 +310,18 @@ class VLLMEngine:
         self._TokensPrompt = TokensPrompt
         self._delta = RequestOutputKind.DELTA
         self._final = RequestOutputKind.FINAL_ONLY
+        self._load_model_files(model, cache_dir, unverified, dtype)
+        vllm_kwargs = _vllm_engine_kwargs(engine_kwargs, max_lora_rank, on_cpu=current_platform.is_cpu())
+        self._start_vllm(AsyncEngineArgs, AsyncLLM, seed=seed, max_model_len=max_model_len,
+                         gpu_memory_utilization=gpu_memory_utilization, engine_kwargs=vllm_kwargs)
+        self._init_request_state()
+        self._init_lora_state(cache_dir)
+
+    def _load_model_files(self, model: str, cache_dir: str, unverified: bool, dtype: str) -> None:
+        """Resolve `model` to a Hugging Face directory and load its tokenizer, end-of-sequence ids and
+        architecture (EngineError for a GGUF file or a model that does not load)."""
+        from sao_core.models import ModelLoadError, load_tokenizer, resolve_model
+
         try:
             resolved = resolve_model(model, cache_dir, unverified)
             if resolved.gguf_file:
@@ -307,25 +339,25 @@ class VLLMEngine:
         self._arch = {k: v for k, v in _read_config(resolved.path).items() if k in _ARCH_FIELDS} \
             if Path(resolved.path).is_dir() else None
 
-        if current_platform.is_cpu():
-            engine_kwargs.setdefault("enforce_eager", True)
-        if max_lora_rank:
-            engine_kwargs["enable_lora"] = True
-            engine_kwargs["max_lora_rank"] = next(r for r in _VLLM_LORA_RANKS if r >= max_lora_rank)
-            engine_kwargs.setdefault("max_loras", 2)   # the adapter in use and the one before, for requests in flight
-            engine_kwargs.setdefault("max_cpu_loras", max(4, engine_kwargs["max_loras"]))
+    def _start_vllm(self, AsyncEngineArgs, AsyncLLM, *, seed: int, max_model_len: int,
+                    gpu_memory_utilization: float, engine_kwargs: dict) -> None:
+        """Start vLLM's AsyncLLM on the model directory; `max_model_len` / `context_length` become the context
+        (tokens) vLLM settled on."""
         args = AsyncEngineArgs(
-            model=resolved.path, tokenizer=resolved.path, dtype=dtype, seed=seed, max_model_len=max_model_len or None,
-            gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="raw_logprobs",
-            worker_extension_cls=f"{__name__}.VLLMWorkerExtension", disable_log_stats=True, **engine_kwargs,
+            model=self.model_dir, tokenizer=self.model_dir, dtype=self.dtype, seed=seed,
+            max_model_len=max_model_len or None, gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="raw_logprobs", worker_extension_cls=f"{__name__}.VLLMWorkerExtension",
+            disable_log_stats=True, **engine_kwargs,
         )
         try:
             self._llm = AsyncLLM.from_engine_args(args)
         except Exception as err:
-            raise EngineError(f"vLLM failed to start on {resolved.path}: {type(err).__name__}: {err}") from err
+            raise EngineError(f"vLLM failed to start on {self.model_dir}: {type(err).__name__}: {err}") from err
         self.max_model_len = int(self._llm.model_config.max_model_len)   # what vLLM settled on
         self.context_length = self.max_model_len
 
+    def _init_request_state(self) -> None:
+        """Request ids, requests in flight, weight version and the counters behind `stats()`."""
         self.version = 0                    # vLLM labels the initial weights "default"
         self._ids = itertools.count()
         self._active: dict[str, int] = {}   # request id -> tokens so far, prompt included
@@ -339,6 +371,9 @@ class VLLMEngine:
         self._started = time.monotonic()
         self._busy_seconds = 0.0
         self._busy_since: float | None = None
+
+    def _init_lora_state(self, cache_dir: str) -> None:
+        """No adapter yet; the engine's work folder (adapter copies, merged weights) under `cache_dir`."""
         # LoRA: the adapter new requests carry ((LoRARequest, version) or None), the adapter of each request in
         # flight (request id -> lora id), whether the worker holds the base weights, how the weights in use came
         self._lora = None
