@@ -126,6 +126,11 @@ DEMO_CRITIC_WARMUP = 5
 DEMO_HELD_OUT = 128
 DEMO_EVAL_EVERY = 25
 DEMO_EVAL_SAMPLES = 2
+#: The least rise of the held-out sampled (T = 1) reward a `make demo` run must show (`demo_problems`; CI checks
+#: it with scripts/check_demo.py). Calibration (docs/kubeflow.md "The demo"): seeds 0 / 1 / 2 rose +0.184,
+#: +0.230, +0.207 (2 CPU cores, 2026-12-01; +0.161 from a fresh clone); 0.10 is about 3 standard deviations of
+#: what a run that learnt nothing shows (256 answers at p = 0.17: 0.023 per evaluation, 0.033 for a difference).
+DEMO_MARGIN = 0.10
 
 
 def _jsonl(path: Path, rows) -> Path:
@@ -275,6 +280,28 @@ def _only_run(runs_root: Path) -> Path:
     if len(runs) != 1:
         raise LocalRunError(f"expected one run folder under {runs_root}, found {len(runs)}")
     return runs[0]
+
+
+def demo_problems(result: dict[str, Any], margin: float = DEMO_MARGIN) -> list[str]:
+    """What a finished `make demo` run (`run_sao_rl_demo`'s result, or its summary.json) failed to show, one
+    sentence each ([]: it showed everything): verified SFT and SAO models, every SAO step, the held-out
+    evaluation at every `DEMO_EVAL_EVERY` steps over `DEMO_HELD_OUT` prompts, a start in [0.05, 0.4] (the short
+    warm start leaves room to learn) and a rise of the held-out sampled reward of at least `margin`."""
+    held = result["held_out"]
+    checks = [
+        (result["sft_model_verified"] and result["sao_model_verified"], "the SFT and SAO models verify"),
+        (result["sao"]["steps"] == DEMO_SAO_STEPS, f"SAO ran {DEMO_SAO_STEPS} steps (ran {result['sao']['steps']})"),
+        (held["steps"] == list(range(0, DEMO_SAO_STEPS + 1, DEMO_EVAL_EVERY)),
+         f"the held-out evaluation ran every {DEMO_EVAL_EVERY} steps (at {held['steps']})"),
+        (held["prompts"] == DEMO_HELD_OUT and held["samples_per_prompt"] == DEMO_EVAL_SAMPLES,
+         f"{DEMO_HELD_OUT} held-out prompts x {DEMO_EVAL_SAMPLES} samples"),
+        (0.05 <= held["sampled_before"] <= 0.4,
+         f"the held-out sampled reward starts in [0.05, 0.4] (started at {held['sampled_before']:.3f})"),
+        (held["sampled_after"] >= held["sampled_before"] + margin,
+         f"the held-out sampled reward rises by at least {margin} "
+         f"({held['sampled_before']:.3f} -> {held['sampled_after']:.3f})"),
+    ]
+    return [f"expected: {what}" for ok, what in checks if not ok]
 
 
 def _reward_curve(rows: list[dict]) -> list[dict]:

@@ -3,7 +3,8 @@ every step a subprocess running the component's compiled command): post_training
 branches (the sao one with a warm start and the evaluation), the evaluation pipeline's ParallelFor over
 two benchmarks with one report, an unknown method (and placement=trainjob with a local output_root)
 stopped by the argument check before any data is prepared, the standalone rollout service, and
-`sao_rl` end to end as `make demo` runs it (slow). Every run that trains uses placement=single_pod, which
+`make demo`'s path through `sao_rl` at a few steps (its learning at the demo's settings: CI runs `make demo`
+and scripts/check_demo.py). Every run that trains uses placement=single_pod, which
 never enters the TrainJob branch."""
 
 from __future__ import annotations
@@ -182,46 +183,48 @@ def test_standalone_rollout_service_serves_until_shutdown(tmp_path, sao_cache):
     assert not thread.is_alive() and "error" not in outcome, outcome
 
 
-#: the least rise of the held-out sampled reward the demo must show (calibration: the test's docstring)
-DEMO_MARGIN = 0.10
-
-
-@pytest.mark.slow   # not serial: its margin holds on a loaded machine (docstring)
-def test_sao_rl_end_to_end_like_make_demo(tmp_path, sao_cache):
-    """`make demo` with its own settings (sao_core/demo.py DEMO_*): the SAO step (100 steps of 32)
-    evaluates 128 held-out prompts during training (one greedy and two sampled answers each) at steps 0, 25,
-    50, 75 and 100, the held-out sampled (T = 1) reward rises by at least DEMO_MARGIN, and the final report
-    holds the training run's curves next to the evaluation.
-
-    Calibration (2026-12-01, 2 CPU cores; README "Running pipelines locally"): held-out sampled reward
-    before -> after SAO, seeds 0 / 1 / 2: 0.191 -> 0.375 (+0.184), 0.137 -> 0.367 (+0.230), and 0.164 ->
-    0.371 (+0.207) with a busy-loop process holding one core, and seed 0 again from a fresh clone: 0.191 ->
-    0.352 (+0.161); pipeline 136-180 s. The margin, 0.10, is about 3 standard deviations of what a run that
-    learnt nothing would show (256 answers at p = 0.17 have a standard deviation of 0.023 per evaluation, so
-    the difference of two has about 0.033) and under two thirds of the smallest measured rise. The greedy reward is not asserted (0.664 -> 0.703 / 0.656 / 0.695)."""
-    from sao_core.demo import DEMO_EVAL_EVERY, DEMO_HELD_OUT, DEMO_SAO_STEPS, run_sao_rl_demo
+def test_the_demo_path_runs_end_to_end_and_its_check_reads_the_outcome(tmp_path, sao_cache):
+    """`make demo`'s path (`run_sao_rl_demo`: inputs, the sao_rl pipeline with a warm start, SAO with
+    held-out evaluation during training, the benchmark evaluation, the report with the training run's curves) at
+    a few steps: its plumbing, not its learning. That the demo's own settings learn (a rise of the held-out
+    sampled reward of at least DEMO_MARGIN, calibrated in sao_core/demo.py) is what CI checks on the real `make
+    demo` run with scripts/check_demo.py (`demo_problems`, tested below on this run's summary); that SAO
+    learns is tests/test_learner.py::test_rl_raises_the_reward[sao]."""
+    from sao_core.demo import (DEMO_EVAL_EVERY, DEMO_HELD_OUT, DEMO_MARGIN, DEMO_SAO_STEPS, demo_problems,
+                               run_sao_rl_demo)
 
     said: list[str] = []
-    result = run_sao_rl_demo(tmp_path / "demo", sao_cache, threads=2, say=said.append)
-    print(json.dumps({"held_out": result["held_out"], "pipeline_seconds": result["pipeline_seconds"]}))
+    result = run_sao_rl_demo(tmp_path / "demo", sao_cache, warm_start_steps=12, warm_start_rows=64, sao_steps=8,
+                             batch_size=8, held_out=8, eval_every=4, eval_limit=2, threads=1, say=said.append)
     assert [line[:5] for line in said] == ["[1/3]", "[2/3]", "[3/3]"]
     assert result["sft_model_verified"] and result["sao_model_verified"]
-    assert result["sao"]["steps"] == DEMO_SAO_STEPS
+    assert result["sao"]["steps"] == 8   # past the critic warm-up (5 steps): the policy curves are drawn
     page = Path(result["report"]).read_text()
     assert "IMO-AnswerBench" in page and "Training report: sao" in page   # the training run next to the evaluation
     assert "<b>Training: held-out sampled reward " in page                 # and its outcome at the top
     plotted = {m["id"]: m for m in (json.loads(b) for b in re.findall(
         r'<script type="application/json" class="plot-data">(.*?)</script>', page, re.S))}
-    assert {"reward", "heldout_reward", "dis", "critic_loss", "staleness"} <= set(plotted)
+    assert {"reward", "heldout_reward", "staleness"} <= set(plotted), sorted(plotted)
+    # (a full SAO run's critic and DIS curves: tests/test_training_report.py, on a real SAO run's page)
     sampled = plotted["heldout_reward"]
-    assert sampled["x"] == result["held_out"]["steps"]
+    assert sampled["x"] == result["held_out"]["steps"] == [0, 4, 8]
     assert sampled["series"]["eval_sampled_reward"] == [e["eval_sampled_reward"] for e in result["held_out"]["by_step"]]
     assert "imo_answerbench/avg@2" in result["evaluation_metrics"]
-    assert json.loads(Path(result["summary_file"]).read_text())["report"] == result["report"]
-    held = result["held_out"]
-    assert held["prompts"] == DEMO_HELD_OUT >= 128 and held["samples_per_prompt"] == 2
-    assert held["steps"] == list(range(0, DEMO_SAO_STEPS + 1, DEMO_EVAL_EVERY))
+    summary = json.loads(Path(result["summary_file"]).read_text())
+    assert summary["report"] == result["report"]
+    held = summary["held_out"]
+    assert held["prompts"] == 8 and held["samples_per_prompt"] == 2
     for key in ("sampled_before", "sampled_after", "greedy_before", "greedy_after"):
         assert 0.0 <= held[key] <= 1.0
-    assert 0.05 <= held["sampled_before"] <= 0.4     # the short warm start leaves room to learn
-    assert held["sampled_after"] >= held["sampled_before"] + DEMO_MARGIN
+    # The check CI runs after `make demo`, on this summary: four steps are not the demo's settings, and a rise
+    # below the margin is named with its numbers; the same summary with the demo's shape and a rise passes.
+    problems = demo_problems(summary)
+    assert any(f"SAO ran {DEMO_SAO_STEPS} steps (ran 8)" in p for p in problems), problems
+
+    shaped = {**summary, "sao": {**summary["sao"], "steps": DEMO_SAO_STEPS},
+              "held_out": {**held, "prompts": DEMO_HELD_OUT, "steps": list(range(0, DEMO_SAO_STEPS + 1, DEMO_EVAL_EVERY)),
+                           "sampled_before": 0.2, "sampled_after": 0.2 + DEMO_MARGIN + 0.01}}
+    assert demo_problems(shaped) == []
+    flat = {**shaped, "held_out": {**shaped["held_out"], "sampled_after": 0.25}}
+    assert demo_problems(flat) == [f"expected: the held-out sampled reward rises by at least {DEMO_MARGIN} "
+                                   "(0.200 -> 0.250)"]
