@@ -7,8 +7,10 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export OMP_WAIT_POLICY := PASSIVE
 PYTEST_ARGS ?=
-# pytest-xdist workers for the parallel phase of `make test` (scripts/run_tests.py); auto: one per core.
-TEST_WORKERS ?= 2
+# pytest-xdist workers for the parallel phase of `make test` (scripts/run_tests.py); auto: one per core. Three on
+# two cores: many tests wait on subprocesses and servers, and a third worker fills that time (2026-12-05: the
+# parallel phase used 1.9 cores for 483 s; peak memory 4.4 GB of 24).
+TEST_WORKERS ?= 3
 # A venv with full mlflow, the tracking server tests/test_live_metrics.py logs to (SAO_MLFLOW_SERVER_VENV);
 # the version is the mlflow-skinny pin of pyproject.toml's mlflow extra.
 MLFLOW_VENV := .venv-mlflow-server
