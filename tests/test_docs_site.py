@@ -1,6 +1,6 @@
 """The documentation site (docs/, mkdocs.yml) builds: the reference generator (docs/gen_reference.py) renders every
-`sao` command and every setting of the registry, `mkdocs build --strict` (a broken link or anchor fails it)
-succeeds, and the project README stays a short front page."""
+`sao` command, every setting of the registry and one page per component with its inputs, `mkdocs build --strict`
+(a broken link or anchor fails it) succeeds, and the project README stays a short front page."""
 
 from __future__ import annotations
 
@@ -47,8 +47,11 @@ def _registry() -> dict[str, set[str]]:
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference")
-    written = _generator().generate(out)
-    assert sorted(p.name for p in written) == ["cli.md", "components.md", "settings.md"]
+    generator = _generator()
+    written = generator.generate(out)
+    names = [component.name for _, component in generator.component_objects()]
+    expected = ["cli.md", "settings.md", "components/index.md", *(f"components/{name}.md" for name in names)]
+    assert sorted(p.relative_to(out).as_posix() for p in written) == sorted(expected)
     return out
 
 
@@ -73,13 +76,45 @@ def test_settings_reference_has_every_setting(generated):
         assert f"### {config}" in text
 
 
-def test_components_reference_has_every_component(generated):
-    text = (generated / "components.md").read_text()
-    names = [component.name for _, component in _generator().component_objects()]
+def _component_inputs(component) -> list[str]:
+    """The parameter names of a component's inputs, read from its component spec."""
+    return list(component.component_spec.inputs or {})
+
+
+def test_components_reference_has_a_page_per_component_with_its_inputs(generated):
+    components = [component for _, component in _generator().component_objects()]
+    names = [component.name for component in components]
     assert {"sao-train", "evaluate", "prepare-data"} <= set(names)
-    for name in names:
-        assert f"## `{name}`" in text
-    assert "| parameter | type | default | description |" in text
+    index = (generated / "components" / "index.md").read_text()
+    for component in components:
+        assert f"[`{component.name}`]({component.name}.md)" in index
+        page = (generated / "components" / f"{component.name}.md").read_text()
+        assert page.startswith(f"# `{component.name}`\n")
+        assert "| parameter | type | default | description |" in page
+        inputs = _component_inputs(component)
+        assert inputs, component.name
+        missing = [name for name in inputs if f"`{name}`" not in page]
+        assert not missing, f"inputs missing from the page of {component.name}: {missing}"
+
+
+def test_mkdocs_nav_lists_every_component_page():
+    """mkdocs.yml's nav names exactly the generated component pages (a page left out, or one that no longer
+    exists, would also fail the strict build; this names which)."""
+    import yaml
+
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)
+    pages = []
+
+    def collect(entries):
+        for entry in entries:
+            values = entry.values() if isinstance(entry, dict) else [entry]
+            for value in values:
+                collect(value) if isinstance(value, list) else pages.append(value)
+
+    collect(config["nav"])
+    listed = sorted(p for p in pages if p.startswith("reference/components/"))
+    names = [component.name for _, component in _generator().component_objects()]
+    assert listed == sorted(["reference/components/index.md", *(f"reference/components/{n}.md" for n in names)])
 
 
 def test_mkdocs_build_is_strict_and_passes(tmp_path):
@@ -97,7 +132,8 @@ def test_mkdocs_build_is_strict_and_passes(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "index.html").is_file()
     for page in ("concepts", "kubeflow", "methods", "evaluation", "operations", "security",
-                 "benchmarks", "known-limits", "contributing", "reference/cli", "reference/settings"):
+                 "benchmarks", "known-limits", "contributing", "deployment-and-images", "reference/cli",
+                 "reference/settings", "reference/components", "reference/components/sao-train"):
         assert (tmp_path / "site" / page / "index.html").is_file(), page
 
 
