@@ -190,8 +190,14 @@ def test_the_demo_path_runs_end_to_end_and_its_check_reads_the_outcome(tmp_path,
     sampled reward of at least DEMO_MARGIN, calibrated in sao_core/demo.py) is what CI checks on the real `make
     demo` run with scripts/check_demo.py (`demo_problems`, tested below on this run's summary); that SAO
     learns is tests/test_learner.py::test_rl_raises_the_reward[sao]."""
-    from sao_core.demo import (DEMO_EVAL_EVERY, DEMO_HELD_OUT, DEMO_MARGIN, DEMO_SAO_STEPS, demo_problems,
-                               run_sao_rl_demo)
+    from sao_core.demo import (
+        DEMO_EVAL_EVERY,
+        DEMO_HELD_OUT,
+        DEMO_MARGIN,
+        DEMO_SAO_STEPS,
+        demo_problems,
+        run_sao_rl_demo,
+    )
 
     said: list[str] = []
     result = run_sao_rl_demo(tmp_path / "demo", sao_cache, warm_start_steps=12, warm_start_rows=64, sao_steps=8,
