@@ -3,7 +3,7 @@ dataclass made with ``sao_core.config.setting`` (name, type, default, unit, help
 setting is checked against that definition here, and any drift fails, naming the copy and the setting:
 
 - the KFP components' and pipelines' (and their inner stages') parameters named like a setting: the default
-  (value and type), the type, and the description the KFP UI shows (the docstring's Args line) must be the
+  (value and type), the type, and the description the compiled IR carries (the docstring's Args line) must be the
   setting's; an optional parameter (default None) must say ``(None = default X)`` with the setting's X;
 - the pipelines' dropdowns (``LITERALS``) must list exactly the setting's allowed values (its ``Literal``);
 - a setting defined by two configs (the TrainJob launcher's and the learner's) must agree in help and values;
@@ -167,7 +167,7 @@ def drifts(copy: str, func, configs: tuple[str, ...], literals: dict, reg: dict[
                              f"({setting.owner}.{name}) is {_kind(setting.type).__name__}")
         doc = docs.get(p.name)
         if doc is None:
-            found.append(f"{where}: no description in the docstring (the KFP UI shows none)")
+            found.append(f"{where}: no description in the docstring (the compiled IR would carry none)")
             doc = ""
         optional = re.search(r"\s*\(None = default (.+)\)\.?$", doc)
         if p.default is None:
