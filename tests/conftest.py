@@ -3,6 +3,8 @@ pipelines compiled once with the golden cluster settings."""
 
 from __future__ import annotations
 
+import builtins
+import logging
 import os
 import sys
 import uuid
@@ -24,6 +26,30 @@ from eval_fixtures import imo, imo_records  # noqa: E402, F401  (shared IMO grad
 from model_fixtures import sao_cache, tiny_model_dir, warm_tool_model  # noqa: E402, F401  (shared model fixtures)
 
 from sao_core import storage  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored() -> Iterator[None]:
+    """Every test leaves the process as it found it: environment, working directory, `print` and the root logger.
+    Workers run many test files in one process, in an order that differs between machines; a test that set
+    SAO_CACHE_DIR (or a KFP local run that configured logging) must not change what a later test sees."""
+    environ, cwd, saved_print = dict(os.environ), os.getcwd(), builtins.print
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    if os.getcwd() != cwd:
+        os.chdir(cwd)
+    ours = [h for h in root.handlers if not type(h).__module__.startswith("_pytest")]   # pytest's come and go per phase
+    for handler in set(ours) - set(handlers):
+        root.removeHandler(handler)
+    for handler in [h for h in handlers if not type(h).__module__.startswith("_pytest")]:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
+    builtins.print = saved_print
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ def test_the_replicas_context_is_the_runs_max_total_tokens_unless_set():
         spec(max_model_len=8).validate()
 
 
-def test_the_trainjob_carries_the_learner_the_rollout_settings_and_the_kueue_label():
+def test_the_trainjob_carries_the_learner_the_rollout_settings_and_the_kueue_label(monkeypatch):
+    monkeypatch.delenv("SAO_CACHE_DIR", raising=False)   # parsed below with this process's default cache dir
     cfg = launch_config(queue_name="team-a-gpu", num_nodes=4, gpus_per_node=8, rollout_replicas=8, rollout_gpus=2,
                         tensor_parallel_size=2, max_num_seqs=512, enable_prefix_caching=True, gpu_memory_utilization=0.85,
                         rl_options={"steps": 1000, "env_options": {"math": {}}, "freeze_critic_attention": True})

@@ -234,3 +234,37 @@ def test_the_demo_path_runs_end_to_end_and_its_check_reads_the_outcome(tmp_path,
     flat = {**shaped, "held_out": {**shaped["held_out"], "sampled_after": 0.25}}
     assert demo_problems(flat) == [f"expected: the held-out sampled reward rises by at least {DEMO_MARGIN} "
                                    "(0.200 -> 0.250)"]
+
+
+def test_a_local_run_gives_back_print_and_the_root_logger_that_kfp_swaps_without_a_lock():
+    """KFP's local runner swaps `print` and the root logger's handlers around each task without a lock; a
+    ParallelFor runs two tasks on two threads. Here the two tasks' contexts (KFP's own) enter and leave in the
+    order that leaks when the first task to start also ends first (it happened on CI: every later `print` of
+    the process was indented). The guard every `run_pipeline` runs under gives both back."""
+    import builtins
+    import contextlib
+    import logging
+
+    from kfp.local import logging_utils
+
+    from sao_core.kfp.local import _process_state_kept
+
+    root = logging.getLogger()
+    before_print, before_handlers = builtins.print, root.handlers[:]
+
+    def two_overlapping_tasks():
+        first, second = contextlib.ExitStack(), contextlib.ExitStack()
+        for stack in (first, second):   # task 1 starts, task 2 starts
+            stack.enter_context(logging_utils.local_logger_context())
+            stack.enter_context(logging_utils.indented_print())
+        first.close()                   # task 1 ends first
+        second.close()
+
+    try:
+        two_overlapping_tasks()         # KFP alone: the leak this guards against (fails if KFP fixes it)
+        assert builtins.print is not before_print and root.handlers != before_handlers
+    finally:
+        builtins.print, root.handlers[:] = before_print, before_handlers
+    with _process_state_kept():
+        two_overlapping_tasks()
+    assert builtins.print is before_print and root.handlers == before_handlers

@@ -7,6 +7,7 @@ ignored. Artifacts land under ``pipeline_root``.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import os
@@ -40,6 +41,26 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Give back ``print`` and the root logger as they were before a local run.
+
+    KFP's local runner swaps ``builtins.print`` (to indent a task's output) and the root logger's handlers (to
+    stdout, INFO) around every task, saving and restoring them without a lock. A ``dsl.ParallelFor`` runs its
+    iterations on two threads; when the task that started first also finishes first, the other one "restores"
+    the first one's indenting print and stdout handler for good: every later ``print`` of the caller's process
+    is indented and every log record goes to stdout (seen: a YAML document printed after a local evaluation
+    run no longer parsed)."""
+    root = logging.getLogger()
+    saved_print, handlers, level = builtins.print, root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        builtins.print = saved_print
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 def run_pipeline(pipeline, arguments: dict[str, Any], pipeline_root: str | Path, cache_dir: str | Path | None = None,
                  threads: int | None = None, env: dict[str, str] | None = None):
     """Run `pipeline` (a ``@dsl.pipeline`` function) locally with `arguments`; return its outputs.
@@ -59,7 +80,7 @@ def run_pipeline(pipeline, arguments: dict[str, Any], pipeline_root: str | Path,
         values["OMP_NUM_THREADS"] = str(threads)
     values.update(env or {})
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
-    with _environment(values), warnings.catch_warnings():
+    with _environment(values), _process_state_kept(), warnings.catch_warnings():
         # The local runner warns that our images' names do not contain "python"; it runs the tasks in this
         # interpreter, which has sao_core installed, exactly what the images hold.
         warnings.filterwarnings("ignore", message=".*non-Python base image.*", category=RuntimeWarning)
