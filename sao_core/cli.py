@@ -667,13 +667,21 @@ def _register_build_model(sub, argv: list[str]) -> None:
     p.set_defaults(func=cmd_build_model)
 
 
+def _add_config_command(sub, name: str, help: str, config: type, func: Callable[[argparse.Namespace], int],
+                        title: str = "") -> argparse.ArgumentParser:
+    """The subcommand `name` whose flags are the settings of the dataclass `config` (`add_config_arguments`; its
+    `cache_dir` comes from the global --cache-dir), run by `func`; returned for any flags of its own."""
+    p = sub.add_parser(name, help=help)
+    add_config_arguments(p, config, skip=("cache_dir",), title=title)
+    p.set_defaults(func=func)
+    return p
+
+
 def _register_prepare_data(sub, argv: list[str]) -> None:
     from sao_core.data.prepare import PrepareConfig
 
-    p = sub.add_parser("prepare-data", help="normalise a dataset (sft, cpt, dpo, rl or a benchmark) with rejects "
-                                            "and stats")
-    add_config_arguments(p, PrepareConfig, title="data preparation")
-    p.set_defaults(func=cmd_prepare_data)
+    _add_config_command(sub, "prepare-data", "normalise a dataset (sft, cpt, dpo, rl or a benchmark) with rejects "
+                                             "and stats", PrepareConfig, cmd_prepare_data, title="data preparation")
 
 
 def _register_train(sub, argv: list[str]) -> None:
@@ -691,10 +699,8 @@ def _register_train(sub, argv: list[str]) -> None:
 def _register_train_rl(sub, argv: list[str]) -> None:
     from sao_core.learner.config import RLConfig
 
-    p = sub.add_parser("train-rl", help="RL with SAO or a GRPO baseline against rollout services (colocated "
-                                        "by default)")
-    add_config_arguments(p, RLConfig, skip=("cache_dir",))
-    p.set_defaults(func=cmd_train_rl)
+    _add_config_command(sub, "train-rl", "RL with SAO or a GRPO baseline against rollout services (colocated by "
+                                         "default)", RLConfig, cmd_train_rl)
 
 
 def _register_rollout(sub, argv: list[str]) -> None:
@@ -702,11 +708,10 @@ def _register_rollout(sub, argv: list[str]) -> None:
 
     rollout = sub.add_parser("rollout", help="the rollout service (engine + environments over HTTP)")
     rollout_sub = rollout.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
-    p = rollout_sub.add_parser("serve", help="serve episodes and trajectories over HTTP until shut down")
-    add_config_arguments(p, ServeConfig, skip=("cache_dir",), title="rollout service")
+    p = _add_config_command(rollout_sub, "serve", "serve episodes and trajectories over HTTP until shut down",
+                            ServeConfig, cmd_rollout_serve, title="rollout service")
     p.add_argument("--plan", metavar="YAML", help="start this rollout plan at once (RolloutPlan fields: dataset, "
                                                   "rollouts_per_prompt, epochs, max_in_flight, ...)")
-    p.set_defaults(func=cmd_rollout_serve)
 
 
 def _register_checkpoint(sub, argv: list[str]) -> None:
@@ -742,10 +747,8 @@ def _register_checkpoint(sub, argv: list[str]) -> None:
 def _register_evaluate(sub, argv: list[str]) -> None:
     from sao_core.eval.config import EvalConfig
 
-    p = sub.add_parser("evaluate", help="evaluate a model on SWE-Bench Verified, BeyondAIME and IMO-AnswerBench "
-                                        "(samples, summary, metrics, HTML report)")
-    add_config_arguments(p, EvalConfig, skip=("cache_dir",))
-    p.set_defaults(func=cmd_evaluate)
+    _add_config_command(sub, "evaluate", "evaluate a model on SWE-Bench Verified, BeyondAIME and IMO-AnswerBench "
+                                         "(samples, summary, metrics, HTML report)", EvalConfig, cmd_evaluate)
 
 
 def _register_judge_agreement(sub, argv: list[str]) -> None:

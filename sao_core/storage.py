@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import pathlib
@@ -69,6 +70,7 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 PathLike = str | os.PathLike[str]
+log = logging.getLogger(__name__)
 
 
 class StorageError(RuntimeError):
@@ -613,6 +615,22 @@ def verify_checkpoint(local_dir: PathLike, allow_unlisted: bool = False) -> dict
                               "directory again")
     _check_against(root, manifest)
     return manifest
+
+
+def has_manifest(folder: pathlib.Path, name: str, use: str, unverified: bool, error: type[Exception]) -> bool:
+    """Whether a local `folder` (a model, an adapter) has a manifest to verify it against (`verify_checkpoint`).
+
+    Without one it is refused with `error`, naming the folder and what to do, unless `unverified` lets it be
+    used as it is (False, and a warning). `name` names the folder in messages ("model directory /m"); `use` is
+    the verb of what is done with it ("load", "merge")."""
+    if (folder / MANIFEST_NAME).exists():
+        return True
+    if not unverified:
+        raise error(f"{name} has no {MANIFEST_NAME}, so its files cannot be verified. Publish it with `sao "
+                    f"checkpoint publish DEST --source {folder}` (a manifest of every file's sha256) and {use} DEST, "
+                    f"or pass --unverified (config field unverified: true) to {use} this folder as it is")
+    log.warning("%s has no %s: used as it is, unverified (--unverified)", name, MANIFEST_NAME)
+    return False
 
 
 def fetch_checkpoint(uri: str, cache_dir: PathLike, settings: S3Settings | None = None) -> pathlib.Path:

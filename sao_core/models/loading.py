@@ -178,14 +178,7 @@ def verify_model_dir(path: str | Path, unverified: bool = False) -> None:
     manifest does not list. ModelLoadError, naming the directory and the file, when a check fails or (without
     `unverified`) when there is no manifest."""
     path = Path(path)
-    if not (path / storage.MANIFEST_NAME).exists():
-        if not unverified:
-            raise ModelLoadError(
-                f"model directory {path} has no {storage.MANIFEST_NAME}, so its files cannot be verified. Publish it "
-                f"with `sao checkpoint publish DEST --source {path}` (a manifest of every file's sha256) and load "
-                "DEST, or pass --unverified (config field unverified: true) to load this folder as it is")
-        log.warning("loading model directory %s unverified: it has no %s (--unverified)", path,
-                    storage.MANIFEST_NAME)
+    if not storage.has_manifest(path, f"model directory {path}", "load", unverified, ModelLoadError):
         return
     try:
         storage.verify_checkpoint(path, allow_unlisted=unverified)

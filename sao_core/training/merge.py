@@ -52,16 +52,8 @@ def fetch_adapter(adapter: str, cache_dir: str | Path, unverified: bool = False)
         if not local.is_dir():
             raise MergeError(f"adapter {adapter}: no such folder (give a LoRA adapter folder or an s3:// adapter "
                              "checkpoint)")
-        if not (local / storage.MANIFEST_NAME).exists():
-            if not unverified:
-                raise MergeError(
-                    f"adapter folder {adapter} has no {storage.MANIFEST_NAME}, so its files cannot be verified. "
-                    f"Publish it with `sao checkpoint publish DEST --source {adapter}` and give DEST, or pass "
-                    "--unverified (config field unverified: true) to merge this folder as it is")
-            log.warning("merging adapter folder %s unverified: it has no %s (--unverified)", adapter,
-                        storage.MANIFEST_NAME)
-            digest = None
-        else:
+        digest = None
+        if storage.has_manifest(local, f"adapter folder {adapter}", "merge", unverified, MergeError):
             try:
                 storage.verify_checkpoint(local, allow_unlisted=unverified)
                 digest = storage.checkpoint_digest(str(local))
