@@ -13,21 +13,28 @@ once, where the setting is defined.
 and writes the run (resumable checkpoints, the exported model, metrics.jsonl) to
 ``OUTPUT_ROOT/RUN_ID/METHOD``; a restarted pod resumes from its newest checkpoint. The Model artifact points
 at the exported model (method, step, sha256 of its manifest); ``model_uri`` is the same URI as a string for
-later steps.
+later steps. :func:`rl_component` builds sao_train and grpo_train the same way: each calls
+:func:`sao_core.learner.loop.train_rl` with a colocated rollout service. All of them start with the same
+artifacts (:func:`artifact_parameters`).
+
+A hand-written component (launch_trainjob) gets its docstring from :func:`settings_described`: the parameters
+that carry a setting are described by its help, the others by the component's own table.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import linecache
+import textwrap
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kfp import dsl
 
 from sao_core.config import settings_of
 from sao_core.images import image
-from sao_core.kfp.docs import described, help_sentence, setting_description
+from sao_core.kfp.docs import described, help_sentence
 
 #: The default of a :class:`Parameter` without one (KFP: a required input).
 REQUIRED = object()
@@ -92,13 +99,27 @@ OUTPUT_ROOT = "Where runs are written: s3://bucket/prefix in a cluster, a local 
 REPORT = ("The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, "
           "critic, throughput), the config and the checkpoints.")
 RUN_ID = "Run folder name under output_root (pipelines pass the run id; empty: a timestamp)."
-_SUPERVISED_ARTIFACTS = (
-    Parameter("output_root", "str", OUTPUT_ROOT),
-    Parameter("model", "Output[Model]", "Pointer to the exported model (checkpoint_uri, sha256, method, step)."),
-    Parameter("metrics", "Output[Metrics]", "Summary numbers (losses before and after, steps, tokens, seconds)."),
-    Parameter("summary", "Output[Markdown]", "Markdown page with the summary and the loss curve."),
-    Parameter("report", "Output[HTML]", REPORT),
-)
+#: The KFP type of each input and output a training component takes before its settings, in signature order.
+_ARTIFACT_TYPES = {"data": "Input[Dataset]", "output_root": "str", "model": "Output[Model]",
+                   "critic": "Output[Model]", "metrics": "Output[Metrics]", "summary": "Output[Markdown]",
+                   "report": "Output[HTML]"}
+
+
+def artifact_parameters(descriptions: dict[str, str], critic: bool = False) -> list[Parameter]:
+    """The parameters a training component starts with: `data`, `output_root` and the outputs `model`, `critic`
+    (only with `critic`), `metrics`, `summary` and `report`, each described by ``descriptions[name]``."""
+    return [Parameter(name, annotation, descriptions[name]) for name, annotation in _ARTIFACT_TYPES.items()
+            if critic or name != "critic"]
+
+
+#: Descriptions of the supervised components' parameters that are not config settings (`data` is the method's).
+SUPERVISED_DESCRIPTIONS = {
+    "output_root": OUTPUT_ROOT,
+    "model": "Pointer to the exported model (checkpoint_uri, sha256, method, step).",
+    "metrics": "Summary numbers (losses before and after, steps, tokens, seconds).",
+    "summary": "Markdown page with the summary and the loss curve.",
+    "report": REPORT,
+}
 _BASE_MODEL = "Model to start from: embedded:tiny, a directory, an s3:// checkpoint or a hub id."
 _RUN_ID = Parameter("run_id", "str", RUN_ID, "")
 _OPTIONS_EXAMPLE = '{"schedule": "cosine", "warmup_steps": 10, "checkpoint_every": 100}'
@@ -116,6 +137,8 @@ model_uri, checkpoint_uri = artifacts.finish_training(result, "{method}", base_m
                                                       curve_key="loss", report_artifact=report)
 return (model_uri, checkpoint_uri)  # the NamedTuple outputs, in order
 '''
+#: What a training component returns besides its artifacts: the model's URI and its checkpoint's.
+_TRAIN_RETURNS = 'NamedTuple("{name}", model_uri=str, checkpoint_uri=str)'
 
 
 def supervised_component(method: str, module: str, doc: str, data: str = "", required: tuple[str, ...] = (),
@@ -132,9 +155,9 @@ def supervised_component(method: str, module: str, doc: str, data: str = "", req
     from sao_core.training.config import METHOD_CONFIGS
 
     config = METHOD_CONFIGS[method]
+    data = data or f"Prepared dataset of kind {DATA_KIND[method]}."
     parameters = [
-        Parameter("data", "Input[Dataset]", data or f"Prepared dataset of kind {DATA_KIND[method]}."),
-        *_SUPERVISED_ARTIFACTS,
+        *artifact_parameters({**SUPERVISED_DESCRIPTIONS, "data": data}),
         *(setting_parameter(config, name, required=True) for name in required),
         Parameter("base_model", "str", _BASE_MODEL, settings_of(config)["model"].default),
         *(setting_parameter(config, name) for name in (*SUPERVISED_SETTINGS, *optional)),
@@ -143,7 +166,7 @@ def supervised_component(method: str, module: str, doc: str, data: str = "", req
     ]
     extra = "".join(f",\n{' ' * 32}{name}={name}" for name in (*required, *optional))
     body = _SUPERVISED_BODY.format(method=method, extra=extra)
-    returns = 'NamedTuple("TrainOutputs", model_uri=str, checkpoint_uri=str)'
+    returns = _TRAIN_RETURNS.format(name="TrainOutputs")
     return build_component(f"{method}_train", parameters, returns, _summary(doc), body, "train", module)
 
 
@@ -165,13 +188,87 @@ RL_DESCRIPTIONS = {
     "report": REPORT,
     "run_id": RUN_ID,
 }
+#: The RL components' defaults that are not the registry's: a KFP pod rolls out with vLLM on its GPUs (the CLI's
+#: default, hf, runs anywhere).
+_RL_COMPONENT_DEFAULTS = {"engine": "vllm"}
+#: The width of a generated body's lines (indented by 4 in the function: the project's 110 columns).
+_BODY_WIDTH = 106
+#: The body of an RL component; `{method}` is the method's name as source (a literal, or the `method` parameter).
+_RL_BODY = '''
+from sao_core.kfp import artifacts, params
+from sao_core.learner.loop import train_rl
+{check}
+artifacts.quiet_http_logs()
+run = artifacts.run_dir(output_root, run_id, {method})
+config = params.rl_config({method}, data=data.path, output=run, model=base_model, options=options,
+{settings})
+result = train_rl(config)
+model_uri, checkpoint_uri = artifacts.finish_training(result, {method}, base_model, run, model, metrics, summary,
+                                                      curve_key="reward_mean", report_artifact=report{critic})
+return (model_uri, checkpoint_uri)  # the NamedTuple outputs, in order
+'''
+#: The check of a GRPO-family component's `method` parameter, before anything starts.
+_GRPO_METHOD_CHECK = '''from sao_core.config import ConfigError
+
+if method not in params.GRPO_METHODS:
+    raise ConfigError(f"grpo_train: method must be one of {', '.join(params.GRPO_METHODS)}, got {method!r} "
+                      "(SAO has its own component, sao_train)")
+'''
 
 
-def rl_described(summary: str, base_model: str, options: str):
-    """Decorator for an RL component's function: its docstring, `summary` then an ``Args:`` line per parameter:
-    :data:`RL_DESCRIPTIONS`, the `base_model` and `options` descriptions and, for every other parameter, its
-    RLConfig setting's help."""
+def rl_component(name: str, module: str, summary: str, method: str | None, settings: tuple[str, ...],
+                 base_model: str, options: str, critic: bool = False):
+    """The RL component `name` (rollout image) calling :func:`sao_core.learner.loop.train_rl` with a colocated
+    rollout service, writing ``OUTPUT_ROOT/RUN_ID/METHOD``.
+
+    `module` is the publishing module's name, `summary` the component's description. `method`: the RL method it
+    trains; None: a GRPO-family method (:data:`sao_core.kfp.params.GRPO_METHODS`, the RL methods but sao) named by
+    a `method` parameter (default grpo). `settings`: the RLConfig settings with a parameter of their own, in
+    signature order, described by their help (the others go in `options`); `base_model` and `options` describe
+    those parameters. `critic`: the component also outputs the critic (Model).
+    """
     from sao_core.learner.config import RLConfig
 
-    own = {**RL_DESCRIPTIONS, "base_model": base_model, "options": options}
-    return described(summary, lambda name: own.get(name) or setting_description(RLConfig, name))
+    of_settings = [setting_parameter(RLConfig, setting) for setting in settings]
+    parameters = [
+        *artifact_parameters(RL_DESCRIPTIONS, critic=critic),
+        *([] if method else [replace(setting_parameter(RLConfig, "method"), default="grpo")]),
+        Parameter("base_model", "str", base_model, settings_of(RLConfig)["model"].default),
+        *(replace(p, default=_RL_COMPONENT_DEFAULTS.get(p.name, p.default)) for p in of_settings),
+        Parameter("options", "Optional[dict]", options, None),
+        _RUN_ID,
+    ]
+    body = _RL_BODY.format(
+        check="" if method else _GRPO_METHOD_CHECK, method=json.dumps(method) if method else "method",
+        settings=textwrap.fill(", ".join(f"{setting}={setting}" for setting in settings), width=_BODY_WIDTH,
+                               initial_indent=" " * 26, subsequent_indent=" " * 26),
+        critic=f",\n{' ' * 54}critic_artifact=critic" if critic else "")
+    returns = _TRAIN_RETURNS.format(name="RLOutputs")
+    return build_component(name, parameters, returns, summary, body, "rollout", module)
+
+
+#: Component parameters named otherwise than the setting they carry (parameter -> setting).
+SETTING_ALIASES = {"accelerator_type": "accelerator"}
+
+
+def settings_described(summary: str, own: dict[str, str], configs: tuple[type, ...]):
+    """Decorator for a hand-written component's function: its docstring, `summary` then an ``Args:`` line per
+    parameter, ``own[name]`` or else the help of the setting it carries (:data:`SETTING_ALIASES`; the first of
+    `configs` that has it), for an optional parameter (default None) followed by ``(None = default X)``, X the
+    setting's default."""
+    def decorate(func):
+        parameters = inspect.signature(func).parameters
+
+        def describe(name: str) -> str:
+            if name in own:
+                return own[name]
+            setting_name = SETTING_ALIASES.get(name, name)
+            setting = next(settings_of(c)[setting_name] for c in configs if setting_name in settings_of(c))
+            text = help_sentence(setting.help)
+            if parameters[name].default is None:
+                return f"{text.removesuffix('.')} (None = default {setting.default})."
+            return text
+
+        return described(summary, describe)(func)
+
+    return decorate

@@ -17,10 +17,31 @@ from typing import NamedTuple, Optional
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
+from components._factory import REPORT, settings_described
+from sao_core.cluster.launcher import LaunchConfig
 from sao_core.images import image
+from sao_core.learner.config import RLConfig
 
 
 @dsl.component(base_image=image("cpu"), install_kfp_package=False)
+@settings_described(
+    "Run RL as a TrainJob (rollout replicas + torchrun learner) and return pointers to its final model.",
+    own={
+        "data": "Prepared rl dataset (copied to the run's s3:// directory when the artifact store is not S3).",
+        "output_root": "s3://bucket/prefix; the run writes OUTPUT_ROOT/RUN_ID/STAGE (checkpoints, weights, model).",
+        "model": "Pointer to the trained policy (checkpoint_uri, sha256, method, step, version).",
+        "critic": "Pointer to the trained critic (sao); an empty pointer for methods without one.",
+        "metrics": "Summary numbers of the run (reward first/last, drops, seconds, queueing seconds).",
+        "summary": "Markdown page with the summary and the reward curve.",
+        "report": REPORT,
+        "base_model": "Initial policy (and critic): an s3:// checkpoint or a hub id the pods can reach.",
+        "options": 'Any other RLConfig field, e.g. {"critic_lr": 5e-6, "max_total_tokens": 32768, '
+                   '"checkpoint_every": 50}.',
+        "learner_image": "Image of the learner nodes ('' = the project's train image of this version).",
+        "launch_options": 'Other LaunchConfig fields, e.g. {"priority_class": "high", "node_memory": "900Gi", '
+                          '"env": {"NCCL_DEBUG": "INFO"}}.',
+    },
+    configs=(RLConfig, LaunchConfig))
 def launch_trainjob(
     data: Input[Dataset],
     output_root: str,
@@ -67,54 +88,6 @@ def launch_trainjob(
     timeout_s: float = 604800.0,
     launch_options: Optional[dict] = None,  # noqa: UP045 (KFP reads typing.Optional, not X | None)
 ) -> NamedTuple("RLOutputs", model_uri=str, checkpoint_uri=str, trainjob=str):
-    """Run RL as a TrainJob (rollout replicas + torchrun learner) and return pointers to its final model.
-
-    Args:
-        data: Prepared rl dataset (copied to the run's s3:// directory when the artifact store is not S3).
-        output_root: s3://bucket/prefix; the run writes OUTPUT_ROOT/RUN_ID/STAGE (checkpoints, weights, model).
-        model: Pointer to the trained policy (checkpoint_uri, sha256, method, step, version).
-        critic: Pointer to the trained critic (sao); an empty pointer for methods without one.
-        metrics: Summary numbers of the run (reward first/last, drops, seconds, queueing seconds).
-        summary: Markdown page with the summary and the reward curve.
-        report: The training report (HTML): loss / reward curves with moving averages (RL: DIS masks, staleness, drops, critic, throughput), the config and the checkpoints.
-        method: RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean.
-        base_model: Initial policy (and critic): an s3:// checkpoint or a hub id the pods can reach.
-        steps: Optimiser steps (RL: learner steps) in total.
-        batch_size: Trajectories per step (B), one per prompt (GRPO: groups of group_size).
-        policy_lr: Policy learning rate (peak, after the warm-up).
-        critic_lr: Critic learning rate (None = default 5e-06).
-        critic_updates: Critic updates per policy update (K) (None = default 2).
-        critic_warmup_steps: Critic-only steps before the first policy update (None = default 10).
-        max_staleness: S, the most weights versions a trained token may lag (window / version_order / requeue drop trajectories beyond it; no_drop / fragments drop only past the safety bound) (None = default 4).
-        admission: How the run admits episodes and batches them: no_drop, window, version_order, requeue or fragments. no_drop (the default): arrival order, nothing dropped or waited for, the early tokens of long episodes may lag more than S (DIS guards them; an episode older than the safety bound hard_staleness, default 4·S, is dropped); window: (S+1)·B episodes in flight, trained in arrival order, stale ones dropped; version_order: the oldest admission cohort first, never an episode admitted after one still running (nothing stale; the learner waits for each cohort); requeue: window, and a prompt dropped as stale is rolled out once more; fragments (sao only): long episodes are trained in pieces cut at turn boundaries, advantages bootstrapped from the critic (fewer tokens beyond S than no_drop, at a lower throughput) (None = default no_drop).
-        eps_low: DIS band lower width: tokens with ratio <= 1 - eps_low are masked (0.3 math with tools, 0.8 agentic coding) (None = default 0.3).
-        eps_high: DIS band upper width: tokens with ratio >= 1 + eps_high are masked (5.0 math with tools, 3.0 agentic coding) (None = default 5.0).
-        options: Any other RLConfig field, e.g. {"critic_lr": 5e-6, "max_total_tokens": 32768, "checkpoint_every": 50}.
-        run_id: Pipeline run id: names the TrainJob; a relaunch with the same id re-attaches.
-        stage: Pipeline stage (part of the TrainJob name and labels).
-        namespace: '' = the launcher pod's namespace, else the kubeconfig context's, else default.
-        queue_name: Kueue LocalQueue in the namespace (label kueue.x-k8s.io/queue-name; '' = no Kueue).
-        cluster_runtime: '' = a per-run TrainingRuntime with this shape; else an installed ClusterTrainingRuntime (e.g. sao-rl).
-        learner_image: Image of the learner nodes ('' = the project's train image of this version).
-        rollout_image: Rollout image (vLLM + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-vllm:0.1.0.
-        num_nodes: Learner nodes (pods of the node job); torchrun --nnodes.
-        gpus_per_node: GPUs per learner node = torchrun processes per node (0: one CPU process).
-        rollout_replicas: Rollout service replicas (one pod and one Job each).
-        rollout_gpus: GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size).
-        tensor_parallel_size: VLLM tensor-parallel size inside one replica.
-        data_parallel_size: VLLM data-parallel engines inside one replica.
-        engine: Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).
-        gpu_memory_utilization: Vllm: share of each GPU's memory the engine may use (0, 1].
-        max_num_seqs: Vllm: sequences scheduled concurrently per engine.
-        enable_prefix_caching: Vllm: reuse the KV cache of shared prefixes (multi-turn episodes).
-        max_model_len: Vllm: context in tokens (prompt + every turn); 0: a TrainJob's max_total_tokens (a runtime alone: the model's).
-        accelerator_type: Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu.
-        node_selector: Node labels the GPU pods require (a TrainJob: every pod), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"} (None = default {}).
-        tolerations: Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{"key": "nvidia.com/gpu", "operator": "Exists"}] (None = default []).
-        s3_secret_name: Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION).
-        timeout_s: Whole run, queueing included; then the TrainJob is deleted.
-        launch_options: Other LaunchConfig fields, e.g. {"priority_class": "high", "node_memory": "900Gi", "env": {"NCCL_DEBUG": "INFO"}}.
-    """
     import json
     from pathlib import Path
 
