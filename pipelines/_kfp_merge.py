@@ -122,7 +122,7 @@ def install() -> bool:
 
     if not kfp.__version__.startswith(SUPPORTED_KFP):
         warnings.warn(f"pipelines: kfp {kfp.__version__} is not {SUPPORTED_KFP}x; its own sub-pipeline merge is "
-                      "used (check the compiled YAML with tests/test_kfp_spec.py)", stacklevel=2)
+                      "used (check the compiled YAML with tests/kubeflow/test_kfp_spec.py)", stacklevel=2)
         return False
     pipeline_spec_builder._merge_deployment_spec = _merge_deployment_spec
     pipeline_spec_builder._merge_component_spec = _merge_component_spec

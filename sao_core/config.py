@@ -9,7 +9,7 @@ Settings are defined once, as dataclass fields made with :func:`setting` (defaul
 unit, the methods and placements that use it; a ``Literal`` annotation where the values are fixed). The CLI's
 ``--help`` (grouped by section), the KFP components' and pipelines' parameter descriptions and dropdowns, and
 the settings tables of the READMEs and the docs are generated from these fields or checked against them
-(tests/test_settings_parity.py). A YAML config or a component's ``options`` may give a setting flat
+(tests/kubeflow/test_settings_parity.py). A YAML config or a component's ``options`` may give a setting flat
 (``max_staleness: 4``) or inside its section (``admission: {max_staleness: 4}``): :func:`flatten_sections`.
 """
 

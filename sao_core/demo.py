@@ -115,7 +115,7 @@ def run_demo(output: str | Path, cache_dir: str | Path, steps: int = 300, train_
 
 #: Seed of the demo's warm-start SFT rows: the rows and settings of the plain SFT demo (`sao_core.demo`).
 WARM_SEED = 1
-#: The demo's settings (calibration: README "The demo" and tests/test_pipelines_local.py): a warm start short
+#: The demo's settings (calibration: README "The demo" and tests/kubeflow/test_pipelines_local.py): a warm start short
 #: enough that the held-out sampled reward starts near 0.25, then SAO with evaluation during training.
 DEMO_WARM_START_STEPS = 190
 DEMO_WARM_START_ROWS = 600

@@ -1,5 +1,5 @@
 """Generated answer variants of the real IMO-AnswerBench gold answers, for the exact-rule tests
-(tests/test_eval_imo_exact.py, tests/test_eval_imo_structural.py): `wrong_variants` (each must not be
+(tests/eval/test_eval_imo_exact.py, tests/eval/test_eval_imo_structural.py): `wrong_variants` (each must not be
 accepted) and `equivalent_forms` (each is the same answer written differently); `structural_variants`
 gives both for the structural forms (relations for intervals, solution lists, plus-minus, named
 tuples, congruences, degrees, factorial identities, prose sets as symbols)."""

@@ -1,6 +1,6 @@
 """One learner step per method on a fixed batch, in one process or under torchrun (FSDP2, gloo).
 
-Used by tests/test_learner_distributed.py: the metrics (grad norms, losses, mask fractions) and the
+Used by tests/learner/test_learner_distributed.py: the metrics (grad norms, losses, mask fractions) and the
 updated weights of a 2-rank run must equal those of one process on the same batch.
 
     python tests/scripts/learner_step_worker.py MODEL_DIR OUT.json [OUT.pt]

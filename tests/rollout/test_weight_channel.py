@@ -1,0 +1,239 @@
+"""The collective weight channel (sao_core/rollout/channel.py): full weights from a learner to a rollout service in
+another process (`sao rollout serve`) over a gloo group of their own, controlled through the service's
+authenticated HTTP API (POST /v1/weights/channel, /receive, /commit). Real processes; nothing here waits on a
+clock (the group's timeouts are only a bound for a hang)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from rl_data import tool_arith_rl
+
+from sao_core import storage
+from sao_core.learner.config import RLConfig
+from sao_core.learner.errors import LearnerError
+from sao_core.learner.loop import train_rl
+from sao_core.learner.services import ServiceSet
+from sao_core.models import load_model
+from sao_core.rollout import channel as channel_mod
+from sao_core.rollout.client import RolloutAuthError, RolloutClient, RolloutRequestError
+from sao_core.rollout.weights import WeightUpdate
+
+TOKEN = "channel-test-token-0123456789"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """`sao rollout serve` of the embedded model in a process of its own, with the test's token."""
+
+    def __init__(self, cache: Path, log: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "SAO_ROLLOUT_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+               "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sao_core.cli", "--quiet", "--threads", "1", "--log-level", "WARNING",
+             "--cache-dir", str(cache), "rollout", "serve", "--model", "embedded:tiny", "--port", str(self.port),
+             "--max-batch", "8"], cwd=str(ROOT), env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            start_new_session=True)
+        deadline = time.monotonic() + 300
+        while True:
+            assert self.proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if httpx.get(self.url + "/healthz", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the rollout service did not start"
+            time.sleep(0.2)
+
+    def client(self, token: str | None = TOKEN) -> RolloutClient:
+        return RolloutClient(self.url, token=token)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def service(sao_cache, tiny_model_dir, tmp_path_factory):
+    server = Service(sao_cache, tmp_path_factory.mktemp("channel") / "service.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def learner_model(tiny_model_dir, sao_cache):
+    return load_model(tiny_model_dir, sao_cache, "float32")
+
+
+def _services(service) -> ServiceSet:
+    return ServiceSet([service.url], "test", {}, retry_s=30, token=TOKEN, channel=True, channel_timeout_s=60)
+
+
+def _moved(model, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=generator))
+
+
+def _next_update(service, services, model, seed: int) -> WeightUpdate:
+    _moved(model, seed)
+    version = service.client().status()["version"] + 1
+    return WeightUpdate.build(version, model.state_dict(), services.channel_dtypes())
+
+
+def _logprobs(model, ids: list[int], start: int) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, start - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[start:]).unsqueeze(1)).squeeze(1).tolist()
+
+
+def test_a_push_through_the_channel_lands_in_the_other_process(service, learner_model):
+    services = _services(service)
+    try:
+        dtypes = services.channel_dtypes()
+        assert set(dtypes.values()) == {torch.float32}
+        update = _next_update(service, services, learner_model, seed=1)
+        services.push(update.version, None, update.digest, None, update)
+        status = service.client().status()
+        assert status["version"] == update.version and status["weights_sha256"] == update.digest
+        ids = [1, 5, 9, 17, 33, 2, 8, 40]
+        scored = service.client().score(ids, 2)
+        assert scored["version"] == update.version
+        assert max(abs(a - b) for a, b in zip(scored["logprobs"], _logprobs(learner_model, ids, 2),
+                                              strict=True)) < 1e-5
+        # A second version over the same group, as the next plain update.
+        second = _next_update(service, services, learner_model, seed=2)
+        services.push(second.version, None, second.digest, None, second)
+        assert service.client().status()["version"] == second.version
+    finally:
+        services.close_channel()
+
+
+def test_a_tensor_corrupted_on_the_way_is_refused_naming_the_service(service, learner_model, monkeypatch):
+    broadcast = channel_mod.Sender.broadcast
+
+    def corrupting(self, update):
+        name, tensor = update.tensors[-1]
+        bad = WeightUpdate(update.version, update.tensors[:-1] + ((name, tensor.clone() + 1.0),), update.dtypes,
+                           digest=update.digest)   # the sender's digest of the true tensors
+        return broadcast(self, bad)
+
+    services = _services(service)
+    try:
+        update = _next_update(service, services, learner_model, seed=3)
+        monkeypatch.setattr(channel_mod.Sender, "broadcast", corrupting)
+        with pytest.raises(LearnerError, match=rf"rollout service {service.url} refused weights version "
+                                               rf"{update.version} received over the collective weight channel: "
+                                               r".*-> 400: .*did not arrive intact"):
+            services.push(update.version, None, update.digest, None, update)
+        monkeypatch.setattr(channel_mod.Sender, "broadcast", broadcast)
+        # The engine refuses to serve the mixture until good weights arrive: the next push (a resync) repairs it.
+        with pytest.raises(RolloutRequestError, match="unusable"):
+            service.client().score([1, 2, 3], 1)
+        services.holds.clear()
+        good = _next_update(service, services, learner_model, seed=4)
+        services.push(good.version, None, good.digest, None, good)
+        assert service.client().status()["version"] == good.version
+        service.client().score([1, 2, 3], 1)
+    finally:
+        services.close_channel()
+
+
+def test_bad_announcements_are_refused_before_anything_is_broadcast(service, learner_model):
+    services = _services(service)
+    client = service.client()
+    try:
+        update = _next_update(service, services, learner_model, seed=5)
+        services._form_channel()
+        spec = channel_mod.update_spec(update)
+        with pytest.raises(RolloutRequestError, match=r"-> 400: .*lacks 1 of the model's tensors \(first: "
+                                                      rf"{spec[0][0]}\).*nothing was received"):
+            client.receive_weights(update.version, update.digest, spec[1:])
+        wrong = [[spec[0][0], spec[0][1], "bfloat16"], *spec[1:]]
+        with pytest.raises(RolloutRequestError, match=r"-> 400: .* is \(.*\) bfloat16, the model's is .* float32"):
+            client.receive_weights(update.version, update.digest, wrong)
+        current = client.status()["version"]
+        with pytest.raises(RolloutRequestError, match=rf"-> 409: version {current} is not newer"):
+            client.receive_weights(current, update.digest, spec)
+        with pytest.raises(RolloutRequestError, match="-> 409: no receive of version"):
+            client.commit_weights(update.version)
+        with pytest.raises(RolloutRequestError, match="-> 422"):
+            client.receive_weights(update.version, "sha256:0", spec)
+        assert client.status()["version"] == current
+        # Nothing was left waiting for a broadcast: the same version goes through at once.
+        services.push(update.version, None, update.digest, None, update)
+        assert client.status()["version"] == update.version
+    finally:
+        services.close_channel()
+
+
+def test_the_channel_endpoints_need_the_token(service):
+    anonymous = service.client(token=None)
+    for call in (lambda: anonymous.weight_spec(), lambda: anonymous.join_channel("127.0.0.1", 1, 1, 2),
+                 lambda: anonymous.receive_weights(1, "xxh3-128:" + "0" * 32, [["a", [1], "float32"]]),
+                 lambda: anonymous.commit_weights(1)):
+        with pytest.raises(RolloutAuthError, match="-> 401"):
+            call()
+    wrong = service.client(token="not-the-token")
+    with pytest.raises(RolloutAuthError, match="-> 401"):
+        wrong.commit_weights(1)
+
+
+def test_a_run_pushes_through_the_channel_to_an_external_service(sao_cache, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SAO_ROLLOUT_TOKEN", TOKEN)
+    server = Service(sao_cache, tmp_path / "service.log")
+    try:
+        data = tool_arith_rl(tmp_path / "rl", 60, seed=3)
+        out = tmp_path / "run"
+        summary = train_rl(RLConfig(data=data, output=str(out), model=tiny_model_dir, steps=3, batch_size=8,
+                                    policy_lr=3e-4, critic_lr=3e-4, critic_warmup_steps=1, max_new_tokens_per_turn=12,
+                                    max_total_tokens=80, cache_dir=str(sao_cache), services=(server.url,),
+                                    weight_transport="collective", service_retry_s=60))
+        assert summary["version"] == 2
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        pushed = [r for r in lines if r.get("weight_push_s")]
+        assert len(pushed) == 2 and all(r["delivery_logp_diff_mean"] < 1e-4 for r in pushed)
+        assert all("durable_wait_s" in r for r in lines)
+        status = server.client().status()
+        assert status["version"] == 2 and status["weights_sha256"].startswith("xxh3-128:")
+        # Durable: only the end's version (publish_every 0), written in the background, verified.
+        assert storage.list_dirs(str(out / "weights")) == ["v000002"]
+        storage.verify_checkpoint(out / "weights" / "v000002")
+
+        # A service lost once the group formed stops the next push, naming it (the group is not re-formed).
+        model = load_model(summary["model"], sao_cache, "float32")
+        services = ServiceSet([server.url], "after", {}, retry_s=5, token=TOKEN, channel=True, channel_timeout_s=60)
+        dtypes = services.channel_dtypes()
+        update = WeightUpdate.build(3, model.state_dict(), dtypes)
+        services.push(3, None, update.digest, None, update)
+        assert server.client().status()["version"] == 3
+        server.stop()
+        _moved(model, seed=6)
+        update = WeightUpdate.build(4, model.state_dict(), dtypes)
+        with pytest.raises(LearnerError, match=rf"collective weight channel lost service {server.url} .*restart with "
+                                               "weight_transport files or auto"):
+            services.push(4, None, update.digest, None, update)
+        assert services.sender is None
+    finally:
+        server.stop()
