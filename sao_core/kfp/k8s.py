@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sao_core import images
+from sao_core.kfp.sdk_speed import frame_caller_names
 
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 #: secret key -> environment variable of the S3 credentials secret (keys missing in the secret are skipped).
@@ -99,11 +100,18 @@ def apply(task, role: str, params: ClusterParams, settings: ClusterSettings, ima
 
     `gpu_count` overrides ``params.gpu_count`` (e.g. a separate evaluation GPU count).
     """
+    if role not in ROLES:
+        raise ValueError(f"unknown task role {role!r}; choose one of {', '.join(ROLES)}")
+    with frame_caller_names():   # kfp's setters otherwise read the whole stack's source (sdk_speed)
+        _apply(task, role, params, settings, image_kind, gpu_count)
+    return task
+
+
+def _apply(task, role: str, params: ClusterParams, settings: ClusterSettings, image_kind: str | None,
+           gpu_count: Any) -> None:
     from kfp import kubernetes
     from kfp.dsl.pipeline_channel import PipelineChannel
 
-    if role not in ROLES:
-        raise ValueError(f"unknown task role {role!r}; choose one of {', '.join(ROLES)}")
     if image_kind is not None:
         task.set_container_image(settings.image(image_kind))
     kubernetes.use_secret_as_env(task, secret_name=params.s3_secret_name,
@@ -132,7 +140,6 @@ def apply(task, role: str, params: ClusterParams, settings: ClusterSettings, ima
         _retry(task, settings.data_retries, settings.retry_backoff)
     else:
         kubernetes.set_timeout(task, settings.cpu_timeout_s)
-    return task
 
 
 def _retry(task, retries: int, backoff: str) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from sao_core.kfp.sdk_speed import libyaml
+
 _PY_TYPES = {"STRING": str, "NUMBER_INTEGER": int, "NUMBER_DOUBLE": (int, float), "BOOLEAN": bool}
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: packages are ~200 kB
 _SDK_VERSION = re.compile(r"^sdkVersion: kfp-\S+$", re.MULTILINE)
@@ -110,10 +112,11 @@ def compile_pipeline(pipeline, output_path: str | Path, literals: dict[str, list
 
     path = Path(output_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(pipeline, str(path))
-    if literals:
-        patch_literals(path, literals)
-    verify_package(path, literals)
+    with libyaml():   # the SDK's writer and reader in C (sdk_speed): same bytes, ~2 s less per package
+        compiler.Compiler().compile(pipeline, str(path))
+        if literals:
+            patch_literals(path, literals)
+        verify_package(path, literals)
     return path
 
 
