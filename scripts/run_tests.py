@@ -6,7 +6,8 @@
    busy machine weakens how far the reward rises) alone, after phase 1.
 
 `--select EXPR` (a pytest -m expression) narrows both phases: `make test` leaves the real-model tier out
-(`not real_model`), `make test-real` runs only it. The same pytest arguments go to both phases.
+(`not real_model`), `make test-real` runs only it. The same pytest arguments go to both phases, and both see one
+folder ($SAO_TEST_SHARED_DIR) where a warm-start model trained once is read by every worker.
 A phase that selects nothing (pytest exit 5) is fine when the
 other one ran tests; the exit status is the first failing phase's, 5 when neither phase ran a test.
 """
@@ -14,11 +15,16 @@ other one ran tests; the exit status is the first failing phase's, 5 when neithe
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 NO_TESTS = 5
+#: the folder both phases share (tests/model_fixtures.py reads it)
+SHARED_DIR_ENV = "SAO_TEST_SHARED_DIR"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,11 +42,19 @@ def main(argv: list[str] | None = None) -> int:
                             "-m", f"not serial{narrow}"]),
               ("serial", ["-m", f"serial{narrow}"])]
     codes, seconds = [], []
-    for name, selection in phases:
-        began = time.monotonic()
-        print(f"== tests, {name} phase: pytest {' '.join(selection + extra)}", flush=True)
-        codes.append(subprocess.call([sys.executable, "-m", "pytest", *selection, *extra]))
-        seconds.append(time.monotonic() - began)
+    # One folder for the whole run, both phases: warm-start models one worker trained, the others read
+    # (tests/model_fixtures.py sft_model); removed at the end unless the caller chose it.
+    shared = os.environ.get(SHARED_DIR_ENV) or tempfile.mkdtemp(prefix="sao-test-shared-")
+    env = {**os.environ, SHARED_DIR_ENV: shared}
+    try:
+        for name, selection in phases:
+            began = time.monotonic()
+            print(f"== tests, {name} phase: pytest {' '.join(selection + extra)}", flush=True)
+            codes.append(subprocess.call([sys.executable, "-m", "pytest", *selection, *extra], env=env))
+            seconds.append(time.monotonic() - began)
+    finally:
+        if SHARED_DIR_ENV not in os.environ:
+            shutil.rmtree(shared, ignore_errors=True)
     print("== tests: " + ", ".join(f"{name} phase exit {code} in {s:.0f} s"
                                    for (name, _), code, s in zip(phases, codes, seconds, strict=True)), flush=True)
     failing = [c for c in codes if c not in (0, NO_TESTS)]
