@@ -18,8 +18,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-if str(Path(__file__).parent) not in sys.path:  # so tests can `import s3_servers`
-    sys.path.insert(0, str(Path(__file__).parent))
+# Tests import the shared helpers here (`import s3_servers`) and, across package folders, a few helpers of
+# another test module (`from test_learner_parts import _learner`): every folder is importable from the start,
+# so a file run alone (`pytest tests/rollout/test_delivery_probe.py`) finds them as the whole suite does.
+for _folder in [Path(__file__).parent, *sorted(p for p in Path(__file__).parent.iterdir()
+                                             if p.is_dir() and any(p.glob("test_*.py")))]:
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 import s3_servers  # noqa: E402
 from eval_fixtures import imo, imo_records  # noqa: E402, F401  (shared IMO grader fixtures)

@@ -22,7 +22,13 @@ from sao_core.rollout import weights as weights_mod
 from sao_core.rollout.engines.base import EngineError, SamplingParams
 from sao_core.rollout.engines.hf import HFEngine
 from sao_core.rollout.manager import ConflictError, RolloutError
-from sao_core.rollout.weights import WeightUpdate, WeightUpdateError, apply_update, tensors_digest
+from sao_core.rollout.weights import (
+    WeightsCorrupted,
+    WeightUpdate,
+    WeightUpdateError,
+    apply_update,
+    tensors_digest,
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +119,106 @@ def test_a_tensor_changed_in_transit_is_caught_by_the_receiver(tiny_model_dir, s
     update.tensors[3][1].view(-1)[0] += 1.0          # ... then the bytes change on the way
     with pytest.raises(WeightUpdateError, match="did not arrive intact"):
         apply_update(engine, update)
+
+
+def _digest_by_definition(named, dtypes, hasher) -> str:
+    """The digest as its definition says, without chunks: each tensor's header, then all its bytes in its wire
+    dtype."""
+    for (name, tensor), dtype in zip(named, dtypes, strict=True):
+        hasher.update(f"{name}\0{str(dtype).removeprefix('torch.')}\0{tuple(tensor.shape)}\0".encode())
+        hasher.update(tensor.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+class _ManyTensors(torch.nn.Module):
+    """300 small parameters of 3-9 elements, one of 52 (10 chunks of 5 and a partial one) and a buffer."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.small = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(3 + i % 7, dtype=dtype))
+                                            for i in range(300))
+        self.big = torch.nn.Parameter(torch.zeros(4, 13, dtype=dtype))
+        self.register_buffer("steps", torch.zeros(2, dtype=torch.long))
+
+
+def _many_tensors_state(seed: int) -> dict[str, torch.Tensor]:
+    """A float32 learner's state for `_ManyTensors` (the buffer stays an integer)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: (torch.randn(t.shape, generator=generator) if t.is_floating_point() else torch.arange(2))
+            for name, t in _ManyTensors(torch.float32).state_dict().items()}
+
+
+@pytest.mark.parametrize("chunk", [5, 1 << 20])
+def test_the_digest_is_the_same_whatever_the_chunk_size(monkeypatch, chunk):
+    import xxhash
+
+    monkeypatch.setattr(weights_mod, "CHUNK", chunk)
+    named = [(f"t{i}", torch.randn(n)) for i, n in enumerate((1, 4, 5, 6, 11, 23, 52))] + [("m", torch.randn(3, 7))]
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.bfloat16,
+              torch.float16, torch.bfloat16]   # conversions to two dtypes interleaved: each has its own buffer
+    expected = "xxh3-128:" + _digest_by_definition(named, dtypes, xxhash.xxh3_128())
+    assert tensors_digest(named, dtypes) == expected
+    assert WeightUpdate(1, named, dtypes).digest == expected
+
+
+@pytest.mark.parametrize("chunk", [5, 1 << 20])
+def test_many_small_tensors_land_exactly_and_a_change_in_any_chunk_is_caught(monkeypatch, chunk):
+    monkeypatch.setattr(weights_mod, "CHUNK", chunk)
+    engine = _ManyTensors(torch.bfloat16)
+    dtypes = {n: t.dtype for n, t in engine.state_dict().items()}
+    state = _many_tensors_state(seed=1)
+    update = WeightUpdate.build(1, state, dtypes)
+    assert apply_update(engine, update) == update.digest
+    for name, tensor in engine.state_dict().items():
+        assert torch.equal(tensor, state[name].to(tensor.dtype)), name
+    # One element changed after the sender's digest: in the first chunk, a middle one, the last partial one of
+    # the 52-element tensor, the last small tensor, the buffer.
+    for name, index in (("big", 0), ("big", 27), ("big", 51), ("small.299", 2), ("steps", 1)):
+        update = WeightUpdate.build(2, _many_tensors_state(seed=2), dtypes)
+        assert update.digest
+        dict(update.tensors)[name].view(-1)[index] += 1
+        with pytest.raises(WeightsCorrupted, match="v2 did not arrive intact"):
+            apply_update(engine, update)
+
+
+def test_the_blake2b_fallback_where_xxhash_is_missing(monkeypatch):
+    import hashlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xxhash", None)   # `import xxhash` raises ImportError
+    engine = _ManyTensors(torch.bfloat16)
+    dtypes = {n: t.dtype for n, t in engine.state_dict().items()}
+    update = WeightUpdate.build(1, _many_tensors_state(seed=3), dtypes)
+    expected = "blake2b-128:" + _digest_by_definition(update.tensors, update.dtypes, hashlib.blake2b(digest_size=16))
+    assert update.digest == expected
+    assert apply_update(engine, update) == expected
+
+
+class _FailingHasher:
+    """A streaming hasher that fails at its `fail_at`-th update."""
+
+    def __init__(self, fail_at: int):
+        self.calls, self.fail_at = 0, fail_at
+
+    def update(self, data) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("hasher failed")
+
+    def hexdigest(self) -> str:
+        return "0" * 32
+
+
+def test_an_error_of_either_hash_reaches_the_caller(monkeypatch):
+    engine = _ManyTensors(torch.float32)
+    dtypes = {n: t.dtype for n, t in engine.state_dict().items()}
+    monkeypatch.setattr(weights_mod, "_hasher", lambda: (_FailingHasher(fail_at=7), "xxh3-128"))
+    update = WeightUpdate.build(1, _many_tensors_state(seed=4), dtypes)   # the sender's hash, on its thread
+    with pytest.raises(WeightUpdateError, match="v1: the sender's digest failed: hasher failed"):
+        _ = update.digest
+    given = WeightUpdate(1, update.tensors, update.dtypes, digest="xxh3-128:" + "0" * 32)
+    with pytest.raises(RuntimeError, match="hasher failed"):   # the receiver's hash
+        apply_update(engine, given)
 
 
 def _engine_call(engine, coroutine):
