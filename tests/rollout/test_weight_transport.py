@@ -216,9 +216,15 @@ def test_an_error_of_either_hash_reaches_the_caller(monkeypatch):
     update = WeightUpdate.build(1, _many_tensors_state(seed=4), dtypes)   # the sender's hash, on its thread
     with pytest.raises(WeightUpdateError, match="v1: the sender's digest failed: hasher failed"):
         _ = update.digest
+    # once the copy has begun, any failure leaves a mixture: WeightsCorrupted, which makes an engine refuse to serve
     given = WeightUpdate(1, update.tensors, update.dtypes, digest="xxh3-128:" + "0" * 32)
-    with pytest.raises(RuntimeError, match="hasher failed"):   # the receiver's hash
+    with pytest.raises(WeightsCorrupted, match=r"failed part-way \(RuntimeError: hasher failed\); the model holds a "
+                                              "mixture"):   # the receiver's hash
         apply_update(engine, given)
+    monkeypatch.undo()   # the receiver hashes again; the sender's digest of `update` had failed
+    with pytest.raises(WeightsCorrupted, match=r"v1 failed part-way \(WeightUpdateError: weight update v1: the "
+                                              r"sender's digest failed: hasher failed\); the model holds a mixture"):
+        apply_update(_ManyTensors(torch.float32), update)
 
 
 def _engine_call(engine, coroutine):

@@ -374,8 +374,8 @@ class HFEngine:
         copied into the live model's parameters in the engine thread between two steps (no files, no new model
         object), then the digest of what the model holds is recomputed and must equal the sender's. Returns
         that digest; tokens sampled afterwards carry `update.version`. A bad update (names, shapes, dtypes, a
-        skipped tensor) is refused before anything changes (EngineError); a digest mismatch after the copy
-        leaves the engine refusing to serve until a good update arrives."""
+        skipped tensor) is refused before anything changes (EngineError); a digest mismatch after the copy, or any
+        failure once the copy has begun, leaves the engine refusing to serve until a good update arrives."""
         from sao_core.rollout.weights import WeightsCorrupted, WeightUpdateError, apply_update
 
         def run() -> str:
