@@ -117,9 +117,9 @@ class RLConfig(CoreConfig):
     keep_weight_versions: int = setting(3, "published weight versions kept (older ones deleted)", unit="versions",
                                         section="publishing")
     weight_transport: Literal["auto", "files", "collective"] = setting(
-        "auto", "how new weights reach the services: auto (in memory to a colocated hf engine, through storage to "
-        "the others and to LoRA adapters), files (always through storage), collective: a gloo/NCCL group to "
-        "external services (hf engines; full weights)", section="publishing")
+        "auto", "how new weights reach the services: auto (in memory to a colocated hf engine, full weights or a "
+        "LoRA adapter; through storage to the others), files (always through storage), collective: a gloo/NCCL "
+        "group to external services (hf engines; full weights)", section="publishing")
     publish_every: int = setting(
         0, "in-memory pushes: also write every Nth version to storage in the background (0: only at checkpoints "
         "and the end)", unit="versions", section="publishing")

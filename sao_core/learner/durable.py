@@ -2,7 +2,8 @@
 
 When the rollout services take the weights in memory (`weight_transport` auto with a colocated HF engine), a
 version reaches storage (``<output>/weights/vNNNNNN``, a Hugging Face folder with a sha256 manifest) only every
-`publish_every` versions and at checkpoints and the end, for audits, users and `keep_weight_versions`. The
+`publish_every` versions and at checkpoints and the end, for audits, users and `keep_weight_versions` (a LoRA
+run that pushes its adapter in memory writes the adapter folder, manifest kind ``lora_adapter``). The
 learner hands a snapshot (its own copy of the full weights) to `DurableWeights.submit` and goes on training; one
 background thread writes it (safetensors, publish, prune). A new snapshot waits for the previous write to end
 (at most one is pending, so memory stays bounded); that wait and the snapshot copy are the learner's whole cost,
@@ -35,7 +36,8 @@ def snapshot(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class DurableWeights:
     """One background writer of weight versions under `weights_uri` (see the module).
 
-    `write(state, staging)` writes a Hugging Face folder of the full weights `state` at `staging`;
+    `write(state, staging)` writes a Hugging Face folder of the full weights `state` (or a LoRA adapter folder
+    of the adapter's weights `state`) at `staging`;
     `prune(weights_uri, newest)` deletes versions beyond the newest kept ones (never fails the run)."""
 
     def __init__(self, weights_uri: str, staging: Path, write: Callable[[dict, Path], None],

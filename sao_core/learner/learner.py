@@ -233,32 +233,38 @@ class Learner:
         adapter alone (`lora_publish` adapter) or the full model (the adapter merged in)."""
         if not self.publishes_adapter:
             return save_full_model(self.policy, self.tokenizer, staging, self.ctx)
-        from sao_core.training.checkpointing import trainable_state_dict
-        from sao_core.training.lora import adapter_state_dict, write_adapter
+        from sao_core.training.lora import write_adapter
 
-        adapter = adapter_state_dict(self.policy, trainable_state_dict)
-        if not self.ctx.is_main:
+        adapter = self._memory_weights()
+        if adapter is None:   # not rank 0
             return False
         shutil.rmtree(staging, ignore_errors=True)
         write_adapter(self.policy, adapter, staging)
         return True
 
     def use_memory_transport(self, engine_dtypes: dict) -> None:
-        """Push full weights in memory from now on (every rank calls it; `engine_dtypes`, name -> dtype of the
-        colocated engine's weights, matters on rank 0): durable versions are written in the background every
-        `publish_every` versions and at checkpoints (`learner/durable.py`)."""
+        """Push the weights in memory from now on (every rank calls it; `engine_dtypes`, name -> dtype of the
+        colocated engine's weights, matters on rank 0): full weights, or the LoRA adapter alone when the run
+        publishes adapters. Durable versions (a full-weights folder, or an adapter folder) are written in the
+        background every `publish_every` versions and at checkpoints (`learner/durable.py`)."""
         from sao_core.learner.durable import DurableWeights
         from sao_core.training.checkpointing import write_full_weights
-        from sao_core.training.lora import is_lora
+        from sao_core.training.lora import is_lora, write_adapter
 
         self.memory_push, self.engine_dtypes = True, dict(engine_dtypes)
-        if self.ctx.is_main:
+        if not self.ctx.is_main:
+            return
+        if self.publishes_adapter:
+            def write(state: dict, staging: Path) -> None:
+                write_adapter(self.policy, state, staging)
+        else:
             base = self.policy.get_base_model() if is_lora(self.policy) else self.policy
-            weights = storage.join(self.config.output, "weights")
-            self.durable = DurableWeights(
-                weights, self.scratch / "durable",
-                write=lambda state, staging: write_full_weights(base.config, state, self.tokenizer, staging),
-                prune=lambda uri, newest: prune_weight_versions(uri, newest, self.config.keep_weight_versions))
+
+            def write(state: dict, staging: Path) -> None:
+                write_full_weights(base.config, state, self.tokenizer, staging)
+        self.durable = DurableWeights(
+            storage.join(self.config.output, "weights"), self.scratch / "durable", write=write,
+            prune=lambda uri, newest: prune_weight_versions(uri, newest, self.config.keep_weight_versions))
 
     def _full_weights(self) -> dict | None:
         """The policy's full weights under the plain causal LM's names (a LoRA adapter merged in): the live
@@ -273,6 +279,25 @@ class Learner:
         state = plain_state_dict(self.policy, lambda m: get_model_state_dict(m, options=options))
         return state if self.ctx.is_main else None
 
+    def _memory_weights(self) -> dict | None:
+        """What an in-memory push sends (a collective; None off rank 0): the LoRA adapter's weights under peft's
+        file names when the run publishes adapters (the live parameters in one process), else the full weights
+        (`_full_weights`)."""
+        if not self.publishes_adapter:
+            return self._full_weights()
+        from sao_core.training.checkpointing import trainable_state_dict
+        from sao_core.training.lora import adapter_state_dict
+
+        adapter = adapter_state_dict(self.policy, trainable_state_dict)
+        return adapter if self.ctx.is_main else None
+
+    def _version_metadata(self) -> dict:
+        """The manifest metadata of the current version's folder under ``<output>/weights``."""
+        metadata = {"version": self.state.version, "step": self.state.step}
+        if self.publishes_adapter:
+            metadata.update(kind="lora_adapter", base_model=self.config.model)
+        return metadata
+
     def make_durable(self, state: dict | None = None) -> float:
         """Write the current version to storage in the background unless it was already submitted (collective
         when `state` is not given: it gathers the weights). Returns the seconds the learner waited (snapshot and
@@ -283,14 +308,14 @@ class Learner:
         if self.durable is not None and self.durable.last_version == version:
             return 0.0
         if state is None:
-            state = self._full_weights()
+            state = self._memory_weights()
         if not self.ctx.is_main:
             return 0.0
         from sao_core.learner.durable import snapshot
 
         began = time.monotonic()
         copy = snapshot(state)
-        self.durable.submit(version, copy, {"version": version, "step": self.state.step})
+        self.durable.submit(version, copy, self._version_metadata())
         return time.monotonic() - began
 
     def flush_durable(self) -> None:
@@ -299,15 +324,20 @@ class Learner:
             self.durable.wait()
 
     def _publish_in_memory(self, push: Push | None, probe) -> None:
-        """The memory path of `publish`: build the update in the engine's dtypes, push it, and every
-        `publish_every` versions hand a snapshot to the durable writer."""
+        """The memory path of `publish`: build the update (full weights in the engine's dtypes, or the LoRA
+        adapter with its config), push it, and every `publish_every` versions hand a snapshot to the durable
+        writer."""
         from sao_core.rollout.weights import WeightUpdate
+        from sao_core.training.lora import adapter_config
 
-        state = self._full_weights()
+        state = self._memory_weights()
         if not self.ctx.is_main:
             return
         version = self.state.version
-        update = WeightUpdate.build(version, state, self.engine_dtypes)
+        if self.publishes_adapter:
+            update = WeightUpdate.adapter(version, state, adapter_config(self.policy))
+        else:
+            update = WeightUpdate.build(version, state, self.engine_dtypes)
         if push is not None:
             push(version, None, None, probe, update)   # the digest is read after the copy: it hashes meanwhile
         every = self.config.publish_every
@@ -329,10 +359,7 @@ class Learner:
             return 0.0
         version, weights = self.state.version, storage.join(self.config.output, "weights")
         uri = storage.join(weights, f"v{version:06d}")
-        metadata = {"version": version, "step": self.state.step}
-        if self.publishes_adapter:
-            metadata.update(kind="lora_adapter", base_model=self.config.model)
-        storage.publish_checkpoint(self.scratch / "weights", uri, metadata=metadata)
+        storage.publish_checkpoint(self.scratch / "weights", uri, metadata=self._version_metadata())
         if push is not None:
             push(version, uri, storage.checkpoint_digest(uri), probe)
         seconds = time.monotonic() - began

@@ -67,12 +67,12 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def in_memory(config: RLConfig, server, learner: Learner) -> bool:
+def in_memory(config: RLConfig, server) -> bool:
     """Whether the run hands its weights to `server` (the colocated service, None when there is none) in
-    memory: `weight_transport` auto (or collective, which has no group to form with a service in this process),
-    full weights (not a LoRA adapter) and an engine that can take them."""
-    return (server is not None and config.weight_transport in ("auto", "collective") and not learner.publishes_adapter
-            and server.takes_weights_in_memory())
+    memory: `weight_transport` auto (or collective, which has no group to form with a service in this process)
+    and an engine that can take them (the HF engine takes full weights and LoRA adapters alike; the learner
+    sends what it publishes)."""
+    return server is not None and config.weight_transport in ("auto", "collective") and server.takes_weights_in_memory()
 
 
 def colocated_serve_config(config: RLConfig):
@@ -278,7 +278,7 @@ class RLRun:
             urls, consumer, asdict(plan), config.service_retry_s,
             plan_for=lambda index, n: self.state.ledger.plan_fields(index, n),
             on_restart=lambda index: self.service_restarted(index, len(urls)), token=self.token,
-            on_plan=self.plan_sent, local={0: self.server} if in_memory(config, self.server, self.learner) else {},
+            on_plan=self.plan_sent, local={0: self.server} if in_memory(config, self.server) else {},
             channel=config.weight_transport == "collective" and self.server is None)
 
     def plan_sent(self, index: int, num_shards: int, stream: dict) -> None:

@@ -517,10 +517,10 @@ class RolloutManager:
         return False
 
     async def update_in_memory(self, update, resync: bool = False) -> dict:
-        """Full weights from a learner in this process (`sao_core.rollout.weights.WeightUpdate`): the same version
-        rules as `update_weights`, under the same lock; the engine copies the tensors into its model and checks
-        their digest (`HFEngine.update_in_memory`). RolloutError when the engine cannot take weights this way or
-        refuses them (the message says why)."""
+        """Full weights or a LoRA adapter from a learner in this process (`sao_core.rollout.weights.WeightUpdate`):
+        the same version rules as `update_weights`, under the same lock; the engine copies the tensors into its
+        model and checks their digest (`HFEngine.update_in_memory`). RolloutError when the engine cannot take
+        weights this way or refuses them (the message says why)."""
         if not hasattr(self.engine, "update_in_memory"):
             raise RolloutError(f"the {type(self.engine).__name__} engine takes weights only from files")
         async with self._weights_lock:

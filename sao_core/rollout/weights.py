@@ -7,6 +7,11 @@ the digest over what it now holds (`tensors_digest` of its own parameters in the
 or skipped on the way, a wrong dtype or shape, or names the engine does not have stop the update with an error
 naming what differed.
 
+A LoRA run sends its adapter the same way (a few megabytes): the same `WeightUpdate`, whose tensors are the
+adapter's weights under peft's file names and whose `adapter_config` is what the adapter folder's
+``adapter_config.json`` would hold. The receiver copies the tensors, hashes its copy, checks it as it would check
+an adapter folder (`sao_core.training.lora.check_adapter`) and only then applies it (`HFEngine.update_in_memory`).
+
 Why xxh3 and not sha256: the digest guards against transport faults and bugs (a bucket skipped, a stale
 buffer), not against an adversary who can write into the process (who could change the parameters anyway).
 xxh3 hashes at memory speed (~0.04 s for SmolLM2-135M's 538 MB on this CPU, sha256 0.34 s). Durable versions
@@ -110,11 +115,14 @@ class WeightUpdate:
     The digest is computed by the sender on a thread of its own, started here, while the receiver copies (the
     hash releases the interpreter lock): reading it (`digest`) waits for it. The tensors may be the learner's own
     parameters (no copy is made): the learner must not change them until the receiver answered. `digest` given:
-    that value (e.g. what a sender announced)."""
+    that value (e.g. what a sender announced). `adapter_config` (a LoRA run): the tensors are a LoRA adapter's
+    weights under peft's file names, and this the dict its ``adapter_config.json`` would hold; None: full
+    weights."""
 
     def __init__(self, version: int, tensors: NamedTensors, dtypes: Sequence[torch.dtype] | None = None,
-                 digest: str | None = None):
+                 digest: str | None = None, adapter_config: dict | None = None):
         self.version = version
+        self.adapter_config = adapter_config
         self.tensors = tuple((name, t.detach()) for name, t in tensors)
         self.dtypes = tuple(dtypes) if dtypes is not None else tuple(t.dtype for _, t in self.tensors)
         if len(self.dtypes) != len(self.tensors):
@@ -154,6 +162,12 @@ class WeightUpdate:
         refuses it). Nothing is copied or converted here: the receiver converts while it copies."""
         named = unique_named_tensors(state)
         return cls(version, named, [dtypes.get(name, t.dtype) for name, t in named])
+
+    @classmethod
+    def adapter(cls, version: int, weights: dict[str, torch.Tensor], config: dict) -> WeightUpdate:
+        """The update of a LoRA adapter: `weights` under peft's file names (`lora.adapter_state_dict`), sent in
+        their own dtypes, and `config`, the dict its ``adapter_config.json`` would hold."""
+        return cls(version, list(weights.items()), adapter_config=config)
 
 
 def apply_update(model: torch.nn.Module, update: WeightUpdate) -> str:
@@ -216,3 +230,21 @@ def _copy_and_hash(own: dict[str, torch.Tensor], update: WeightUpdate) -> str:
                 chunk.copy_(source[begin:begin + CHUNK])
                 hasher.update(_host_bytes(chunk))
     return f"{scheme}:{hasher.hexdigest()}"
+
+
+def receive_adapter(update: WeightUpdate) -> tuple[dict[str, torch.Tensor], str]:
+    """(the adapter's weights, their digest) of an adapter update (`WeightUpdate.adapter`): the tensors copied
+    first (the sender may change its own once the receiver answered, and a check must see what is applied),
+    then the copy hashed; its digest must equal the sender's. WeightUpdateError otherwise: nothing has been
+    applied, the receiver is as it was."""
+    if update.adapter_config is None:
+        raise WeightUpdateError(f"weight update v{update.version} is full weights, not a LoRA adapter")
+    copies = [(name, tensor.clone(memory_format=torch.contiguous_format)) for name, tensor in update.tensors]
+    weights = dict(copies)
+    if len(weights) != len(copies):
+        raise WeightUpdateError(f"adapter update v{update.version} names a tensor twice")
+    received, expected = tensors_digest(copies), update.digest
+    if received != expected:
+        raise WeightUpdateError(f"adapter update v{update.version} did not arrive intact: the sender's digest is "
+                                f"{expected}, the tensors received hash to {received}")
+    return weights, received

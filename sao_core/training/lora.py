@@ -179,6 +179,16 @@ def write_adapter(model: torch.nn.Module, adapter: dict[str, torch.Tensor], dire
     save_file({k: v.cpu() for k, v in adapter.items()}, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
+def adapter_config(model: torch.nn.Module) -> dict:
+    """The model's LoRA config as its adapter folder's ``adapter_config.json`` holds it (`write_adapter`): plain
+    JSON values, a set of target modules as a sorted list."""
+    import json
+
+    config = model.peft_config["default"].to_dict()
+    return json.loads(json.dumps({key: sorted(value) if isinstance(value, set) else value
+                                  for key, value in config.items()}))
+
+
 def is_adapter_dir(directory) -> bool:
     """True for a peft adapter folder (it has ``adapter_config.json``)."""
     from pathlib import Path

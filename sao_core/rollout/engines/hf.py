@@ -375,8 +375,12 @@ class HFEngine:
         object), then the digest of what the model holds is recomputed and must equal the sender's. Returns
         that digest; tokens sampled afterwards carry `update.version`. A bad update (names, shapes, dtypes, a
         skipped tensor) is refused before anything changes (EngineError); a digest mismatch after the copy, or any
-        failure once the copy has begun, leaves the engine refusing to serve until a good update arrives."""
+        failure once the copy has begun, leaves the engine refusing to serve until a good update arrives.
+        A LoRA adapter update (`update.adapter_config` set): `_update_adapter_in_memory`."""
         from sao_core.rollout.weights import WeightsCorrupted, WeightUpdateError, apply_update
+
+        if update.adapter_config is not None:
+            return await self._update_adapter_in_memory(update)
 
         def run() -> str:
             if self.lora_mode is not None:
@@ -396,6 +400,26 @@ class HFEngine:
             return digest
 
         return await self._in_engine_thread(run)
+
+    async def _update_adapter_in_memory(self, update) -> str:
+        """A LoRA adapter handed over in memory, with the guarantees of an adapter folder: its tensors copied and
+        their digest checked against the sender's (`weights.receive_adapter`), then checked against the base
+        model like a folder (`lora.check_adapter`), then applied the same way (`_put_adapter`). Returns the
+        digest; a refused adapter leaves the engine as it was (EngineError naming the problem)."""
+        from sao_core.rollout.weights import WeightUpdateError, receive_adapter
+        from sao_core.training import lora
+
+        where = f"in-memory adapter v{update.version}"
+        try:
+            weights, digest = await asyncio.to_thread(receive_adapter, update)
+        except WeightUpdateError as err:
+            raise EngineError(f"{err}; the current weights (version {self.version}) stay") from err
+
+        def check(base) -> tuple:
+            return lora.check_adapter(update.adapter_config, weights, base, where), weights
+
+        await self._put_adapter(check, where, update.version)
+        return digest
 
     def weight_dtypes(self) -> dict:
         """name -> dtype of every state entry of the live model (what an in-memory update must be sent in)."""
@@ -428,9 +452,17 @@ class HFEngine:
         return await done
 
     async def _load_adapter(self, adapter_dir: str, version: int) -> None:
-        """An adapter folder, checked off the engine thread against the base model's module names and shapes
-        (`lora.check_adapter_dir`: pure parsing and shape checks, nothing injected), then applied in the engine
-        thread. A refused adapter leaves the engine as it was (weights, version, lora_mode): EngineError."""
+        """An adapter folder, checked against the base model's module names and shapes (`lora.check_adapter_dir`:
+        pure parsing and shape checks, nothing injected), then applied (`_put_adapter`)."""
+        from sao_core.training import lora
+
+        await self._put_adapter(functools.partial(lora.check_adapter_dir, adapter_dir), adapter_dir, version)
+
+    async def _put_adapter(self, check, where: str, version: int) -> None:
+        """Check an adapter off the engine thread, then apply it in the engine thread: `check(base)` (`base` the
+        base model's `lora.base_modules`) returns its (LoraConfig, weights under peft's file names) or raises
+        ValueError; `where` names the adapter in errors. A refused adapter leaves the engine as it was (weights,
+        version, lora_mode): EngineError."""
         from sao_core.models import load_model
         from sao_core.training import lora
 
@@ -440,7 +472,7 @@ class HFEngine:
                 base = await asyncio.to_thread(load_model, self.model_ref, self.cache_dir, self.dtype)
             self._adapter_base = await asyncio.to_thread(lora.base_modules, self.model if base is None else base)
         try:
-            checked = await asyncio.to_thread(lora.check_adapter_dir, adapter_dir, self._adapter_base)
+            checked = await asyncio.to_thread(check, self._adapter_base)
         except ValueError as err:
             raise EngineError(f"{err}; the current weights (version {self.version}) stay") from err
         if base is None and not self._model_is_base:
@@ -449,17 +481,17 @@ class HFEngine:
             base.to(self.device)
             _use_gqa_attention(base)
         await self._in_engine_thread(functools.partial(self._apply_adapter, self.model if base is None else base,
-                                                       checked, adapter_dir, version))
+                                                       checked, where, version))
 
-    def _apply_adapter(self, model, checked, adapter_dir: str, version: int) -> None:
-        """(engine thread) the checked adapter (`lora.check_adapter_dir`'s config and weights) into `model` (the
+    def _apply_adapter(self, model, checked, where: str, version: int) -> None:
+        """(engine thread) the checked adapter (`_put_adapter`: its config and weights) into `model` (the
         base, or the live model already carrying an adapter); `model` becomes the live model at `version`.
         `lora.put_adapter_into` is transactional: when it fails, `model` is as it was, and so is the engine."""
         from sao_core.training import lora
 
         config, weights = checked
         try:
-            lora.put_adapter_into(model, config, weights, adapter_dir)
+            lora.put_adapter_into(model, config, weights, where)
         except Exception as err:   # the model is as it was (put_adapter_into undid its changes): say so
             raise EngineError(f"{err}; the current weights (version {self.version}) stay") from err
         model.eval()
