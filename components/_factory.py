@@ -17,13 +17,12 @@ later steps. :func:`rl_component` builds sao_train and grpo_train the same way: 
 :func:`sao_core.learner.loop.train_rl` with a colocated rollout service. All of them start with the same
 artifacts (:func:`artifact_parameters`).
 
-A hand-written component (launch_trainjob) gets its docstring from :func:`settings_described`: the parameters
-that carry a setting are described by its help, the others by the component's own table.
+A component with its own list of parameters (launch_trainjob) takes those that carry a setting from
+:func:`carried_parameter`.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import linecache
 import textwrap
@@ -34,7 +33,7 @@ from kfp import dsl
 
 from sao_core.config import settings_of
 from sao_core.images import image
-from sao_core.kfp.docs import described, help_sentence
+from sao_core.kfp.docs import help_sentence
 
 #: The default of a :class:`Parameter` without one (KFP: a required input).
 REQUIRED = object()
@@ -251,24 +250,14 @@ def rl_component(name: str, module: str, summary: str, method: str | None, setti
 SETTING_ALIASES = {"accelerator_type": "accelerator"}
 
 
-def settings_described(summary: str, own: dict[str, str], configs: tuple[type, ...]):
-    """Decorator for a hand-written component's function: its docstring, `summary` then an ``Args:`` line per
-    parameter, ``own[name]`` or else the help of the setting it carries (:data:`SETTING_ALIASES`; the first of
-    `configs` that has it), for an optional parameter (default None) followed by ``(None = default X)``, X the
-    setting's default."""
-    def decorate(func):
-        parameters = inspect.signature(func).parameters
-
-        def describe(name: str) -> str:
-            if name in own:
-                return own[name]
-            setting_name = SETTING_ALIASES.get(name, name)
-            setting = next(settings_of(c)[setting_name] for c in configs if setting_name in settings_of(c))
-            text = help_sentence(setting.help)
-            if parameters[name].default is None:
-                return f"{text.removesuffix('.')} (None = default {setting.default})."
-            return text
-
-        return described(summary, describe)(func)
-
-    return decorate
+def carried_parameter(name: str, configs: tuple[type, ...], optional: bool = False) -> Parameter:
+    """The parameter `name` carrying a setting of the first of `configs` that has it (:data:`SETTING_ALIASES`),
+    typed, defaulted and described by the registry; `optional`: ``Optional[TYPE] = None`` instead, described as
+    leaving the setting's default (``(None = default X)``)."""
+    setting_name = SETTING_ALIASES.get(name, name)
+    config = next(c for c in configs if setting_name in settings_of(c))
+    parameter = replace(setting_parameter(config, setting_name), name=name)
+    if not optional:
+        return parameter
+    description = f"{parameter.description.removesuffix('.')} (None = default {parameter.default})."
+    return Parameter(name, f"Optional[{parameter.annotation}]", description, None)

@@ -32,6 +32,28 @@ class Field:
     default: Any
     description: str
 
+    @classmethod
+    def required(cls, name: str, description: str) -> Field:
+        """A required text input (an ``a0_`` field, listed first in the form): its description starts "Required."."""
+        return cls(name, str, REQUIRED, f"Required. {description}")
+
+    @classmethod
+    def output_root(cls, written: str, layout: str) -> Field:
+        """The required ``a0_output_root``: where `written` (what the runs write) goes; `layout`: what one run
+        writes under it (Markdown)."""
+        return cls.required("a0_output_root", f"Where {written} are written: `s3://bucket/prefix` in a cluster (a "
+                                              f"local directory for local runs). Each run writes {layout}.")
+
+    @classmethod
+    def optional(cls, name: str, empty: str, description: str) -> Field:
+        """A text input whose default, empty, means `empty`: "Optional; empty = EMPTY. DESCRIPTION"."""
+        return cls(name, str, "", f"Optional; empty = {empty}. {description}")
+
+    @classmethod
+    def trainjob(cls, setting: str, default: int, description: str) -> Field:
+        """The TrainJob shape input ``d_trainjob_SETTING`` (an int), read only with ``d_placement=trainjob``."""
+        return cls(f"d_trainjob_{setting}", int, default, f"`d_placement=trainjob`: {description}")
+
 
 def pipeline_of(name: str, summary: str, fields: Sequence[Field], description: str | None = None):
     """Decorator: ``func(values)`` as a ``dsl.pipeline`` `name` returning a string, whose inputs are `fields` (in
@@ -72,9 +94,8 @@ SHARED_FIELDS = {field.name: field for field in (
     Field("c_eval_sandbox", str, "kubernetes",
           "Where SWE-Bench agent commands and tests run: kubernetes (one pod per episode) or local (bubblewrap "
           "in the evaluation pod)."),
-    Field("c_previous_summary", str, "",
-          "Optional; empty = no comparison. `summary.json` of an earlier evaluation (path or `s3://`) to "
-          "compare against in the report."),
+    Field.optional("c_previous_summary", "no comparison", "`summary.json` of an earlier evaluation (path or "
+                   "`s3://`) to compare against in the report."),
     Field("d_accelerator_type", str, "nvidia.com/gpu",
           "Kubernetes resource name of the GPUs, e.g. `nvidia.com/gpu`."),
     Field("d_eval_gpu_count", int, 1, "GPUs of each evaluation pod (0 = none)."),
@@ -87,17 +108,13 @@ SHARED_FIELDS = {field.name: field for field in (
     Field("d_s3_secret_name", str, "sao-s3",
           "Kubernetes Secret with the S3 credentials: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` (+ "
           "`AWS_ENDPOINT_URL`, `AWS_DEFAULT_REGION`)."),
-    Field("d_trainjob_gpus_per_node", int, 8,
-          "`d_placement=trainjob`: GPUs per learner node = torchrun processes per node (0: one CPU process)."),
-    Field("d_trainjob_num_nodes", int, 1,
-          "`d_placement=trainjob`: Learner nodes (pods of the node job); `torchrun --nnodes`."),
-    Field("d_trainjob_rollout_gpus", int, 1,
-          "`d_placement=trainjob`: GPUs per rollout replica (vllm: `tensor_parallel_size` x "
-          "`data_parallel_size`)."),
-    Field("d_trainjob_rollout_replicas", int, 2,
-          "`d_placement=trainjob`: Rollout service replicas (one pod and one Job each)."),
-    Field("d_trainjob_tensor_parallel_size", int, 1,
-          "`d_placement=trainjob`: VLLM tensor-parallel size inside one replica."),
+    Field.trainjob("gpus_per_node", 8,
+                   "GPUs per learner node = torchrun processes per node (0: one CPU process)."),
+    Field.trainjob("num_nodes", 1, "Learner nodes (pods of the node job); `torchrun --nnodes`."),
+    Field.trainjob("rollout_gpus", 1,
+                   "GPUs per rollout replica (vllm: `tensor_parallel_size` x `data_parallel_size`)."),
+    Field.trainjob("rollout_replicas", 2, "Rollout service replicas (one pod and one Job each)."),
+    Field.trainjob("tensor_parallel_size", 1, "VLLM tensor-parallel size inside one replica."),
 )}
 
 

@@ -6,7 +6,7 @@ grouped by prefix for the KFP UI's alphabetical list: a0_ the two required field
 c_ evaluation settings, d_ cluster.
 """
 
-from pipelines._form import REQUIRED, Field, pipeline_of, shared_fields
+from pipelines._form import Field, pipeline_of, shared_fields
 from pipelines._stages import build_evaluation_stage
 from sao_core.kfp import k8s
 
@@ -23,18 +23,15 @@ DESCRIPTION = (
 DEFAULT_BENCHMARKS = ["swe_verified", "beyond_aime", "imo_answerbench"]
 #: The run form (the KFP UI lists the fields alphabetically: the prefixes group them; a0_ ones are required).
 FORM = (
-    Field("a0_model", str, REQUIRED,
-          "Required. Model to evaluate: an `s3://` checkpoint (e.g. a training run's "
-          "`OUTPUT_ROOT/RUN_ID/sao/model`), a directory, `embedded:tiny` or a Hugging Face id."),
-    Field("a0_output_root", str, REQUIRED,
-          "Required. Where evaluation runs are written: `s3://bucket/prefix` in a cluster (a local directory "
-          "for local runs). Each run writes `OUTPUT_ROOT/RUN_ID/eval-BENCHMARK` and "
-          "`OUTPUT_ROOT/RUN_ID/report`."),
-    Field("a_adapter", str, "",
-          "Optional; empty = none, `a0_model` as it is. A LoRA adapter applied to `a0_model`: a peft folder "
-          "with a manifest or an `s3://` checkpoint (e.g. a LoRA run's "
-          "`OUTPUT_ROOT/RUN_ID/sao/weights/vNNNNNN`); each evaluation step merges it into `a0_model` and "
-          "evaluates the merged model."),
+    Field.required("a0_model",
+                   "Model to evaluate: an `s3://` checkpoint (e.g. a training run's "
+                   "`OUTPUT_ROOT/RUN_ID/sao/model`), a directory, `embedded:tiny` or a Hugging Face id."),
+    Field.output_root("evaluation runs",
+                      "`OUTPUT_ROOT/RUN_ID/eval-BENCHMARK` and `OUTPUT_ROOT/RUN_ID/report`"),
+    Field.optional("a_adapter", "none, `a0_model` as it is",
+                   "A LoRA adapter applied to `a0_model`: a peft folder with a manifest or an `s3://` "
+                   "checkpoint (e.g. a LoRA run's `OUTPUT_ROOT/RUN_ID/sao/weights/vNNNNNN`); each "
+                   "evaluation step merges it into `a0_model` and evaluates the merged model."),
     Field("c_benchmarks", list, DEFAULT_BENCHMARKS,
           "Benchmarks to run, each in its own parallel step: `swe_verified`, `beyond_aime`, `imo_answerbench`."),
     Field("c_engine", str, "vllm", "Generation engine: vllm (GPU) or hf (transformers)."),

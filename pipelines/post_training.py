@@ -18,7 +18,7 @@ from components.dpo import dpo_train
 from components.gkd import gkd_train
 from components.prepare_data import prepare_data
 from components.sft import sft_train
-from pipelines._form import REQUIRED, Field, pipeline_of, shared_fields
+from pipelines._form import Field, pipeline_of, shared_fields
 from pipelines._stages import RUN_ID, build_evaluation_stage, build_rl_stage
 from sao_core.kfp import k8s
 from sao_core.kfp.params import PLACEMENTS, POST_TRAINING_METHODS
@@ -40,25 +40,22 @@ DESCRIPTION = (
     "described in pipelines/README.md.")
 #: The run form (the KFP UI lists the fields alphabetically: the prefixes group them; a0_ ones are required).
 FORM = (
-    Field("a0_train_source", str, REQUIRED,
-          "Required. Training data: a Hugging Face id, a file, or an `s3://` URI; its rows must fit the "
-          "method's kind (sft and gkd: chat messages; cpt: text; dpo: prompt/chosen/rejected; grpo and sao: rl "
-          "prompts with answers or tests)."),
-    Field("a0_output_root", str, REQUIRED,
-          "Required. Where checkpoints and models are written: `s3://bucket/prefix` in a cluster (a local "
-          "directory for local runs). Each run writes `OUTPUT_ROOT/RUN_ID/METHOD`."),
+    Field.required("a0_train_source",
+                   "Training data: a Hugging Face id, a file, or an `s3://` URI; its rows must fit the "
+                   "method's kind (sft and gkd: chat messages; cpt: text; dpo: prompt/chosen/rejected; "
+                   "grpo and sao: rl prompts with answers or tests)."),
+    Field.output_root("checkpoints and models", "`OUTPUT_ROOT/RUN_ID/METHOD`"),
     Field("a_method", str, "sao",
           "Training method: sft, cpt, dpo, gkd, grpo (synchronous GRPO baseline) or sao (Single-rollout "
           "Asynchronous Optimization)."),
-    Field("a_reference_model", str, "",
-          "Optional; empty = the initial policy. dpo only: the reference policy."),
+    Field.optional("a_reference_model", "the initial policy", "dpo only: the reference policy."),
     Field("a_teacher_model", str, "",
           "Optional; empty = none, but gkd requires it: the teacher model, sharing the tokenizer."),
     Field("a_train_limit", int, 0, "Use at most this many training rows (0 = all)."),
     Field("a_train_split", str, "train", "Split of a Hugging Face training dataset."),
-    Field("a_warm_start_source", str, "",
-          "Optional; empty = no warm start. grpo and sao: SFT data for a warm start before RL "
-          "(`b_warm_start_steps` sets its length)."),
+    Field.optional("a_warm_start_source", "no warm start",
+                   "grpo and sao: SFT data for a warm start before RL (`b_warm_start_steps` sets "
+                   "its length)."),
     Field("b_batch_size", int, 16,
           "Examples per step (sft, cpt, dpo, gkd) or trajectories per step (grpo, sao)."),
     Field("b_engine", str, "vllm", "Rollout engine of grpo and sao: vllm (GPU) or hf (transformers)."),

@@ -19,7 +19,7 @@ from kfp import dsl
 from components.check_arguments import check_sao_rl_arguments
 from components.prepare_data import prepare_data
 from components.sao import sao_train
-from pipelines._form import REQUIRED, Field, pick, pipeline_of, shared_fields
+from pipelines._form import Field, pick, pipeline_of, shared_fields
 from pipelines._stages import (
     GPU_PODS,
     RUN_ID,
@@ -45,17 +45,15 @@ TOP_LEVEL_SETTINGS = {"steps", "batch_size", "policy_lr", "max_staleness", "admi
                       "engine"}
 #: The run form (the KFP UI lists the fields alphabetically: the prefixes group them; a0_ ones are required).
 FORM = (
-    Field("a0_rl_source", str, REQUIRED,
-          "Required. RL prompts (prompt, reference answer or tests, environment): a Hugging Face id, a file, or "
-          "an `s3://` URI."),
-    Field("a0_output_root", str, REQUIRED,
-          "Required. Where checkpoints, models and evaluations are written: `s3://bucket/prefix` in a cluster "
-          "(a local directory for local runs). Each run writes `OUTPUT_ROOT/RUN_ID/{sft,sao,eval-*,report}`."),
+    Field.required("a0_rl_source",
+                   "RL prompts (prompt, reference answer or tests, environment): a Hugging Face id, a "
+                   "file, or an `s3://` URI."),
+    Field.output_root("checkpoints, models and evaluations", "`OUTPUT_ROOT/RUN_ID/{sft,sao,eval-*,report}`"),
     Field("a_rl_split", str, "train", "Split of a Hugging Face RL dataset."),
     Field("a_rl_limit", int, 0, "Use at most this many RL prompts (0 = all)."),
-    Field("a_warm_start_source", str, "",
-          "Optional; empty = no warm start. SFT data (chat messages) for a warm start before SAO "
-          "(`b_warm_start_steps` sets its length)."),
+    Field.optional("a_warm_start_source", "no warm start",
+                   "SFT data (chat messages) for a warm start before SAO (`b_warm_start_steps` "
+                   "sets its length)."),
     Field("b_steps", int, 100, "Optimiser steps (RL: learner steps) in total."),
     Field("b_batch_size", int, 32,
           "Trajectories per step (B), one per prompt (GRPO: groups of `group_size`)."),

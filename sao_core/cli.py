@@ -507,10 +507,15 @@ def cmd_kfp_schedules(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command_group(sub, name: str, help: str, dest: str, metavar: str = "ACTION"):
+    """The command `name` made of actions (subcommands, one required, its name in ``args.<dest>``); returns the
+    subparsers the actions are added to."""
+    return sub.add_parser(name, help=help).add_subparsers(dest=dest, required=True, metavar=metavar)
+
+
 def _register_kfp(sub, argv: list[str]) -> None:
     """`sao kfp` and its actions: compile, upload, run, schedule, schedules."""
-    kfp = sub.add_parser("kfp", help="Kubeflow Pipelines: compile, upload, run, schedule")
-    kfp_sub = kfp.add_subparsers(dest="kfp_command", required=True, metavar="ACTION")
+    kfp_sub = _command_group(sub, "kfp", "Kubeflow Pipelines: compile, upload, run, schedule", "kfp_command")
     p = kfp_sub.add_parser("compile", help="compile pipelines to KFP YAML (method dropdown included)")
     p.add_argument("--pipeline", default="all", choices=["all", "post_training", "sao_rl", "evaluation"])
     p.add_argument("--output-dir", default="build/pipelines", help="[default: build/pipelines]")
@@ -706,8 +711,8 @@ def _register_train_rl(sub, argv: list[str]) -> None:
 def _register_rollout(sub, argv: list[str]) -> None:
     from sao_core.rollout.server import ServeConfig
 
-    rollout = sub.add_parser("rollout", help="the rollout service (engine + environments over HTTP)")
-    rollout_sub = rollout.add_subparsers(dest="rollout_command", required=True, metavar="ACTION")
+    rollout_sub = _command_group(sub, "rollout", "the rollout service (engine + environments over HTTP)",
+                                 "rollout_command")
     p = _add_config_command(rollout_sub, "serve", "serve episodes and trajectories over HTTP until shut down",
                             ServeConfig, cmd_rollout_serve, title="rollout service")
     p.add_argument("--plan", metavar="YAML", help="start this rollout plan at once (RolloutPlan fields: dataset, "
@@ -717,9 +722,8 @@ def _register_rollout(sub, argv: list[str]) -> None:
 def _register_checkpoint(sub, argv: list[str]) -> None:
     from sao_core.training.merge import MERGE_DTYPES
 
-    checkpoint = sub.add_parser("checkpoint", help="publish, verify or find the latest checkpoint (path or s3://); "
-                                                   "merge a LoRA adapter into its base model")
-    checkpoint_sub = checkpoint.add_subparsers(dest="action", required=True, metavar="ACTION")
+    checkpoint_sub = _command_group(sub, "checkpoint", "publish, verify or find the latest checkpoint (path or "
+                                                       "s3://); merge a LoRA adapter into its base model", "action")
     p = checkpoint_sub.add_parser("publish", help="publish a local directory as a checkpoint (manifest, _COMPLETE)")
     p.add_argument("uri", help="destination (path or s3://)")
     p.add_argument("--source", help="local directory to publish")
@@ -779,8 +783,7 @@ def _register_judge_agreement(sub, argv: list[str]) -> None:
 
 
 def _register_report(sub, argv: list[str]) -> None:
-    report = sub.add_parser("report", help="HTML reports of runs")
-    report_sub = report.add_subparsers(dest="report_command", required=True, metavar="KIND")
+    report_sub = _command_group(sub, "report", "HTML reports of runs", "report_command", metavar="KIND")
     p = report_sub.add_parser("training", help="the training report of a run directory (path or s3://): loss / "
                                                "reward and RL health curves, config, checkpoints")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's output (holds metrics.jsonl)")
@@ -793,9 +796,8 @@ def _register_cluster(sub, argv: list[str]) -> None:
     from sao_core.cluster.launcher import LaunchConfig
     from sao_core.cluster.manifests import RuntimeSpec
 
-    cluster = sub.add_parser("cluster", help="multi-node SAO as one Kubeflow Trainer TrainJob: manifests, launch, "
-                                             "delete, and the programs its pods run")
-    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    cluster_sub = _command_group(sub, "cluster", "multi-node SAO as one Kubeflow Trainer TrainJob: manifests, "
+                                                 "launch, delete, and the programs its pods run", "cluster_command")
     p = cluster_sub.add_parser("render-runtime", help="print a sao-rl ClusterTrainingRuntime (or, with --namespace, "
                                                       "a TrainingRuntime) of the given shape as YAML")
     p.add_argument("--name", default="sao-rl", help="runtime name [default: sao-rl]")
@@ -835,9 +837,9 @@ def _add_kube_connection(p: argparse.ArgumentParser) -> None:
 def _register_simulate(sub, argv: list[str]) -> None:
     from sao_core.sim.commands import ProjectConfig
 
-    simulate = sub.add_parser("simulate", help="discrete-event cluster simulator: sync GRPO vs SAO projections, "
-                                               "validation against measured runs and published anchors")
-    simulate_sub = simulate.add_subparsers(dest="simulate_command", required=True, metavar="ACTION")
+    simulate_sub = _command_group(sub, "simulate", "discrete-event cluster simulator: sync GRPO vs SAO "
+                                                   "projections, validation against measured runs and published "
+                                                   "anchors", "simulate_command")
     p = simulate_sub.add_parser("run", help="project sync GRPO (G) and SAO (S) on one cluster: busy / idle shares "
                                             "per role, trajectories/hour, GPU-hours per 1,000, staleness")
     add_config_arguments(p, ProjectConfig, title="simulated cluster and workload")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import logging
 import math
@@ -78,6 +79,10 @@ class LaunchCancelled(LaunchError):
     """Cancelled (cancel event or SIGTERM); the TrainJob was deleted."""
 
 
+#: A setting of the trainjob section (every LaunchConfig field is one).
+trainjob_setting = functools.partial(setting, section="trainjob")
+
+
 @dataclass
 class LaunchConfig(RuntimeSpec):
     """One multi-node RL run: what to train, where, and how long to wait. Times in seconds.
@@ -87,43 +92,35 @@ class LaunchConfig(RuntimeSpec):
     shape is used instead (the engine and its per-run options still come from here).
     """
 
-    method: Method = setting("sao", "RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean",
-                             section="trainjob")
-    data: str = setting("", "prepared rl dataset: s3:// URI, or a local directory / file (copied to OUTPUT/data)",
-                        section="trainjob")
-    output: str = setting("", "run directory, s3://bucket/prefix: every pod reads and writes it",
-                          section="trainjob")
-    rl_options: dict = setting(factory=dict, help="other RLConfig fields (sao train-rl options), e.g. {\"steps\": 1000}", section="trainjob")
-    name: str = setting("", "TrainJob name ('' = sao-<stage>-<run_id>)", section="trainjob")
-    run_id: str = setting("", "pipeline run id: names the TrainJob; a relaunch with the same id re-attaches",
-                          section="trainjob")
-    stage: str = setting("sao", "pipeline stage (part of the TrainJob name and labels)", section="trainjob")
-    namespace: str = setting("", "'' = the launcher pod's namespace, else the kubeconfig context's, else default",
-                             section="trainjob")
-    cluster_runtime: str = setting("", "'' = a per-run TrainingRuntime with this shape; else an installed ClusterTrainingRuntime (e.g. sao-rl)", section="trainjob")
-    queue_name: str = setting("", "Kueue LocalQueue in the namespace (label kueue.x-k8s.io/queue-name; '' = no Kueue)",
-                              section="trainjob")
-    priority_class: str = setting("", "Kueue WorkloadPriorityClass ('' = the queue's default)",
-                                  section="trainjob")
-    service_account: str = setting("", "service account of the TrainJob's pods ('' = the namespace's default)",
-                                   section="trainjob")
-    node_selector: dict = setting(factory=dict, help="Node labels the GPU pods require (a TrainJob: every pod), e.g. {\"nvidia.com/gpu.product\": \"NVIDIA-H100-80GB-HBM3\"}", section="trainjob")
-    tolerations: list = setting(factory=list, help="Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{\"key\": \"nvidia.com/gpu\", \"operator\": \"Exists\"}]", section="trainjob")
-    s3_secret_name: str = setting("sao-s3", "Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION)", section="trainjob")
-    s3_ambient_credentials: bool = setting(False, "no secret: the pods get S3 access from their service account (IRSA, workload identity)", section="trainjob")
-    env: dict = setting(factory=dict, help="extra environment of every container, e.g. {\"NCCL_DEBUG\": \"INFO\"}",
-                        section="trainjob")
-    timeout_s: float = setting(7 * 24 * 3600.0, "whole run, queueing included; then the TrainJob is deleted", unit="seconds", section="trainjob")
-    admission_timeout_s: float = setting(0.0, "longest wait for Kueue admission (0 = up to timeout_s)", unit="seconds",
-                                         section="trainjob")
-    pod_error_grace_s: float = setting(300.0, "a pod stuck on an image pull or a missing secret this long fails the run", unit="seconds", section="trainjob")
-    poll_s: float = setting(10.0, "seconds between status polls", unit="seconds", section="trainjob")
-    follow_logs: bool = setting(True, "print the first learner pod's log as it grows", section="trainjob")
-    api_retry_s: float = setting(300.0, "how long the API server may be unreachable during the run", unit="seconds",
-                                 section="trainjob")
-    keep_trainjob: bool = setting(False, "keep a completed or failed TrainJob (the ExitHandler step still deletes it)",
-                                  section="trainjob")
-    wait: bool = setting(True, "False: create the TrainJob and return at once", section="trainjob")
+    method: Method = trainjob_setting("sao", "RL method: sao, grpo (synchronous), grpo_async, grpo_dis or running_mean")
+    data: str = trainjob_setting("", "prepared rl dataset: s3:// URI, or a local directory / file (copied to OUTPUT/data)")
+    output: str = trainjob_setting("", "run directory, s3://bucket/prefix: every pod reads and writes it")
+    rl_options: dict = trainjob_setting(factory=dict, help="other RLConfig fields (sao train-rl options), e.g. {\"steps\": 1000}")
+    name: str = trainjob_setting("", "TrainJob name ('' = sao-<stage>-<run_id>)")
+    run_id: str = trainjob_setting("", "pipeline run id: names the TrainJob; a relaunch with the same id re-attaches")
+    stage: str = trainjob_setting("sao", "pipeline stage (part of the TrainJob name and labels)")
+    namespace: str = trainjob_setting("", "'' = the launcher pod's namespace, else the kubeconfig context's, else default")
+    cluster_runtime: str = trainjob_setting("", "'' = a per-run TrainingRuntime with this shape; else an installed ClusterTrainingRuntime (e.g. sao-rl)")
+    queue_name: str = trainjob_setting("", "Kueue LocalQueue in the namespace (label kueue.x-k8s.io/queue-name; '' = no Kueue)")
+    priority_class: str = trainjob_setting("", "Kueue WorkloadPriorityClass ('' = the queue's default)")
+    service_account: str = trainjob_setting("", "service account of the TrainJob's pods ('' = the namespace's default)")
+    node_selector: dict = trainjob_setting(factory=dict, help="Node labels the GPU pods require (a TrainJob: every pod), e.g. {\"nvidia.com/gpu.product\": \"NVIDIA-H100-80GB-HBM3\"}")
+    tolerations: list = trainjob_setting(factory=list, help="Tolerations of the GPU pods (a TrainJob: every pod), e.g. [{\"key\": \"nvidia.com/gpu\", \"operator\": \"Exists\"}]")
+    s3_secret_name: str = trainjob_setting("sao-s3", "Kubernetes Secret with the S3 credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (+ AWS_ENDPOINT_URL, AWS_DEFAULT_REGION)")
+    s3_ambient_credentials: bool = trainjob_setting(False, "no secret: the pods get S3 access from their service account (IRSA, workload identity)")
+    env: dict = trainjob_setting(factory=dict, help="extra environment of every container, e.g. {\"NCCL_DEBUG\": \"INFO\"}")
+    timeout_s: float = trainjob_setting(7 * 24 * 3600.0, "whole run, queueing included; then the TrainJob is deleted",
+                                        unit="seconds")
+    admission_timeout_s: float = trainjob_setting(0.0, "longest wait for Kueue admission (0 = up to timeout_s)",
+                                                  unit="seconds")
+    pod_error_grace_s: float = trainjob_setting(300.0, "a pod stuck on an image pull or a missing secret this long fails the run",
+                                                unit="seconds")
+    poll_s: float = trainjob_setting(10.0, "seconds between status polls", unit="seconds")
+    follow_logs: bool = trainjob_setting(True, "print the first learner pod's log as it grows")
+    api_retry_s: float = trainjob_setting(300.0, "how long the API server may be unreachable during the run",
+                                          unit="seconds")
+    keep_trainjob: bool = trainjob_setting(False, "keep a completed or failed TrainJob (the ExitHandler step still deletes it)")
+    wait: bool = trainjob_setting(True, "False: create the TrainJob and return at once")
 
     def __post_init__(self) -> None:
         if isinstance(self.tolerations, str):  # a JSON list given on the command line

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -76,53 +77,42 @@ def _quantity(name: str, value: str, allow_empty: bool = True) -> None:
     raise ClusterConfigError(f"{name} {value!r} is not a Kubernetes quantity such as '8', '500m' or '64Gi'")
 
 
+#: A setting of the runtime section (every RuntimeSpec field is one).
+runtime_setting = functools.partial(setting, section="runtime")
+
+
 @dataclass
 class RuntimeSpec:
     """Shape and defaults of the sao-rl runtime (one rollout fleet + one torchrun learner)."""
 
-    image: str = setting("", "learner image (CUDA torch + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-cuda:0.1.0",
-                         section="runtime")
-    rollout_image: str = setting("", "rollout image (vLLM + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-vllm:0.1.0",
-                                 section="runtime")
-    num_nodes: int = setting(1, "learner nodes (pods of the node job); torchrun --nnodes", section="runtime")
-    gpus_per_node: int = setting(1, "GPUs per learner node = torchrun processes per node (0: one CPU process)",
-                                 section="runtime")
-    node_cpu: str = setting("", "CPU request of each learner pod ('' = none)", section="runtime")
-    node_memory: str = setting("", "memory request and limit of each learner pod ('' = none)",
-                               section="runtime")
-    rollout_replicas: int = setting(2, "rollout service replicas (one pod and one Job each)",
-                                    section="runtime")
-    rollout_gpus: int = setting(1, "GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size)",
-                                section="runtime")
-    tensor_parallel_size: int = setting(1, "vLLM tensor-parallel size inside one replica", section="runtime")
-    data_parallel_size: int = setting(1, "vLLM data-parallel engines inside one replica", section="runtime")
-    rollout_port: int = setting(8000, "HTTP port of the rollout services", section="runtime")
-    learner_metrics_port: int = setting(9400, "the learner's Prometheus /metrics port (node rank 0's pod); 0: off",
-                                        section="runtime")
-    rollout_cpu: str = setting("", "CPU request of each rollout pod ('' = none)", section="runtime")
-    rollout_memory: str = setting("", "memory request and limit of each rollout pod ('' = none)",
-                                  section="runtime")
-    rollout_backoff_limit: int = setting(20, "container restarts of one replica before its Job (and the JobSet) fails",
-                                         section="runtime")
-    engine: Literal["vllm", "hf"] = setting("vllm", "Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).", section="runtime")
-    gpu_memory_utilization: float = setting(0.9, "vllm: share of each GPU's memory the engine may use (0, 1]",
-                                            section="runtime")
-    max_num_seqs: int = setting(256, "vllm: sequences scheduled concurrently per engine", section="runtime")
-    enable_prefix_caching: bool = setting(True, "vllm: reuse the KV cache of shared prefixes (multi-turn episodes)",
-                                          section="runtime")
-    max_model_len: int = setting(0, "vllm: context in tokens (prompt + every turn); 0: a TrainJob's max_total_tokens (a runtime alone: the model's)", section="runtime")
-    rollout_dtype: str = setting("bfloat16", "vllm weights and activations: auto, bfloat16, float16, float32",
-                                 section="runtime")
-    engine_options: dict = setting(factory=dict, help="other engine settings (vLLM AsyncEngineArgs names), e.g. {\"enforce_eager\": true}", section="runtime")
-    model: str = setting("embedded:tiny", "default model of the rollout replicas (a TrainJob sets its own)",
-                         section="runtime")
-    accelerator: str = setting("nvidia.com/gpu", "Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu",
-                               section="runtime")
-    shm_size: str = setting("16Gi", "/dev/shm of every pod (memory emptyDir; NCCL and vLLM workers need it)",
-                            section="runtime")
-    max_restarts: int = setting(0, "JobSet restarts after a failed job (the learner resumes from its checkpoints)",
-                                section="runtime")
-    service_wait_s: float = setting(1800.0, "how long the learner waits for every replica's /healthz (vLLM load time)", unit="seconds", section="runtime")
+    image: str = runtime_setting("", "learner image (CUDA torch + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-cuda:0.1.0")
+    rollout_image: str = runtime_setting("", "rollout image (vLLM + sao-kfp), e.g. ghcr.io/sao-kfp/sao-kfp-vllm:0.1.0")
+    num_nodes: int = runtime_setting(1, "learner nodes (pods of the node job); torchrun --nnodes")
+    gpus_per_node: int = runtime_setting(1, "GPUs per learner node = torchrun processes per node (0: one CPU process)")
+    node_cpu: str = runtime_setting("", "CPU request of each learner pod ('' = none)")
+    node_memory: str = runtime_setting("", "memory request and limit of each learner pod ('' = none)")
+    rollout_replicas: int = runtime_setting(2, "rollout service replicas (one pod and one Job each)")
+    rollout_gpus: int = runtime_setting(1, "GPUs per rollout replica (vllm: tensor_parallel_size x data_parallel_size)")
+    tensor_parallel_size: int = runtime_setting(1, "vLLM tensor-parallel size inside one replica")
+    data_parallel_size: int = runtime_setting(1, "vLLM data-parallel engines inside one replica")
+    rollout_port: int = runtime_setting(8000, "HTTP port of the rollout services")
+    learner_metrics_port: int = runtime_setting(9400, "the learner's Prometheus /metrics port (node rank 0's pod); 0: off")
+    rollout_cpu: str = runtime_setting("", "CPU request of each rollout pod ('' = none)")
+    rollout_memory: str = runtime_setting("", "memory request and limit of each rollout pod ('' = none)")
+    rollout_backoff_limit: int = runtime_setting(20, "container restarts of one replica before its Job (and the JobSet) fails")
+    engine: Literal["vllm", "hf"] = runtime_setting("vllm", "Rollout engine: vllm (GPU) or hf (transformers; small models, CPU).")
+    gpu_memory_utilization: float = runtime_setting(0.9, "vllm: share of each GPU's memory the engine may use (0, 1]")
+    max_num_seqs: int = runtime_setting(256, "vllm: sequences scheduled concurrently per engine")
+    enable_prefix_caching: bool = runtime_setting(True, "vllm: reuse the KV cache of shared prefixes (multi-turn episodes)")
+    max_model_len: int = runtime_setting(0, "vllm: context in tokens (prompt + every turn); 0: a TrainJob's max_total_tokens (a runtime alone: the model's)")
+    rollout_dtype: str = runtime_setting("bfloat16", "vllm weights and activations: auto, bfloat16, float16, float32")
+    engine_options: dict = runtime_setting(factory=dict, help="other engine settings (vLLM AsyncEngineArgs names), e.g. {\"enforce_eager\": true}")
+    model: str = runtime_setting("embedded:tiny", "default model of the rollout replicas (a TrainJob sets its own)")
+    accelerator: str = runtime_setting("nvidia.com/gpu", "Kubernetes resource name of the GPUs, e.g. nvidia.com/gpu")
+    shm_size: str = runtime_setting("16Gi", "/dev/shm of every pod (memory emptyDir; NCCL and vLLM workers need it)")
+    max_restarts: int = runtime_setting(0, "JobSet restarts after a failed job (the learner resumes from its checkpoints)")
+    service_wait_s: float = runtime_setting(1800.0, "how long the learner waits for every replica's /healthz (vLLM load time)",
+                                            unit="seconds")
 
     def validate(self, require_rollout_image: bool = True) -> None:
         """Raise ClusterConfigError naming the first bad setting (`require_rollout_image`: the runtime is built here)."""

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from sao_core import storage
+from sao_core.closing import close_on_error
 from sao_core.data.schemas import DataError
 
 EXTENSIONS: dict[str, str] = {
@@ -99,11 +100,8 @@ class RowSource:
         self.path: Path | None = None
         self._dataset: Any = None
         self._tmp: str | None = None
-        try:
+        with close_on_error(self):
             self._open(source, split)
-        except BaseException:
-            self.close()
-            raise
 
     # -- opening ---------------------------------------------------------------------------
 

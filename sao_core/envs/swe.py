@@ -90,6 +90,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sao_core.closing import close_on_error
 from sao_core.envs.base import StepResult, Task
 from sao_core.envs.episode import RESET_FIRST, Episode
 from sao_core.envs.grading import answer_region
@@ -732,12 +733,9 @@ class SWEEnv(Episode):
         _check_source(self.instance, self._local_default)
         self._begin(task)
         self.sandbox = _call_factory(self.sandbox_factory, task)
-        try:
+        with close_on_error(self):
             self.shell, self.base = prepare_repository(
                 self.sandbox, self.instance, _setup_for(self.instance, self.setup_command), self.prepare_timeout_s)
-        except BaseException:
-            self.close()
-            raise
         return self._messages(task)
 
     def step(self, action_text: str) -> StepResult:

@@ -32,6 +32,7 @@ import time
 import uuid
 from typing import Any
 
+from sao_core.closing import close_on_error
 from sao_core.sandbox.base import ExecResult, SandboxError, SandboxLimits
 from sao_core.sandbox.local import check_relative_path
 
@@ -330,40 +331,25 @@ class KubernetesPodSandbox:
         image: str,
         namespace: str = "default",
         limits: SandboxLimits = SandboxLimits(),
-        workdir: str = "/workspace",
-        node_selector: dict[str, str] | None = None,
-        tolerations: list[dict[str, Any]] | None = None,
-        labels: dict[str, str] | None = None,
-        service_account: str | None = None,
         api: Any = None,
         startup_timeout_s: float = 300,
         *,
-        run_as_non_root: bool = False,
-        run_as_user: int | None = None,
-        cpu: str = "1",
-        ephemeral_storage: str | None = None,
-        mount_workdir: bool = True,
-        drop_capabilities: bool = True,
-        max_lifetime_s: int | None = 6 * 3600,
         exec_grace_s: float = 30.0,
         poll_interval_s: float = 1.0,
         name_prefix: str = "sao-sbx",
+        **pod_shape: Any,
     ):
-        """The pod's shape (node_selector ... max_lifetime_s) is `pod_manifest`'s; `api`: a CoreV1Api (default:
-        from the cluster's or the kubeconfig's configuration). Times in seconds."""
+        """`pod_shape`: the pod's shape, as `pod_manifest`'s keyword arguments (workdir, node_selector, tolerations,
+        labels, service_account, run_as_non_root, run_as_user, cpu, ephemeral_storage, mount_workdir,
+        drop_capabilities, max_lifetime_s: defined once there; an unknown one is a TypeError naming it). `api`: a
+        CoreV1Api (default: from the cluster's or the kubeconfig's configuration). Times in seconds."""
         self.limits = limits
         self.namespace = namespace
-        self.workdir = workdir
         self.exec_grace_s = exec_grace_s
         self.sandbox_id = uuid.uuid4().hex[:12]
         self.name = f"{name_prefix}-{self.sandbox_id}"
-        self.manifest = pod_manifest(
-            self.name, image, limits=limits, workdir=workdir, node_selector=node_selector,
-            tolerations=tolerations, labels=labels, service_account=service_account,
-            run_as_non_root=run_as_non_root, run_as_user=run_as_user, cpu=cpu,
-            ephemeral_storage=ephemeral_storage, mount_workdir=mount_workdir,
-            drop_capabilities=drop_capabilities, max_lifetime_s=max_lifetime_s, sandbox_id=self.sandbox_id,
-        )
+        self.manifest = pod_manifest(self.name, image, limits=limits, sandbox_id=self.sandbox_id, **pod_shape)
+        self.workdir = self.manifest["spec"]["containers"][0]["workingDir"]
         self.api = api if api is not None else load_core_v1_api()
         self._exec_lock = threading.Lock()
         self._exec_api: Any = None
@@ -374,11 +360,8 @@ class KubernetesPodSandbox:
         except Exception as e:
             self._deleted = self._closed = True
             raise SandboxError(f"could not create sandbox pod {namespace}/{self.name}: {_describe_error(e)}") from e
-        try:
+        with close_on_error(self):
             self._wait_running(startup_timeout_s, poll_interval_s)
-        except BaseException:
-            self.close()
-            raise
 
     # ------------------------------------------------------------------ startup
 

@@ -200,6 +200,25 @@ def _predict_arm(s: dict, tail: dict, name: str, r: dict, engine: tuple[str, flo
 # Published anchors, reconstructed. "stated" is what the source says; everything in "assumed" is our reading or
 # guess (model speeds, length distributions, batch and GPU splits), chosen before simulating, not fitted.
 _GPU = {"decode_tokens_per_s": 4000, "seq_tokens_per_s": 35, "max_batch": 256}   # assumed: a 7B model on one GPU
+#: assumed: the engine and training speeds of every anchor (a 7B model), 4 steps simulated
+_SPEEDS = {"engine": _GPU, "train_tokens_per_s_per_gpu": 6000, "padded": False, "push_s": 10, "steps": 4}
+
+
+def _same_gpus(rollout_gpus: int, train_gpus: int, prompts: int, group_size: int, max_staleness: int) -> dict:
+    """An anchor's "sync" and "async" runs on the same GPUs (sync colocated on all of them, async split into
+    `rollout_gpus` + `train_gpus`), `prompts` x `group_size` trajectories a step."""
+    shared = {"rollout_gpus": rollout_gpus, "train_gpus": train_gpus, "batch_size": prompts * group_size,
+              "group_size": group_size}
+    return {"sync": {**shared, "colocated": True}, "async": {**shared, "max_staleness": max_staleness}}
+
+
+def _reasoning(median_tokens: int, sigma: float, cap_tokens: int) -> dict:
+    """The workload of single-turn reasoning RL: one log-normal response (median and cap in tokens), no tools."""
+    return {"workload": {"turns_p_more": 1.0, "max_turns": 1, "action_tokens_per_turn": median_tokens,
+                         "action_tokens_sigma": sigma, "prompt_tokens": 300, "tool_median_s": 0, "tool_sigma": 0},
+            "cap_tokens": cap_tokens}
+
+
 ANCHORS = {
     "AReaL (math reasoning, async vs sync, same GPUs)": {
         "published": 2.77,
@@ -209,12 +228,9 @@ ANCHORS = {
                    "tools); batch 512 prompts x 16; sync colocated on 64 GPUs; async 48 rollout + 16 training "
                    "GPUs, staleness 4; decode 35 tok/s per sequence, 4,000 tok/s per GPU at 256 rows; training "
                    "6,000 tok/s per GPU, no padding (packed); push 10 s",
-        "workload": {"turns_p_more": 1.0, "max_turns": 1, "action_tokens_per_turn": 4000, "action_tokens_sigma": 0.8,
-                     "prompt_tokens": 300, "tool_median_s": 0, "tool_sigma": 0},
-        "cap_tokens": 32768,
-        "sync": {"rollout_gpus": 48, "train_gpus": 16, "colocated": True, "batch_size": 8192, "group_size": 16},
-        "async": {"rollout_gpus": 48, "train_gpus": 16, "batch_size": 8192, "group_size": 16, "max_staleness": 4},
-        "engine": _GPU, "train_tokens_per_s_per_gpu": 6000, "padded": False, "push_s": 10, "steps": 4,
+        **_reasoning(median_tokens=4000, sigma=0.8, cap_tokens=32768),
+        **_same_gpus(rollout_gpus=48, train_gpus=16, prompts=512, group_size=16, max_staleness=4),
+        **_SPEEDS,
     },
     "verl fully async (Qwen2.5-7B, 128 GPUs)": {
         "published": 2.5,     # 2.35-2.67
@@ -223,12 +239,9 @@ ANCHORS = {
         "assumed": "DAPO-style math; responses log-normal, median 3k tokens, sigma 0.9, capped at 20k; batch 512 "
                    "prompts x 16; sync colocated on 128 GPUs; async 96 rollout + 32 training GPUs, staleness 1; "
                    "same engine and training speeds as above",
-        "workload": {"turns_p_more": 1.0, "max_turns": 1, "action_tokens_per_turn": 3000, "action_tokens_sigma": 0.9,
-                     "prompt_tokens": 300, "tool_median_s": 0, "tool_sigma": 0},
-        "cap_tokens": 20480,
-        "sync": {"rollout_gpus": 96, "train_gpus": 32, "colocated": True, "batch_size": 8192, "group_size": 16},
-        "async": {"rollout_gpus": 96, "train_gpus": 32, "batch_size": 8192, "group_size": 16, "max_staleness": 1},
-        "engine": _GPU, "train_tokens_per_s_per_gpu": 6000, "padded": False, "push_s": 10, "steps": 4,
+        **_reasoning(median_tokens=3000, sigma=0.9, cap_tokens=20480),
+        **_same_gpus(rollout_gpus=96, train_gpus=32, prompts=512, group_size=16, max_staleness=1),
+        **_SPEEDS,
     },
     "ROLL Flash (agentic, multi-turn)": {
         "published": 2.72,
@@ -241,9 +254,8 @@ ANCHORS = {
         "workload": {"turns_p_more": 0.15, "max_turns": 30, "action_tokens_per_turn": 300, "action_tokens_sigma": 0.5,
                      "observation_tokens_per_turn": 400, "prompt_tokens": 1000, "tool_median_s": 5.0,
                      "tool_sigma": 1.0},
-        "sync": {"rollout_gpus": 32, "train_gpus": 32, "colocated": True, "batch_size": 1024, "group_size": 8},
-        "async": {"rollout_gpus": 32, "train_gpus": 32, "batch_size": 1024, "group_size": 8, "max_staleness": 2},
-        "engine": _GPU, "train_tokens_per_s_per_gpu": 6000, "padded": False, "push_s": 10, "steps": 4,
+        **_same_gpus(rollout_gpus=32, train_gpus=32, prompts=128, group_size=8, max_staleness=2),
+        **_SPEEDS,
     },
 }
 

@@ -199,6 +199,17 @@ def test_pod_created_and_waited_until_running_then_deleted_once():
         sb.exec("true")
 
 
+def test_the_pod_shape_options_are_pod_manifests_and_a_misspelt_one_is_refused_before_any_pod():
+    api = FakeCoreV1Api(script=(RUNNING,))
+    sb = _sandbox(api, workdir="/testbed", mount_workdir=False, cpu="2")
+    assert sb.workdir == "/testbed" and sb.manifest["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "2"
+    assert "volumes" not in sb.manifest["spec"]
+    sb.close()
+    with pytest.raises(TypeError, match="node_selectors"):
+        _sandbox(api, node_selectors={"pool": "sandbox"})
+    assert api.pods == {}
+
+
 def test_close_ignores_a_pod_that_is_already_gone():
     api = FakeCoreV1Api()
     sb = _sandbox(api)
