@@ -31,6 +31,7 @@ from typing import Any
 
 from sao_core.cluster import manifests, names
 from sao_core.cluster.names import ClusterConfigError
+from sao_core.jsontext import json_object
 
 
 class EntryError(RuntimeError):
@@ -42,12 +43,9 @@ def _json_env(environ: Mapping[str, str], key: str) -> dict[str, Any]:
     if not raw:
         return {}
     try:
-        value = json.loads(raw)
+        return json_object(raw, key)
     except ValueError as err:
-        raise ClusterConfigError(f"{key} is not valid JSON ({err}): {raw[:200]!r}") from None
-    if not isinstance(value, dict):
-        raise ClusterConfigError(f"{key} must be a JSON object, got {raw[:200]!r}")
-    return value
+        raise ClusterConfigError(f"{err}: {raw[:200]!r}") from None
 
 
 #: engine option (vLLM EngineArgs name) -> ServeConfig field of the rollout service's vLLM scaling settings

@@ -37,6 +37,7 @@ from typing import Any
 import httpcore
 
 from sao_core.envs.grading import answer_region
+from sao_core.jsontext import json_object
 
 JUDGE_APIS = ("openai", "rollout")
 #: the built-in labelled set (pairs of IMO-style answers known equal or not; see its first lines)
@@ -433,12 +434,7 @@ def read_labelled(path: str | Path) -> list[LabelledPair]:
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            raise ValueError(f"{path}:{number}: not JSON ({err})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected an object, got {type(row).__name__}")
+        row = json_object(line, f"{path}:{number}")
         for name, kind in (("reference", str), ("answer", str), ("equal", bool)):
             if not isinstance(row.get(name), kind):
                 raise ValueError(f"{path}:{number}: field {name!r} must be a {kind.__name__}, got {row.get(name)!r}")

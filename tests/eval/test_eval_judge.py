@@ -127,7 +127,7 @@ def test_the_cli_reports_agreement_and_writes_the_disagreements(generate_judge, 
     assert "1 disagreements" in capsys.readouterr().out
     labelled.write_text("not json\n")
     assert main(["judge-agreement", "--judge-url", generate_judge.url, "--labelled", str(labelled)]) == 2
-    assert "set.jsonl:1: not JSON" in capsys.readouterr().err
+    assert "set.jsonl:1 is not valid JSON" in capsys.readouterr().err
 
 
 def test_the_built_in_labelled_set_is_current_and_its_labels_agree_with_the_rules_wherever_they_settle(tmp_path):
