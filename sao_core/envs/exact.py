@@ -105,9 +105,7 @@ from sao_core.envs.exact_values import (
     MATCH,
     MISMATCH,
     UNSETTLED,
-    Node,
     Outcome,
-    ParseError,
     build,
     clean,
     expressions,
@@ -117,7 +115,7 @@ from sao_core.envs.exact_values import (
     tokenize,
 )
 
-__all__ = ["MATCH", "MISMATCH", "UNSETTLED", "Node", "Outcome", "ParseError", "build", "clean", "compare",
+__all__ = ["MATCH", "MISMATCH", "UNSETTLED", "Outcome", "build", "clean", "compare",
            "expressions", "int_set", "nodes", "parse_expression", "real_set", "squeeze", "structural", "tokenize"]
 
 
