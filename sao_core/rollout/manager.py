@@ -519,8 +519,8 @@ class RolloutManager:
     async def update_in_memory(self, update, resync: bool = False) -> dict:
         """Full weights or a LoRA adapter from a learner in this process (`sao_core.rollout.weights.WeightUpdate`):
         the same version rules as `update_weights`, under the same lock; the engine copies the tensors into its
-        model and checks their digest (`HFEngine.update_in_memory`). RolloutError when the engine cannot take
-        weights this way or refuses them (the message says why)."""
+        model and checks their digest (`HFEngine.update_in_memory`, `VLLMEngine.update_in_memory`). RolloutError
+        when the engine cannot take weights this way or refuses them (the message says why)."""
         if not hasattr(self.engine, "update_in_memory"):
             raise RolloutError(f"the {type(self.engine).__name__} engine takes weights only from files")
         async with self._weights_lock:
@@ -545,10 +545,12 @@ class RolloutManager:
 
     def weight_model(self):
         """The engine's live model, which in-memory updates are copied into (the weight channel checks a spec
-        against it); RolloutError when the engine takes weights only from files or carries a LoRA adapter."""
+        against it); RolloutError when the engine has no model in this process (the vLLM engine's is in vLLM's
+        worker: it takes files, or in-memory updates from a learner in its own process) or carries a LoRA adapter."""
         model = getattr(self.engine, "model", None)
         if not hasattr(self.engine, "update_in_memory") or model is None:
-            raise RolloutError(f"the {type(self.engine).__name__} engine takes weights only from files")
+            raise RolloutError(f"the {type(self.engine).__name__} engine takes no weights over the collective channel "
+                               "(its model is not in this process): use the file transport")
         if getattr(self.engine, "lora_mode", None) is not None:
             raise RolloutError("this engine carries a LoRA adapter: in-memory full weights cannot replace it")
         return model

