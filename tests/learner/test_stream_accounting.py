@@ -315,6 +315,106 @@ def test_kills_between_the_fragments_of_an_episode_skip_nothing_and_train_nothin
         assert audit["fragmented_episodes"] + lost >= 1
 
 
+@pytest.mark.slow
+def test_a_kill_and_resume_of_a_lora_run_pushing_in_memory_skips_nothing_and_trains_nothing_twice(
+        varied_rl_data, tmp_path, sao_cache, tiny_model_dir, monkeypatch):
+    """Issue 37: a colocated LoRA run (rank 4 on every linear layer, weight_transport auto: each version's adapter
+    handed to the HF engine in memory, durable adapter folders every 2nd version and at checkpoints, written in
+    the background) killed once after its step-3 checkpoint, then resumed to the end. The audit holds (nothing
+    skipped, nothing trained twice); the resumed engine, a new one on the base model, starts from the resumed
+    learner's adapter: no token trained after the kill was sampled at an older version, and the delivery check,
+    strict here (1e-3 against a float32 engine), passed at every push. The embedded model earns no reward, so
+    its adapters would stay zero (every version the base model's): the learner runs through `MOVING_ADAPTERS`;
+    the durable folders left are complete, and the newest, on the base model, is the trained policy."""
+    import crash_resume
+    from test_lora_delivery import PROBE, _close, _reference
+
+    from sao_core.models import load_model
+    from sao_core.training.lora import is_adapter_dir, load_adapter_into
+
+    command = crash_resume.learner_command
+    learner = tmp_path / "moving_adapters_sao.py"
+    learner.write_text(MOVING_ADAPTERS)
+
+    def lora_command(*args, **kwargs) -> list[str]:
+        return [sys.executable, str(learner), *command(*args, **kwargs)[1:], "--lora-rank", "4",
+                "--lora-target-modules", "all-linear", "--publish-every", "2", "--delivery-tolerance", "1e-3"]
+
+    durable_at_kill: list[int] = []   # the complete durable versions when the learner was killed
+    journal_steps = crash_resume._journal_steps   # read right after the kill
+
+    def journal_steps_and_durable_versions(output: Path) -> int:
+        weights = output / "weights"
+        durable_at_kill.extend(int(name[1:]) for name in storage.list_dirs(str(weights))
+                               if storage.is_complete_checkpoint(str(weights / name)))
+        return journal_steps(output)
+
+    monkeypatch.setattr(crash_resume, "learner_command", lora_command)
+    monkeypatch.setattr(crash_resume, "_journal_steps", journal_steps_and_durable_versions)
+    result = crash_resume.crash_run("colocated", kills=1, steps=8, seed=0, root=tmp_path, model=tiny_model_dir,
+                                    data=varied_rl_data, cache_dir=str(sao_cache), batch_size=4)
+    audit = result["audit"]
+    assert audit["ok"], audit["problems"]
+    assert [k["planned_step"] for k in result["kills"]] == [4]        # after the checkpoint of step 3
+    assert result["summary_steps"] == 8 and result["metrics_steps"] == list(range(1, 9))
+    assert audit["trained_trajectories"] == 32 and not audit["skipped"] and not audit["duplicate_ids"]
+    out = tmp_path / "colocated-sao-window"
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    pushed = [r for r in lines if r.get("weight_push_s") and not r.get("replayed")]
+    assert pushed and all("durable_wait_s" in r and r["delivery_logp_diff_max"] < 1e-3 for r in pushed), pushed
+    # The resumed engine starts from the version the resumed learner stands at after its replay (pushed in
+    # memory), never older; the killed learner made a version durable only after journaling its step, so that
+    # is at least the newest durable version (here the step-3 checkpoint's v1, perhaps v2).
+    killed_after = result["kills"][0]["journal_steps"]
+    resumed_at = journal.read_step(str(out), killed_after + 1)["version_before"]
+    sampled = [v for step in range(killed_after + 1, 9) for t in journal.read_step(str(out), step)["trajectories"]
+               for v, m in zip(t["versions"], t["action_mask"], strict=True) if m]
+    assert durable_at_kill and min(sampled) == resumed_at >= max(durable_at_kill), (sampled, resumed_at,
+                                                                                   durable_at_kill)
+    durable = storage.list_dirs(str(out / "weights"))
+    assert durable[-1] == f"v{result['version']:06d}", durable
+    for name in durable:
+        storage.verify_checkpoint(out / "weights" / name)
+        metadata = storage.read_manifest(str(out / "weights" / name))["metadata"]
+        assert is_adapter_dir(out / "weights" / name) and metadata["kind"] == "lora_adapter"
+        assert metadata["version"] == int(name[1:])
+    newest = load_adapter_into(load_model(tiny_model_dir, sao_cache), out / "weights" / durable[-1]).eval()
+    merged = load_model(json.loads((out / "summary.json").read_text())["model"], sao_cache).eval()
+    base = load_model(tiny_model_dir, sao_cache).eval()
+    assert _close(_reference(newest, PROBE), _reference(merged, PROBE)) < 1e-4
+    assert _close(_reference(merged, PROBE), _reference(base, PROBE)) > 1e-3   # the adapters did move
+
+
+#: `sao` with each policy update also moving the LoRA adapter's B matrices a little, seeded by the step (as
+#: training would; the same on a replayed step): tests/training/test_lora_in_memory.py's `_moving_adapters`,
+#: for a learner run as a process of its own.
+MOVING_ADAPTERS = """
+import sys
+
+import torch
+
+from sao_core.cli import main
+from sao_core.learner.learner import Learner
+
+step = Learner.step
+
+
+def step_and_move(self, trajectories, allow_empty_rows=False):
+    result = step(self, trajectories, allow_empty_rows)
+    if result.changed:
+        generator = torch.Generator().manual_seed(self.state.step)
+        with torch.no_grad():
+            for name, param in self.policy.named_parameters():
+                if "lora_B" in name:
+                    param.add_(0.02 * torch.randn(param.shape, generator=generator))
+    return result
+
+
+Learner.step = step_and_move
+sys.exit(main())
+"""
+
+
 # ---------------------------------------------------------------------------------------------- admission
 def test_the_service_rolls_a_requeued_position_out_once_more(varied_rl_data, sao_cache, tiny_model_dir):
     from sao_core.rollout.client import RolloutClient, RolloutRequestError

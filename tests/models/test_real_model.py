@@ -132,3 +132,62 @@ def test_evaluation(model_cache, tmp_path):
                                   beyond_aime_source=str(BEYOND), limit=2, k=1, max_new_tokens=16,
                                   max_total_tokens=1024, cache_dir=model_cache))
     assert summary["samples_generated"] == 2
+
+
+def test_a_lora_run_pushes_its_adapters_in_memory_to_a_bf16_engine(problems, model_cache, tmp_path, monkeypatch):
+    """LoRA in memory on the real model (issue 37): a colocated GRPO run with a rank-4 adapter on every linear
+    layer, the engine in bf16, each version's adapter pushed in memory with the delivery check on (no false alarm
+    against the float32 learner), the last version also made durable. The engine's log-probs of a text after
+    each push are recorded; the durable adapter folder, loaded by a fresh bf16 engine from storage, serves the
+    same log-probs as the in-memory engine did at that version."""
+    import asyncio
+
+    from test_lora_in_memory import _moving_adapters
+    from transformers import AutoTokenizer
+
+    from sao_core import storage
+    from sao_core.learner.config import RLConfig
+    from sao_core.learner.loop import train_rl
+    from sao_core.models import resolve_model
+    from sao_core.rollout.engines.hf import HFEngine
+
+    _moving_adapters(monkeypatch)   # GRPO's first steps may earn no advantage: the adapters must still change
+    text = AutoTokenizer.from_pretrained(resolve_model(SMOLLM2, model_cache).path)(
+        "Tom has 3 apples and buys 4 more, so he has 7 apples.")["input_ids"]
+    served: dict[int, list[float]] = {}
+    update_in_memory = HFEngine.update_in_memory
+
+    async def recording(self, update) -> str:
+        digest = await update_in_memory(self, update)
+        served[update.version] = await self.score(text, 1)
+        return digest
+
+    monkeypatch.setattr(HFEngine, "update_in_memory", recording)
+    run = tmp_path / "run"
+    summary = train_rl(RLConfig(method="grpo", model=SMOLLM2, data=str(problems), output=str(run), steps=2,
+                                batch_size=2, group_size=2, max_new_tokens_per_turn=12, max_total_tokens=384,
+                                cache_dir=model_cache, lora_rank=4, lora_target_modules="all-linear",
+                                rollout_options=BF16_ENGINE))
+    assert summary["version"] == 2 and summary["weights_published"] == "adapter"
+    assert sorted(served) == [1, 2]                                        # every version reached the engine
+    pushed = [r for r in _lines(run) if r.get("weight_push_s")]
+    assert len(pushed) == 2
+    for record in pushed:
+        assert "durable_wait_s" in record                                  # in memory to the colocated engine
+        assert 0 < record["delivery_logp_diff_mean"] < 0.1, record         # bf16 vs the float32 learner: not 0
+    assert storage.list_dirs(str(run / "weights")) == ["v000002"]          # v1 went in memory only
+    last = run / "weights" / "v000002"
+    storage.verify_checkpoint(last)
+    assert storage.read_manifest(str(last))["metadata"]["kind"] == "lora_adapter"
+
+    async def from_storage() -> list[float]:
+        engine = HFEngine(SMOLLM2, model_cache, max_batch=1, dtype="bfloat16")
+        try:
+            await engine.load_weights(str(last), 2)
+            return await engine.score(text, 1)
+        finally:
+            await engine.close()
+
+    durable = asyncio.run(from_storage())
+    assert max(abs(a - b) for a, b in zip(durable, served[2], strict=True)) < 1e-6
+    assert max(abs(a - b) for a, b in zip(served[1], served[2], strict=True)) > 1e-2   # the adapters did move

@@ -145,7 +145,6 @@ def test_a_colocated_lora_run_pushes_its_adapters_in_memory(rl_data, tmp_path, s
     merged = load_model(summary["model"], sao_cache).eval()
     assert _close(_reference(final, PROBE), _reference(merged, PROBE)) < 1e-4
     base = load_model(str(tiny_model_dir), sao_cache).eval()
-    base = load_model(str(tiny_model_dir), sao_cache).eval()
     assert _close(_reference(merged, PROBE), _reference(base, PROBE)) > 1e-3   # the adapters did move
 
 
