@@ -75,12 +75,19 @@ def in_memory(config: RLConfig, server) -> bool:
     return server is not None and config.weight_transport in ("auto", "collective") and server.takes_weights_in_memory()
 
 
+#: tokens a colocated vLLM engine's context leaves for the delivery probe's chat prompt (before the scored
+#: tokens): the built-in exchange through a chat template with a default system prompt is well under it
+PROBE_CONTEXT = 256
+
+
 def colocated_serve_config(config: RLConfig):
     """The ServeConfig of the rollout service a run starts in its own process (no `services` given):
     GPU split on one machine is `rollout_options={"gpu_memory_utilization": ...}` with the vllm engine.
 
-    Context: a vllm engine gets `max_model_len = max_total_tokens` unless rollout_options set one (which must
-    not be smaller). (`train_rl` checks the budget against the model's own context first.)"""
+    Context: a vllm engine gets `max_model_len = max(max_total_tokens, PROBE_CONTEXT + delivery_check_tokens)`
+    unless rollout_options set one (which must not be smaller than max_total_tokens): the delivery probe is
+    scored by the engine too, and its chat prompt plus scored tokens can be longer than a small episode budget.
+    (`train_rl` checks the budget against the model's own context first.)"""
     from sao_core.config import ConfigError, build_config
     from sao_core.rollout.server import ServeConfig
 
@@ -93,7 +100,7 @@ def colocated_serve_config(config: RLConfig):
     options = dict(config.rollout_options)
     if config.engine == "vllm" and not options.get("max_model_len") and \
             not (options.get("engine_options") or {}).get("max_model_len"):
-        options["max_model_len"] = config.max_total_tokens
+        options["max_model_len"] = max(config.max_total_tokens, PROBE_CONTEXT + config.delivery_check_tokens)
     if config.engine == "vllm" and config.rollout_lora_rank():   # vLLM applies the pushed adapters per request
         options["engine_options"] = {"max_lora_rank": config.rollout_lora_rank(), **(options.get("engine_options") or {})}
     try:

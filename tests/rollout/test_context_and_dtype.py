@@ -167,13 +167,16 @@ def _rl_config(tmp_path, **kw):
 
 
 def test_colocated_vllm_service_gets_the_runs_context(tmp_path):
-    from sao_core.learner.loop import LearnerError, colocated_serve_config
+    from sao_core.learner.loop import PROBE_CONTEXT, LearnerError, colocated_serve_config
 
     assert colocated_serve_config(_rl_config(tmp_path, engine="vllm", max_total_tokens=1024)).max_model_len == 1024
     assert colocated_serve_config(_rl_config(tmp_path, engine="vllm")).max_model_len == 4096  # the default budget
     chosen = _rl_config(tmp_path, engine="vllm", max_total_tokens=1024, rollout_options={"max_model_len": 2048})
     assert colocated_serve_config(chosen).max_model_len == 2048
     assert colocated_serve_config(_rl_config(tmp_path, max_total_tokens=1024)).max_model_len == 0  # hf: the model's
+    # a budget shorter than the delivery probe: the context still holds the probe (its prompt and scored tokens)
+    small = _rl_config(tmp_path, engine="vllm", max_total_tokens=80, delivery_check_tokens=32)
+    assert colocated_serve_config(small).max_model_len == PROBE_CONTEXT + 32
     short = _rl_config(tmp_path, engine="vllm", max_total_tokens=2048, rollout_options={"max_model_len": 1024})
     with pytest.raises(LearnerError, match=r"max_total_tokens 2048 exceeds the rollout engine's context of 1024 "
                                            r"tokens \(rollout_options max_model_len\)"):

@@ -262,7 +262,7 @@ def test_a_colocated_vllm_run_pushes_its_weights_in_memory(tmp_path, sao_cache, 
         data=str(tmp_path / "rl"), output=str(out), model=tiny_model_dir, engine="vllm", batch_size=8,
         policy_lr=3e-4, critic_lr=3e-4, critic_warmup_steps=1, max_new_tokens_per_turn=12, max_total_tokens=80,
         cache_dir=str(sao_cache), steps=3, publish_every=2, keep_weight_versions=10,
-        rollout_options={"max_model_len": 256, "engine_options": {"kv_cache_memory_bytes": 64 << 20}}))
+        rollout_options={"engine_options": {"kv_cache_memory_bytes": 64 << 20}}))   # the context: the run's default
     print(f"3 steps with a colocated vLLM engine in {time.monotonic() - began:.1f} s")
     assert summary["version"] == 2
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
