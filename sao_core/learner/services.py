@@ -49,7 +49,11 @@ class ServiceSet:
     (`sao_core.rollout.channel`), formed at the first push with every service (waited for up to `retry_s`). Each
     push is one step of the group: every service checks the announced tensors (receive), the learner
     broadcasts, every service applies and answers (commit). A service lost after the group formed (unreachable,
-    or restarted: it refuses the receive) stops the run with a LearnerError naming it: the group is not re-formed.
+    restarted: it refuses the receive or the commit, or the broadcast fails) closes the group and is marked down
+    like any service; the next push (or the retry of this one, once per push) forms a new group with every
+    service, waiting for the missing ones up to `retry_s` (then LearnerError naming them). Every member's first
+    update over a new group is a resync, so a restarted service gets the current version; its plan is restarted
+    by `_sync` as for the file transport.
     """
 
     def __init__(self, urls: list[str], consumer: str, plan: dict, retry_s: float, probe_s: float = 2.0,
@@ -63,6 +67,7 @@ class ServiceSet:
         self.channel = channel
         self.channel_timeout_s = channel_timeout_s
         self.sender = None
+        self.channel_groups = 0                            # groups formed so far (the first, then re-formed ones)
         # index -> the service object of a service running in this process (`RolloutServer`): full weights are
         # handed to it in memory (`update_in_memory`) instead of through files and HTTP.
         self.local = dict(local or {})
@@ -216,34 +221,64 @@ class ServiceSet:
                 if ok:
                     return {name: parse_dtype(dtype) for name, _, dtype in spec["tensors"]}
 
-    def _lose_channel(self, index: int, err: Exception) -> None:
-        """A service of a formed channel cannot be reached: the group is broken; the run stops."""
+    def _lose_channel(self, index: int | None, err: Exception, restarted: bool = False) -> None:
+        """A member of the formed group is lost (`index`; None when the broadcast failed and the member is not
+        known): the group is closed, so members waiting for a broadcast fail at once, and formed anew with every
+        service at the next push (or the retry of this one). What each member applied is no longer known, so every
+        member's next update is a resync. The lost service is marked down: `_try` re-syncs it (its plan, if it
+        lost it) once it answers."""
         self.close_channel()
-        raise LearnerError(f"collective weight channel lost service {self.clients[index].url} ({err}); restart with "
-                           "weight_transport files or auto")
+        self.holds.clear()
+        who = "a member" if index is None else f"service {self.clients[index].url}"
+        log.warning("collective weight channel lost %s (%s); the group is re-formed at the next push", who, err)
+        if index is None:
+            return
+        if restarted:   # it answers, but lost its state: re-synced (plan) as soon as it is asked
+            self.down[index] = 0.0
+        else:
+            self._mark_down(index, err)
 
     def close_channel(self) -> None:
         if self.sender is not None:
             self.sender.close()
             self.sender = None
 
-    def _form_channel(self) -> None:
+    def _wait_for_members(self, deadline: float) -> None:
+        """Block until every service answers (a group needs them all), probing every 0.5 s; LearnerError naming
+        those still unreachable at `deadline`. A service that was down is left for `_try` to re-sync (its plan,
+        if it lost it) after the push over the group gave it the current weights."""
+        missing = set(range(len(self.clients)))
+        while True:
+            for index in sorted(missing):
+                try:
+                    self.clients[index].status()
+                except RolloutUnavailable as err:
+                    if index not in self.down:
+                        self._mark_down(index, err)
+                    continue
+                except RolloutAuthError as err:
+                    raise LearnerError(f"rollout service {self.clients[index].url} refused the learner's token "
+                                       f"({err}); give the run's token (service_token_file, $SAO_ROLLOUT_TOKEN or "
+                                       "$SAO_ROLLOUT_TOKEN_FILE)") from err
+                missing.discard(index)
+                if index in self.down:
+                    self.down[index] = 0.0   # back: re-synced when next asked
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise LearnerError("collective weight channel: rollout services unreachable for "
+                                   f"{self.retry_s:.0f} s: " + ", ".join(self.clients[i].url for i in sorted(missing)))
+            time.sleep(0.5)
+
+    def _form_channel(self, deadline: float | None = None) -> None:
         """Form the group: this learner (rank 0, the TCPStore master) and every service (rank index + 1). Every
-        service must answer; down ones are waited for (up to `retry_s`), then LearnerError."""
+        service must answer: those that do not are waited for until `deadline` (default: `retry_s` from now),
+        then LearnerError. A service already in an earlier group leaves it to join this one."""
         import threading
 
         from sao_core.rollout.channel import Sender, advertised_host
 
-        deadline = time.monotonic() + self.retry_s
-        while self.down:
-            for index in list(self.down):
-                self.down[index] = 0.0
-                self._try(index, lambda c: None)
-            if self.down and time.monotonic() > deadline:
-                raise LearnerError("collective weight channel: rollout services unreachable for "
-                                   f"{self.retry_s:.0f} s: " + ", ".join(self.clients[i].url for i in self.down))
-            if self.down:
-                time.sleep(0.5)
+        self._wait_for_members(time.monotonic() + self.retry_s if deadline is None else deadline)
         n, timeout = len(self.clients), self.channel_timeout_s
         host = advertised_host(self.clients[0].url)
         try:
@@ -281,25 +316,45 @@ class ServiceSet:
         if not ok:
             raise LearnerError(f"collective weight channel: the group did not form: {value}") from value
         self.sender = sender
-        log.info("collective weight channel formed on %s:%d with %d services", host, sender.port, n)
+        self.channel_groups += 1
+        log.info("collective weight channel %s on %s:%d with %d services",
+                 "formed" if self.channel_groups == 1 else "re-formed", host, sender.port, n)
 
     def _channel_push(self, version: int, digest: str, update) -> None:
-        """`version` to every service over the channel: each checks the announced tensors and gets ready
-        (receive), the learner broadcasts, each applies and answers with the digest it recomputed (commit)."""
+        """`version` to every service over the channel (formed first if it is not). A member lost on the way
+        (unreachable, restarted, or the broadcast failed) closes the group: it is re-formed once, its services
+        waited for until `retry_s` after this push began, and the push retried over it; lost again: LearnerError."""
+        deadline = time.monotonic() + self.retry_s
+        for _ in range(2):
+            if self.sender is None:
+                self._form_channel(deadline)
+            lost = self._channel_step(version, digest, update)
+            if lost is None:
+                return
+            index, err, restarted = lost
+            self._lose_channel(index, err, restarted)
+        who = "a member" if index is None else f"service {self.clients[index].url}"
+        raise LearnerError(f"collective weight channel lost {who} again ({err}) while pushing weights version "
+                           f"{version} over a re-formed group; stopping (weight_transport files or auto take a "
+                           "service that comes and goes)")
+
+    def _channel_step(self, version: int, digest: str, update) -> tuple[int | None, Exception, bool] | None:
+        """One push over the formed group: each service checks the announced tensors and gets ready (receive), the
+        learner broadcasts, each applies and answers with the digest it recomputed (commit), then the delivery
+        probe. None when done; (index of the lost member or None, the error, whether it restarted) when a member
+        was lost. LearnerError when a service refuses the weights (not a lost member: another policy's)."""
         from sao_core.rollout.channel import update_spec
 
-        if self.sender is None:
-            self._form_channel()
         spec = update_spec(update)
         for index, client in enumerate(self.clients):
             try:
                 client.receive_weights(version, digest, spec, resync=self.holds.get(index) != version - 1,
                                        bucket_bytes=self.sender.bucket_bytes)
             except RolloutUnavailable as err:
-                self._lose_channel(index, err)
+                return index, err, False
             except RolloutRequestError as err:
                 if "joined no weight channel" in str(err):   # it restarted since the group formed
-                    self._lose_channel(index, err)
+                    return index, err, True
                 self.close_channel()   # the services already waiting for the broadcast fail at once
                 raise LearnerError(f"rollout service {client.url} refused weights version {version} over the "
                                    f"collective weight channel: {err}; stopping rather than training on another "
@@ -307,29 +362,31 @@ class ServiceSet:
         try:
             self.sender.broadcast(update)
         except RuntimeError as err:
-            self.close_channel()
-            raise LearnerError(f"collective weight channel: the broadcast of weights version {version} failed "
-                               f"({err}); restart with weight_transport files or auto") from err
+            return None, err, False
         for index, client in enumerate(self.clients):
             try:
                 answer = client.commit_weights(version)
             except RolloutUnavailable as err:
-                self._lose_channel(index, err)
+                return index, err, False
             except RolloutRequestError as err:
+                if "no receive of version" in str(err):   # it restarted since its receive started
+                    return index, err, True
                 raise LearnerError(f"rollout service {client.url} refused weights version {version} received over "
                                    f"the collective weight channel: {err}; stopping rather than training on another "
                                    "policy's trajectories") from err
             self._check_answer(client.url, answer, version, digest)
+            self.holds[index] = version
         for index in range(len(self.clients)):
             try:
                 self._check_delivery(index, version)
             except RolloutUnavailable as err:
-                self._lose_channel(index, err)
-            self.holds[index] = version
+                return index, err, False
+        return None
 
     def _mark_down(self, index: int, err: Exception) -> None:
-        if self.sender is not None:   # a formed channel needs every member
+        if self.sender is not None:   # a formed group needs every member: closed (and this one marked down)
             self._lose_channel(index, err)
+            return
         if index not in self.down:
             others = len(self.live) - 1
             log.warning("rollout service %s unreachable (%s); %s", self.clients[index].url, err,

@@ -252,7 +252,15 @@ class ServiceChannel:
             old.close()
 
     def join(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> dict:
-        """Join a new group (blocking), leaving the previous one. ChannelError on failure."""
+        """Join a new group (blocking), leaving the previous one. A receive still waiting on the previous group is
+        waited for first, up to `timeout_s`: a learner closes its old group before it forms a new one, so that
+        receive fails at once (its update is never committed). ChannelError on failure."""
+        thread = self.thread
+        if thread is not None and thread.is_alive():
+            thread.join(timeout_s)
+            if thread.is_alive():
+                raise ChannelError(f"a weight receive over the previous channel still runs after {timeout_s:.0f} s; "
+                                   "not joining a new one")
         self.leave()
         self.receiver = Receiver(host, port, rank, world_size, timeout_s)
         return {"joined": True, "rank": rank, "world_size": world_size}

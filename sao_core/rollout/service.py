@@ -412,12 +412,13 @@ def _weights_router(manager: RolloutManager, guarded: list) -> APIRouter:
     @router.post("/v1/weights/channel", dependencies=guarded,
                  responses={**BAD_REQUEST, **UNAUTHORIZED, **CONFLICT, **TOO_LARGE})
     async def weights_channel(body: ChannelRequest) -> dict:
-        """Join a learner's weight channel (leaving any earlier one); answers once the whole group is formed."""
+        """Join a learner's weight channel (leaving any earlier one, after a receive still waiting on it ended);
+        answers once the whole group is formed."""
         manager.weight_model()
         if body.rank >= body.world_size:
             raise RolloutError(f"rank {body.rank} is outside a group of {body.world_size}")
-        if channel.receiving() or channel.joining:
-            raise ConflictError("a weight receive over the current channel, or a join, is in progress")
+        if channel.joining:
+            raise ConflictError("a join of a weight channel is in progress")
         channel.joining = True
         try:
             return await asyncio.to_thread(channel.join, body.host, body.port, body.rank, body.world_size,

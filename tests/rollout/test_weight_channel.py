@@ -6,11 +6,13 @@ clock (the group's timeouts are only a bound for a hang)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,8 +44,8 @@ def _free_port() -> int:
 class Service:
     """`sao rollout serve` of the embedded model in a process of its own, with the test's token."""
 
-    def __init__(self, cache: Path, log: Path):
-        self.port = _free_port()
+    def __init__(self, cache: Path, log: Path, port: int | None = None):
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "SAO_ROLLOUT_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -188,6 +190,39 @@ def test_bad_announcements_are_refused_before_anything_is_broadcast(service, lea
         services.close_channel()
 
 
+def test_a_join_replaces_a_group_whose_receive_still_waits():
+    """A learner that lost a member closes its group while the others wait for its broadcast, then forms a new one:
+    a service's join waits for that receive to fail (at once: the group is closed), drops it and joins."""
+    channel = channel_mod.ServiceChannel()
+    spec = [("w", (4,), torch.float32)]
+    digest = "xxh3-128:" + "0" * 32
+
+    def form_group() -> channel_mod.Sender:
+        sender = channel_mod.Sender(2, timeout_s=30)
+        joiner = threading.Thread(target=channel.join, args=("127.0.0.1", sender.port, 1, 2, 30.0))
+        joiner.start()
+        sender.form()
+        joiner.join()
+        return sender
+
+    first = form_group()
+    channel.start(1, False, spec, digest, channel_mod.BUCKET_BYTES)
+    first.close()
+    second = form_group()
+    assert channel.receiver is not None and channel.pending is None and not channel.receiving()
+    with pytest.raises(LookupError, match="no receive of version 1"):
+        channel.take(1)
+    # The new group carries the next update.
+    channel.start(2, True, spec, digest, channel_mod.BUCKET_BYTES)
+    weights = torch.arange(4.0)
+    second.broadcast(WeightUpdate(2, [("w", weights)], [torch.float32], digest=digest))
+    resync, thread, outcome = channel.take(2)
+    thread.join()
+    assert resync and torch.equal(outcome["update"].tensors[0][1], weights)
+    second.close()
+    channel.leave()
+
+
 def test_the_channel_endpoints_need_the_token(service):
     anonymous = service.client(token=None)
     for call in (lambda: anonymous.weight_spec(), lambda: anonymous.join_channel("127.0.0.1", 1, 1, 2),
@@ -198,6 +233,10 @@ def test_the_channel_endpoints_need_the_token(service):
     wrong = service.client(token="not-the-token")
     with pytest.raises(RolloutAuthError, match="-> 401"):
         wrong.commit_weights(1)
+    services = ServiceSet([service.url], "test", {}, retry_s=1, token="not-the-token", channel=True)
+    with pytest.raises(LearnerError, match=rf"rollout service {service.url} refused the learner's token"):
+        services._form_channel()
+    assert services.sender is None
 
 
 def test_a_run_pushes_through_the_channel_to_an_external_service(sao_cache, tiny_model_dir, tmp_path, monkeypatch):
@@ -221,19 +260,73 @@ def test_a_run_pushes_through_the_channel_to_an_external_service(sao_cache, tiny
         assert storage.list_dirs(str(out / "weights")) == ["v000002"]
         storage.verify_checkpoint(out / "weights" / "v000002")
 
-        # A service lost once the group formed stops the next push, naming it (the group is not re-formed).
+        # A service restarted unseen between two pushes refuses the next receive ("joined no weight channel"):
+        # the push closes the group, forms a new one and resyncs it (its engine restarted at version 0).
         model = load_model(summary["model"], sao_cache, "float32")
-        services = ServiceSet([server.url], "after", {}, retry_s=5, token=TOKEN, channel=True, channel_timeout_s=60)
+        services = ServiceSet([server.url], "after", {}, retry_s=1, token=TOKEN, channel=True, channel_timeout_s=60)
         dtypes = services.channel_dtypes()
         update = WeightUpdate.build(3, model.state_dict(), dtypes)
         services.push(3, None, update.digest, None, update)
         assert server.client().status()["version"] == 3
         server.stop()
+        server = Service(sao_cache, tmp_path / "service-2.log", port=server.port)
+        assert server.client().status()["version"] == 0
         _moved(model, seed=6)
         update = WeightUpdate.build(4, model.state_dict(), dtypes)
-        with pytest.raises(LearnerError, match=rf"collective weight channel lost service {server.url} .*restart with "
-                                               "weight_transport files or auto"):
-            services.push(4, None, update.digest, None, update)
-        assert services.sender is None
+        services.push(4, None, update.digest, None, update)
+        assert services.channel_groups == 2 and server.client().status()["version"] == 4
+        # One that does not come back within retry_s stops the push that would re-form the group, naming it.
+        server.stop()
+        _moved(model, seed=7)
+        update = WeightUpdate.build(5, model.state_dict(), dtypes)
+        with pytest.raises(LearnerError, match=r"collective weight channel: rollout services unreachable for 1 s: "
+                                               rf"{server.url}$"):
+            services.push(5, None, update.digest, None, update)
+        assert services.sender is None and 0 in services.down
+    finally:
+        server.stop()
+
+
+def test_a_restarted_service_rejoins_a_re_formed_channel(sao_cache, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """The service is killed after two steps and restarted on its port: the learner closes the group, waits for it,
+    forms a new one, resyncs it to the current version and restarts its plan; the run ends with nothing skipped or
+    trained twice."""
+    from sao_core.learner.journal import audit
+
+    monkeypatch.setenv("SAO_ROLLOUT_TOKEN", TOKEN)
+    caplog.set_level(logging.INFO, logger="sao_core.learner")
+    server = Service(sao_cache, tmp_path / "service.log")
+    steps_seen: list[int] = []
+    result: dict = {}
+    data = tool_arith_rl(tmp_path / "rl", 60, seed=4)
+    config = RLConfig(data=data, output=str(tmp_path / "run"), model=tiny_model_dir, steps=5, batch_size=8,
+                      policy_lr=3e-4, critic_lr=3e-4, critic_warmup_steps=1, max_new_tokens_per_turn=12,
+                      max_total_tokens=80, cache_dir=str(sao_cache), services=(server.url,),
+                      weight_transport="collective", service_retry_s=120)
+
+    def run():
+        try:
+            result["summary"] = train_rl(config, progress=lambda step, metrics: steps_seen.append(step))
+        except BaseException as err:  # reported by the assertion below
+            result["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        while len(steps_seen) < 2 and thread.is_alive():   # bounded by the join below
+            time.sleep(0.05)
+        server.stop()
+        server = Service(sao_cache, tmp_path / "service-2.log", port=server.port)
+        thread.join(300)
+        assert not thread.is_alive()
+        assert "error" not in result, result.get("error")
+        assert result["summary"]["steps"] == 5
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert "collective weight channel lost" in messages   # (the service, or "a member" mid-broadcast)
+        assert "collective weight channel re-formed" in messages
+        status = server.client().status()
+        assert status["version"] == result["summary"]["version"] and status["weights_sha256"].startswith("xxh3-128:")
+        report = audit(str(tmp_path / "run"))
+        assert report["ok"] and not report["skipped"], report["problems"]
     finally:
         server.stop()
