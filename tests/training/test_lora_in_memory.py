@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from lora_helpers import make_adapter
+from lora_helpers import make_adapter, move_lora_b
 from rl_data import tool_arith_rl
 from test_lora_delivery import PROBE, TARGETS, _close, _reference
 
@@ -107,11 +107,7 @@ def _moving_adapters(monkeypatch) -> None:
 
     def step_and_move(self, trajectories, allow_empty_rows=False):
         result = step(self, trajectories, allow_empty_rows)
-        generator = torch.Generator().manual_seed(self.state.step)
-        with torch.no_grad():
-            for name, param in self.policy.named_parameters():
-                if "lora_B" in name:
-                    param.add_(0.02 * torch.randn(param.shape, generator=generator))
+        move_lora_b(self.policy, self.state.step)
         return result
 
     monkeypatch.setattr(Learner, "step", step_and_move)
