@@ -1,17 +1,13 @@
 """Length-bucketed micro-batches in the learner step (`RLConfig.micro_batch_tokens`): the grouping, and the
 exactness of the update: a step on micro-batches gives the same weights and metrics as one pass over the
-whole padded batch, in one process and under torchrun (where the ranks hold different numbers of groups).
-
-Run as a script (by the torchrun test) it is the worker:  python tests/learner/test_learner_microbatch.py MODEL_DIR OUT.pt
+whole padded batch, in one process. Under torchrun (where the ranks hold different numbers of groups):
+test_learner_distributed.py's test_two_rank_micro_batched_step_equals_the_single_process_step, which steps the
+batch below at DIST_BUDGET.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -158,48 +154,5 @@ def test_micro_batched_step_equals_the_whole_batch_step(method, whiten, tiny_mod
         assert whole[0][1]["explained_variance"] != 0.0  # the second step sees a trained critic
 
 
-WORKER_MAIN = Path(__file__).resolve()
-
-
-@pytest.mark.slow
-def test_two_rank_micro_batched_step_equals_the_single_process_step(tmp_path, tiny_model_dir, sao_cache):
-    """Under torchrun (FSDP2, gloo) with micro-batches, the ranks holding 2 and 3 groups (rank 0 runs a
-    filler pass so that the collectives stay in step): weights and metrics equal one process's whole-batch step
-    (explained_variance excepted: over ranks it is an approximation, see updates.py)."""
-    out = tmp_path / "two.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(WORKER_MAIN), tiny_model_dir, str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_CACHE_DIR": str(sao_cache)}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    two = torch.load(out)
-    ranks = [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [len(micro_batch_rows([LENGTHS[r] for r in rows], DIST_BUDGET)) for rows in ranks] == [2, 3]
-    for method in ("sao", "grpo_dis"):
-        whole = run_steps(tiny_model_dir, method, 0, whiten=True)
-        for a, b in zip(whole[0], two[method]["metrics"], strict=True):
-            for name, value in a.items():
-                if name != "explained_variance":
-                    assert b[name] == pytest.approx(value, rel=1e-4, abs=1e-6), (method, name)
-        for k in whole[1]:
-            torch.testing.assert_close(two[method]["policy"][k], whole[1][k], rtol=0, atol=2e-5)
-        if method == "sao":
-            for k in whole[2]:
-                torch.testing.assert_close(two[method]["critic"][k], whole[2][k], rtol=0, atol=2e-5)
-
-
-def _worker(model_dir: str, out: str) -> int:
-    from sao_core.training.distributed import init_distributed
-
-    ctx = init_distributed()
-    results = {}
-    for method in ("sao", "grpo_dis"):
-        metrics, policy, critic, _ = run_steps(model_dir, method, DIST_BUDGET, whiten=True, ctx=ctx)
-        results[method] = {"metrics": metrics, "policy": policy, "critic": critic}
-    if ctx.is_main:
-        torch.save(results, out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], sys.argv[2]))
+# test_two_rank_micro_batched_step_equals_the_single_process_step (the 2-rank torchrun step with a filler pass)
+# moved to test_learner_distributed.py: one torchrun launch there serves it and that file's other two-rank tests.

@@ -128,42 +128,10 @@ def test_bad_lora_settings_are_refused_by_name(data, tmp_path, sao_cache, tiny_m
         train("sft", SFTConfig(data=data["sft"], steps=1, model=tiny_model_dir, **kw, **_common(tmp_path, sao_cache)))
 
 
-def test_lora_under_torchrun_fsdp2_two_processes_checkpoints_resumes_and_exports(data, tmp_path, sao_cache,
-                                                                                 tiny_model_dir):
-    """LoRA with FSDP2 (2 processes, gloo): the wrapped model is sharded layer by layer, only the adapter
-    trains, the run checkpoints and resumes, and the export is the merged model under the base names: the
-    adapted projections changed, every other weight is the base's bit for bit."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from sao_core.models import load_model
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_CACHE_DIR": str(sao_cache)}
-    out = tmp_path / "run"
-
-    def launch(*extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "sao_core.cli", "--quiet", "--log-level", "WARNING", "train", "--method", "sft",
-               "--data", data["sft"], "--output", str(out), "--batch-size", "8", "--max-tokens", "128",
-               "--lr", "1e-2", "--checkpoint-every", "2", "--lora-rank", "4", "--lora-target-modules",
-               "q_proj,v_proj", "--model", str(tiny_model_dir), *extra]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout[done.stdout.index("{"):])
-
-    first = launch("--steps", "4")
-    assert first["world_size"] == 2 and first["lora"]["rank"] == 4
-    assert 0 < first["lora"]["trainable_parameters"] < first["lora"]["parameters"] / 10
-    second = launch("--steps", "6", "--resume")
-    assert second["resumed_from"].endswith("step-000004") and second["steps"] == 6
-    assert second["last_train_loss"] < first["first_train_loss"]
-    base = load_model(str(tiny_model_dir), str(sao_cache)).state_dict()
-    exported = load_model(str(out / "model"), str(sao_cache)).state_dict()
-    assert set(exported) == set(base)
-    changed = {k for k in base if not torch.equal(base[k], exported[k])}
-    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed)
+# LoRA with FSDP2 under torchrun (2 processes: the wrapped model sharded layer by layer, only the adapter trains,
+# checkpoint, resume, the merged export under the base names): test_trainer.py's test_torchrun_two_processes_fsdp2,
+# whose two launches run the LoRA command line beside the full-weight one (formerly
+# test_lora_under_torchrun_fsdp2_two_processes_checkpoints_resumes_and_exports here).
 
 
 def test_gkd_with_lora_learns_from_its_teacher(data, tmp_path, sao_cache, tiny_model_dir, warm_tool_model):

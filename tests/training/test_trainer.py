@@ -1,5 +1,5 @@
 """The shared trainer: every method learns, resume is exact, bad jobs stop before training, S3 output,
-and a real 2-process torchrun (FSDP2, gloo) run that checkpoints, resumes and exports."""
+and real 2-process torchrun (FSDP2, gloo) runs, full weights and LoRA, that checkpoint, resume and export."""
 
 from __future__ import annotations
 
@@ -219,31 +219,67 @@ def test_a_failing_s3_training_run_leaves_its_metrics_lines(moto_s3, datasets, t
     assert steps() == [1, 2, 3, 4, 5]
 
 
+#: runs several `sao` command lines in one process (one torchrun launch serves the full-weight and the LoRA run)
+CLI_RUNS_WORKER = Path(__file__).parents[1] / "scripts" / "cli_runs_worker.py"
+
+
+def _printed_summaries(stdout: str) -> list[dict]:
+    """The JSON summaries `sao train` printed one after the other (only rank 0 prints)."""
+    decoder, summaries, at = json.JSONDecoder(), [], stdout.find("{")
+    while at != -1:
+        summary, end = decoder.raw_decode(stdout, at)
+        summaries.append(summary)
+        at = stdout.find("{", end)
+    return summaries
+
+
 @pytest.mark.slow
-def test_torchrun_two_processes_fsdp2(datasets, tmp_path, sao_cache):
+def test_torchrun_two_processes_fsdp2(datasets, tmp_path, sao_cache, tiny_model_dir):
+    """`sao train` under torchrun (2 processes, FSDP2 over gloo), full weights and LoRA: each run checkpoints
+    (the full-weight run's DCP checkpoint holds one shard per rank), resumes under torchrun and exports. The
+    LoRA run (only the adapter trains) exports the merged model under the base names: the adapted projections
+    changed, every other weight is the base's bit for bit. Each launch runs both command lines in its two
+    processes (tests/scripts/cli_runs_worker.py), one after the other; this also covers what
+    test_lora.py's test_lora_under_torchrun_fsdp2_two_processes_checkpoints_resumes_and_exports did."""
     from transformers import AutoModelForCausalLM
 
+    from sao_core.models import load_model
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_CACHE_DIR": str(sao_cache)}
-    out = tmp_path / "run"
+    full, lora = tmp_path / "full", tmp_path / "lora"
+    common = ["--quiet", "--log-level", "WARNING", "train", "--method", "sft", "--data", datasets["sft"],
+              "--batch-size", "8", "--max-tokens", "128", "--checkpoint-every", "2"]
+    full_args = [*common, "--output", str(full), "--lr", "3e-3"]
+    lora_args = [*common, "--output", str(lora), "--lr", "1e-2", "--lora-rank", "4", "--lora-target-modules",
+                 "q_proj,v_proj", "--model", str(tiny_model_dir)]
 
-    def launch(*extra):
+    def launch(*extra: str) -> list[dict]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "sao_core.cli", "--quiet", "--log-level", "WARNING", "train", "--method", "sft",
-               "--data", datasets["sft"], "--output", str(out), "--batch-size", "8", "--max-tokens", "128",
-               "--lr", "3e-3", "--checkpoint-every", "2", *extra]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+               str(CLI_RUNS_WORKER), *full_args, *extra, "---", *lora_args, *extra]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout[done.stdout.index("{"):])
+        return _printed_summaries(done.stdout)
 
-    first = launch("--steps", "4")
-    assert first["world_size"] == 2 and first["steps"] == 4
-    shards = sorted(p.name for p in (out / "checkpoints" / "step-000004" / "dcp").iterdir())
+    first_full, first_lora = launch("--steps", "4")
+    assert first_full["world_size"] == 2 and first_full["steps"] == 4 and first_full["lora"] is None
+    shards = sorted(p.name for p in (full / "checkpoints" / "step-000004" / "dcp").iterdir())
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    second = launch("--steps", "6", "--resume")
-    assert second["resumed_from"].endswith("step-000004") and second["steps"] == 6
-    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert first_lora["world_size"] == 2 and first_lora["lora"]["rank"] == 4
+    assert 0 < first_lora["lora"]["trainable_parameters"] < first_lora["lora"]["parameters"] / 10
+
+    second_full, second_lora = launch("--steps", "6", "--resume")
+    assert second_full["resumed_from"].endswith("step-000004") and second_full["steps"] == 6
+    model = AutoModelForCausalLM.from_pretrained(full / "model")
     assert model.config.vocab_size == 512
-    assert storage.read_manifest(str(out / "model"))["metadata"]["step"] == 6
+    assert storage.read_manifest(str(full / "model"))["metadata"]["step"] == 6
+
+    assert second_lora["resumed_from"].endswith("step-000004") and second_lora["steps"] == 6
+    assert second_lora["last_train_loss"] < first_lora["first_train_loss"]
+    base = load_model(str(tiny_model_dir), str(sao_cache)).state_dict()
+    exported = load_model(str(lora / "model"), str(sao_cache)).state_dict()
+    assert set(exported) == set(base)
+    changed = {k for k in base if not torch.equal(base[k], exported[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed)
 
 
 def test_grad_accum_and_checkpointing_match_plain_steps(datasets, tmp_path, sao_cache):
