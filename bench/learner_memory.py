@@ -1,10 +1,12 @@
 """Peak memory and seconds of one SAO learner step at a real vocabulary, before and after the chunked output layer.
 
     python bench/learner_memory.py [--tokens 2048,8192,32768] [--vocabs 32000,151936] [--out bench/results/learner_memory.json]
+    python bench/learner_memory.py --tokens 256 --row-tokens 128 --vocabs 1000 --threads 1   # a smoke run, seconds
 
 One SAO learner step = the policy forward + backward over the action tokens, the critic's values, and K = 2
 critic updates (`learner.updates.Updater.step`, float32 on CPU), on a random-initialised Llama-style model of
-hidden size 256 and 2 layers (no tokenizer needed), rows of 1,024 action tokens after a 32-token prompt.
+hidden size 256 and 2 layers (no tokenizer needed), rows of 1,024 action tokens (`--row-tokens`) after a
+32-token prompt.
 "before" runs the policy forward of the previous release (full [B, T, V] logits: `token_logprobs` plus a
 float32 log-softmax for the entropy); "after" the current code. Each configuration runs in its own process
 (peak resident memory = ru_maxrss). The step's seconds are compared with its bare passes: the same forward /
@@ -54,7 +56,9 @@ def legacy_policy_forward(policy, batch):
     return logp, stats
 
 
-def worker(mode: str, vocab: int, tokens: int) -> dict:
+def worker(mode: str, vocab: int, tokens: int, row_actions: int = ROW_ACTIONS) -> dict:
+    """One configuration's step and bare passes on `tokens // row_actions` rows of `row_actions` action tokens
+    (after a PROMPT-token prompt each) at vocabulary `vocab`; returns its row of the report."""
     import tempfile
 
     import torch
@@ -78,9 +82,9 @@ def worker(mode: str, vocab: int, tokens: int) -> dict:
         critic = ValueModel.from_pretrained(tmp)
     g = torch.Generator().manual_seed(1)
     rows = []
-    for i in range(tokens // ROW_ACTIONS):
-        ids = torch.randint(2, vocab, (PROMPT + ROW_ACTIONS,), generator=g).tolist()
-        mask = [0] * PROMPT + [1] * ROW_ACTIONS
+    for i in range(tokens // row_actions):
+        ids = torch.randint(2, vocab, (PROMPT + row_actions,), generator=g).tolist()
+        mask = [0] * PROMPT + [1] * row_actions
         rows.append(Trajectory(id=f"t{i}", prompt_id=f"p{i}", env="tool_arith", token_ids=ids, action_mask=mask,
                                rollout_logprobs=[-12.0 if m else 0.0 for m in mask],
                                versions=[0 if m else -1 for m in mask], reward=float(i % 2), num_turns=1,
@@ -129,32 +133,35 @@ def worker(mode: str, vocab: int, tokens: int) -> dict:
             "entropy": round(metrics["entropy"], 4)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="2048,8192,32768")
     parser.add_argument("--vocabs", default="32000,151936")
     parser.add_argument("--modes", default="before,after")
     parser.add_argument("--max-logits-gb", type=float, default=2.0,
                         help="skip a 'before' run whose one float32 [N, V] logits tensor exceeds this (it holds ~4)")
+    parser.add_argument("--row-tokens", type=int, default=ROW_ACTIONS,
+                        help="action tokens per row (default 1024); each row has a 32-token prompt besides")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "learner_memory.json"))
     parser.add_argument("--worker", nargs=3, metavar=("MODE", "VOCAB", "TOKENS"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), int(args.worker[2]))))
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), int(args.worker[2]), args.row_tokens)))
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
     results = []
     for vocab in [int(v) for v in args.vocabs.split(",")]:
         for tokens in [int(t) for t in args.tokens.split(",")]:
             for mode in args.modes.split(","):
-                logits_gb = (tokens + tokens // ROW_ACTIONS * PROMPT) * vocab * 4 / 1e9
+                logits_gb = (tokens + tokens // args.row_tokens * PROMPT) * vocab * 4 / 1e9
                 if mode == "before" and logits_gb > args.max_logits_gb:
                     row = {"mode": mode, "vocab": vocab, "action_tokens": tokens, "skipped":
                            f"one float32 [N, V] logits tensor is {logits_gb:.1f} GB (the step holds about four)"}
                 else:
-                    done = subprocess.run([sys.executable, __file__, "--worker", mode, str(vocab), str(tokens)],
-                                          env=env, capture_output=True, text=True)
+                    done = subprocess.run([sys.executable, __file__, "--worker", mode, str(vocab), str(tokens),
+                                           "--row-tokens", str(args.row_tokens)], env=env, capture_output=True,
+                                          text=True)
                     if done.returncode != 0:
                         row = {"mode": mode, "vocab": vocab, "action_tokens": tokens,
                                "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
@@ -169,8 +176,8 @@ def main() -> int:
         if len(after) >= 2:
             slopes[str(vocab)] = round((after[-1]["peak_rss_mb"] - after[0]["peak_rss_mb"])
                                        / ((after[-1]["action_tokens"] - after[0]["action_tokens"]) / 1000), 1)
-    report = {"conditions": _setup.conditions(), "hidden": HIDDEN, "layers": LAYERS, "results": results,
-              "after_mb_per_1k_tokens": slopes}
+    report = {"conditions": _setup.conditions(), "hidden": HIDDEN, "layers": LAYERS,
+              "row_action_tokens": args.row_tokens, "results": results, "after_mb_per_1k_tokens": slopes}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print("MB per 1k action tokens (after):", slopes)

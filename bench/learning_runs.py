@@ -3,8 +3,8 @@ distribution of the reward rise, the dip rate and the turn-end health of every r
 holds").
 
 One early-stopped SFT warm start (the test fixture's rows and settings), then per seed one RL run of the test's
-steps (150 for both) of 32 single-operation tool_arith episodes: the rise is the mean batch reward of the
-last quarter of the steps minus the first quarter. A run is a *dip* when its rise is below `--dip-below`
+steps (150 for both) of 32 (`--batch-size`) single-operation tool_arith episodes: the rise is the mean batch
+reward of the last quarter of the steps minus the first quarter. A run is a *dip* when its rise is below `--dip-below`
 (default 0.10) or when more than 10 % of a quarter's trajectories ended in a turn cut at the token cap (the
 collapse mode of issue 25). Prints a line per run and a summary, writes
 OUTPUT/learning_runs.json. Reproduce the README's figures with:
@@ -101,8 +101,8 @@ def quarters(rows: list[dict], key: str) -> list[float | None]:
 def one_run(args, seed: int, model: str, data: str, cache: Path, out: Path) -> dict:
     started = time.time()
     config = learning_config(args.method, data, model, str(out), str(cache), seed=seed, steps=args.steps,
-                             group_size=args.group_size, policy_lr=args.policy_lr, critic_lr=args.critic_lr,
-                             critic_warmup_steps=args.critic_warmup, lora_rank=args.lora_rank,
+                             batch_size=args.batch_size, group_size=args.group_size, policy_lr=args.policy_lr,
+                             critic_lr=args.critic_lr, critic_warmup_steps=args.critic_warmup, lora_rank=args.lora_rank,
                              critic_lora_rank=args.critic_lora_rank, lora_alpha=2.0 * max(args.lora_rank,
                                                                                           args.critic_lora_rank, 1),
                              lora_target_modules="all-linear" if args.lora_rank or args.critic_lora_rank else "")
@@ -121,10 +121,10 @@ def one_run(args, seed: int, model: str, data: str, cache: Path, out: Path) -> d
 def summarise(runs: list[dict], args) -> dict:
     rises = sorted(r["rise"] for r in runs)
     firsts = [r["first"] for r in runs]
-    # A method that does not learn: two means of n rewards (a quarter of the steps, 32 each) at the starting
+    # A method that does not learn: two means of n rewards (a quarter of the steps, a batch each) at the starting
     # reward rate p differ by sqrt(2 p (1 - p) / n) (one SD).
     p = sum(firsts) / len(firsts)
-    n = max(1, args.steps // 4) * 32
+    n = max(1, args.steps // 4) * args.batch_size
     noise_sd = math.sqrt(2 * p * (1 - p) / n)
     dips = sum(r["dip"] for r in runs)
     return {"runs": len(runs), "rise_mean": round(statistics.mean(rises), 4),
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="default: the learning test's")
+    parser.add_argument("--batch-size", type=int, default=32, help="episodes per step (the learning test's: 32)")
     parser.add_argument("--group-size", type=int, default=None, help="default: 4 for sao (unused), 8 for grpo")
     parser.add_argument("--policy-lr", type=float, default=None, help="default: the learning test's")
     parser.add_argument("--critic-lr", type=float, default=None, help="default: the learning test's")

@@ -2,6 +2,10 @@
 
     python scripts/fuzz_rollout_api.py [--max-examples 20] [--max-time 120] [--seed 1]
 
+With a time budget (`--max-time`, the default) schemathesis repeats the fuzzing phase until the budget is
+spent; with `--max-time 0` (and `--shutdown-max-time 0`) each run stops after its coverage cases and
+`--max-examples` fuzzed cases per operation: a fixed number of cases, whatever the machine's load.
+
 Starts the service (HF engine, the embedded model `embedded:tiny`) with a random bearer token, then runs
 ``st run --checks all`` over every operation, authenticated with that token (schemathesis' `ignored_auth`
 check also sends each request without it and expects 401). ``POST /v1/shutdown`` is fuzzed last, in a run
@@ -31,11 +35,19 @@ expected-statuses = ["400", "401", "403", "404", "405", "406", "409", "413", "41
 """
 
 
+def _time_budget(seconds: int) -> list[str]:
+    """`st run`'s time budget option: fuzzing repeats until `seconds` are spent; none for 0 (each operation gets
+    its coverage cases and --max-examples fuzzed ones, then the run ends)."""
+    return ["--max-time", str(seconds)] if seconds > 0 else []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-examples", type=int, default=20, help="examples per operation and phase")
-    parser.add_argument("--max-time", type=int, default=120, help="time budget of the main run, seconds")
-    parser.add_argument("--shutdown-max-time", type=int, default=20, help="time budget of the shutdown run")
+    parser.add_argument("--max-time", type=int, default=120,
+                        help="time budget of the main run, seconds (0: none, stop after --max-examples)")
+    parser.add_argument("--shutdown-max-time", type=int, default=20,
+                        help="time budget of the shutdown run, seconds (0: none, stop after --max-examples)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cache-dir", default=os.environ.get("SAO_CACHE_DIR", ""))
     parser.add_argument("--report-dir", default="", help="keep schemathesis' JUnit report here")
@@ -59,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "SCHEMATHESIS_HOOKS": str(HERE / "schemathesis_hooks.py")}
         report = ["--report", "junit", "--report-dir", args.report_dir] if args.report_dir else []
         try:
-            main_run = subprocess.run([*st, "--exclude-path", "/v1/shutdown", "--max-time", str(args.max_time),
+            main_run = subprocess.run([*st, "--exclude-path", "/v1/shutdown", *_time_budget(args.max_time),
                                        "--header", f"Authorization: Bearer {token}", *report], env=env)
             shutdown_run = subprocess.run([*st, "--include-path", "/v1/shutdown",
-                                           "--max-time", str(args.shutdown_max_time),
+                                           *_time_budget(args.shutdown_max_time),
                                            "--exclude-checks", "positive_data_acceptance"], env=env)
             alive = server._thread is not None and server._thread.is_alive()
         finally:

@@ -150,49 +150,52 @@ def test_real_model_smoke_and_bad_arguments(tmp_path, sao_cache, monkeypatch, ca
 
 
 def test_learner_memory_smoke(tmp_path, monkeypatch):
-    """The script end to end (each configuration's worker in its own process) for the current code, with a
-    "before" configuration over `--max-logits-gb` reported as skipped; then the "before" worker itself (the previous
-    release's full-logits forward) in this process, on the same seeded model and batch: the same entropy. (One
-    worker process less than running both modes through the script: it is the same worker either way.)"""
-    import subprocess
-
+    """The script end to end (its main here, each configuration's worker in its own process through the script's
+    command line) for the current code, with a "before" configuration over `--max-logits-gb` reported as skipped;
+    then the "before" worker itself (the previous release's full-logits forward) in this process, on the same
+    seeded model and batch: the same entropy. (One worker process less than running both modes through the script:
+    it is the same worker either way.) Two rows of 128 action tokens: the script runs and writes what it
+    promises; the sizes that matter are the full run's."""
     import learner_memory
     import torch
 
     import sao_core.learner.updates as updates
 
     out = tmp_path / "learner_memory.json"
-    done = subprocess.run([sys.executable, str(BENCH / "learner_memory.py"), "--tokens", "1024", "--vocabs", "1000",
-                           "--threads", "1", "--max-logits-gb", "0", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"before", "after"} and rows["before"]["action_tokens"] == 1024
+    assert learner_memory.main(["--tokens", "256", "--row-tokens", "128", "--vocabs", "1000", "--threads", "1",
+                                "--max-logits-gb", "0", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in report["results"]}
+    assert set(rows) == {"before", "after"} and rows["before"]["action_tokens"] == 256
     assert "one float32 [N, V] logits tensor is" in rows["before"]["skipped"] and "peak_rss_mb" not in rows["before"]
-    assert rows["after"]["action_tokens"] == 1024 and rows["after"]["peak_rss_mb"] > 0
-    assert rows["after"]["step_over_bare"] > 0
+    assert "error" not in rows["after"], rows["after"]
+    assert rows["after"]["action_tokens"] == 256 and rows["after"]["peak_rss_mb"] > 0
+    assert rows["after"]["step_over_bare"] > 0 and report["row_action_tokens"] == 128
     # the worker swaps the legacy forward into the learner and seeds torch: both undone after this test
     monkeypatch.setattr(updates, "_policy_forward", updates._policy_forward)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with torch.random.fork_rng():
-        before = learner_memory.worker("before", 1000, 1024)
+        before = learner_memory.worker("before", 1000, 256, row_actions=128)
     assert updates._policy_forward is learner_memory.legacy_policy_forward   # it ran the previous release's forward
-    assert before["action_tokens"] == 1024 and before["step_over_bare"] > 0
+    assert before["action_tokens"] == 256 and before["step_over_bare"] > 0
     assert before["entropy"] == pytest.approx(rows["after"]["entropy"], rel=1e-4)   # same statistic
 
 
 def test_learning_runs_smoke_and_bad_arguments(tmp_path, sao_cache, capsys):
-    """A short run of the learning test's computation: its line, the summary and the JSON with the run's health
-    quarters; an unknown method is refused."""
+    """A short run of the learning test's computation (4 steps of 8 episodes, one per quarter): its line, the
+    summary and the JSON with the run's health quarters; an unknown method is refused."""
     import learning_runs
 
-    assert learning_runs.main(["--method", "sao", "--runs", "1", "--first-seed", "3", "--steps", "6",
-                               "--critic-warmup", "2", "--sft-steps", "10", "--output", str(tmp_path)]) == 0
+    assert learning_runs.main(["--method", "sao", "--runs", "1", "--first-seed", "3", "--steps", "4",
+                               "--batch-size", "8", "--critic-warmup", "2", "--sft-steps", "10",
+                               "--output", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "learning_runs.json").read_text())
     assert [r["seed"] for r in result["runs"]] == [3] and result["summary"]["runs"] == 1
     assert set(result["runs"][0]["quarters"]) == set(learning_runs.HEALTH)
     assert len(result["runs"][0]["quarters"]["turn_cut_share"]) == 4
     assert result["summary"]["settings"]["critic_warmup"] == 2 and "seed   3:" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "seed-3" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["trained_trajectories"] == 4 * 8   # the run got the script's settings
     with pytest.raises(SystemExit):
         learning_runs.main(["--method", "ppo", "--output", str(tmp_path / "x")])
 

@@ -103,17 +103,8 @@ def test_smoke_run_needs_only_torch_transformers_safetensors_tokenizers_and_writ
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gpu_check-")]   # its model dir is removed
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_without_cuda_and_without_smoke_it_exits_2_with_a_message(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], cwd=tmp_path, env=_env(),
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2
-    assert "no CUDA device" in run.stderr and "--smoke" in run.stderr
-    assert json.loads(out.read_text())["ok"] is False
-
-
-def test_model_flops_of_a_step(monkeypatch):
+def _import_gpu_check(monkeypatch):
+    """The script as a module (its main and helpers, in this process)."""
     monkeypatch.syspath_prepend(str(SCRIPT.parent))
     environ = dict(os.environ)
     try:
@@ -121,6 +112,22 @@ def test_model_flops_of_a_step(monkeypatch):
     finally:   # the script sets a few environment defaults at import
         os.environ.clear()
         os.environ.update(environ)
+    return gpu_check
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_and_without_smoke_it_exits_2_with_a_message(tmp_path, monkeypatch, capsys):
+    """Its main in this process (the script's `sys.exit(main())` makes the return its exit code; the command line
+    itself runs in the smoke test above)."""
+    out = tmp_path / "gpu_check.json"
+    assert _import_gpu_check(monkeypatch).main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "--smoke" in err
+    assert json.loads(out.read_text())["ok"] is False
+
+
+def test_model_flops_of_a_step(monkeypatch):
+    gpu_check = _import_gpu_check(monkeypatch)
     shape = {"non_embedding_params": 1000, "layers": 2, "q_dim": 8, "vocab_size": 50, "hidden_size": 4}
     # per token forward: 2 * 1000 + 2 * 2 * 10 * 8 = 2320; output layer 2 * 50 * 4 = 400 on the 6 sampled tokens
     assert gpu_check.step_flops(shape, tokens=10, action_tokens=6, seq_len=10, critic_updates=2) == \
