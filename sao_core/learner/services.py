@@ -113,7 +113,7 @@ class ServiceSet:
         `digest` None: that of the in-memory update (`_digest`)."""
         client = self.clients[index]
         if self.channel and self.update is not None and self.update.version == version:
-            self._channel_push(version, self._digest(version, digest), self.update)   # a group: all take part
+            self._channel_push(version, digest, self.update)   # a group: all take part
             return
         if index in self.local and self.update is not None and self.update.version == version:
             try:
@@ -320,8 +320,9 @@ class ServiceSet:
         log.info("collective weight channel %s on %s:%d with %d services",
                  "formed" if self.channel_groups == 1 else "re-formed", host, sender.port, n)
 
-    def _channel_push(self, version: int, digest: str, update) -> None:
-        """`version` to every service over the channel (formed first if it is not). A member lost on the way
+    def _channel_push(self, version: int, digest: str | None, update) -> None:
+        """`version` to every service over the channel (formed first if it is not); `digest` None: the update's,
+        read after the broadcast (the sender hashes while it sends). A member lost on the way
         (unreachable, restarted, or the broadcast failed) closes the group: it is re-formed once, its services
         waited for until `retry_s` after this push began, and the push retried over it; lost again: LearnerError."""
         deadline = time.monotonic() + self.retry_s
@@ -338,11 +339,12 @@ class ServiceSet:
                            f"{version} over a re-formed group; stopping (weight_transport files or auto take a "
                            "service that comes and goes)")
 
-    def _channel_step(self, version: int, digest: str, update) -> tuple[int | None, Exception, bool] | None:
+    def _channel_step(self, version: int, digest: str | None, update) -> tuple[int | None, Exception, bool] | None:
         """One push over the formed group: each service checks the announced tensors and gets ready (receive), the
         learner broadcasts, each applies and answers with the digest it recomputed (commit), then the delivery
-        probe. None when done; (index of the lost member or None, the error, whether it restarted) when a member
-        was lost. LearnerError when a service refuses the weights (not a lost member: another policy's)."""
+        probe. `digest` None: the update's, read once the broadcast is done (its hash runs meanwhile) and given
+        with the commit. None when done; (index of the lost member or None, the error, whether it restarted) when
+        a member was lost. LearnerError when a service refuses the weights (not a lost member: another policy's)."""
         from sao_core.rollout.channel import update_spec
 
         spec = update_spec(update)
@@ -363,9 +365,10 @@ class ServiceSet:
             self.sender.broadcast(update)
         except RuntimeError as err:
             return None, err, False
+        announced, digest = digest, self._digest(version, digest)
         for index, client in enumerate(self.clients):
             try:
-                answer = client.commit_weights(version)
+                answer = client.commit_weights(version, None if announced is not None else digest)
             except RolloutUnavailable as err:
                 return index, err, False
             except RolloutRequestError as err:
@@ -497,7 +500,7 @@ class ServiceSet:
         self.delivery = {}
         self.delivery_seconds = 0.0
         if self.channel and update is not None:
-            self._channel_push(version, self._digest(version, digest), update)
+            self._channel_push(version, digest, update)
             return
         def push_one(index: int) -> None:
             held = self.holds.get(index)

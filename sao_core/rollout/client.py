@@ -110,19 +110,23 @@ class RolloutClient:
                           json={"host": host, "port": port, "rank": rank, "world_size": world_size,
                                 "timeout_s": timeout_s})
 
-    def receive_weights(self, version: int, digest: str, tensors: list, resync: bool = False,
+    def receive_weights(self, version: int, digest: str | None, tensors: list, resync: bool = False,
                         bucket_bytes: int | None = None) -> dict:
-        """Announce `version` ([name, shape, dtype] per tensor, the sender's digest): {"ready": true} once the
-        service checked it and waits for the broadcast; RolloutRequestError (nothing to broadcast) otherwise."""
-        body = {"version": version, "digest": digest, "resync": resync, "tensors": tensors}
+        """Announce `version` ([name, shape, dtype] per tensor, the sender's digest, or None: given with the
+        commit): {"ready": true} once the service checked it and waits for the broadcast; RolloutRequestError
+        (nothing to broadcast) otherwise."""
+        body = {"version": version, "resync": resync, "tensors": tensors}
+        if digest is not None:
+            body["digest"] = digest
         if bucket_bytes is not None:
             body["bucket_bytes"] = bucket_bytes
         return self._call("POST", "/v1/weights/receive", json=body)
 
-    def commit_weights(self, version: int) -> dict:
-        """Apply the `version` received over the channel; answers like `push_weights` (the digest the engine
-        recomputed)."""
-        return self._call("POST", "/v1/weights/commit", timeout_s=600.0, json={"version": version})
+    def commit_weights(self, version: int, digest: str | None = None) -> dict:
+        """Apply the `version` received over the channel (`digest`: the sender's, where the receive did not
+        announce it); answers like `push_weights` (the digest the engine recomputed)."""
+        body = {"version": version} if digest is None else {"version": version, "digest": digest}
+        return self._call("POST", "/v1/weights/commit", timeout_s=600.0, json=body)
 
     def score(self, token_ids: list[int], start: int, deadline_s: float = 120.0) -> dict:
         """{"logprobs": of token_ids[start:] under the service's weights in use, "version", "sha256"}. A service

@@ -7,8 +7,8 @@
     POST /v1/weights             load new weights {version, uri, sha256} (a full model or a LoRA adapter)
     GET  /v1/weights/spec        the engine's weights: [[name, shape, dtype], ...] (the weight channel's layout)
     POST /v1/weights/channel     join a learner's weight channel {host, port, rank, world_size} (rollout/channel.py)
-    POST /v1/weights/receive     get ready for weights over the channel {version, digest, resync, tensors}
-    POST /v1/weights/commit      apply what the channel delivered {version}; answers like POST /v1/weights
+    POST /v1/weights/receive     get ready for weights over the channel {version, digest?, resync, tensors}
+    POST /v1/weights/commit      apply what the channel delivered {version, digest?}; answers like POST /v1/weights
     POST /v1/score               log-probs of given tokens under the weights in use {token_ids, start}
     POST /v1/pause | /v1/resume  pause or resume generation
     POST /v1/shutdown            graceful shutdown
@@ -126,7 +126,8 @@ WireTensor = tuple[Annotated[str, Field(min_length=1, max_length=1000)],
 
 class ReceiveRequest(_Strict):
     version: int = Field(ge=0)
-    digest: str = Field(pattern=r"^xxh3-128:[0-9a-f]{32}$", description="the sender's digest of the tensors")
+    digest: str | None = Field(None, pattern=r"^xxh3-128:[0-9a-f]{32}$",
+                               description="the sender's digest of the tensors (absent: it comes with the commit)")
     resync: bool = False
     tensors: list[WireTensor] = Field(min_length=1, max_length=100_000,
                                       description="[name, shape, dtype] of each tensor, in send order")
@@ -135,6 +136,9 @@ class ReceiveRequest(_Strict):
 
 class CommitRequest(_Strict):
     version: int = Field(ge=0)
+    digest: str | None = Field(None, pattern=r"^xxh3-128:[0-9a-f]{32}$",
+                               description="the sender's digest of the tensors, where the receive did not announce it "
+                                           "(the sender hashed while it broadcast)")
 
 
 class ShutdownRequest(_Strict):
@@ -453,16 +457,33 @@ def _weights_router(manager: RolloutManager, guarded: list) -> APIRouter:
     async def weights_commit(body: CommitRequest) -> dict:
         """Wait for the receive of `version` and apply it (the manager's version rules and lock, the engine's
         digest check); answers like POST /v1/weights with the digest the engine recomputed."""
-        try:
-            resync, thread, outcome = channel.take(body.version)
-        except LookupError as err:
-            raise ConflictError(str(err)) from err
-        await asyncio.to_thread(thread.join)
-        if "error" in outcome:
-            raise RolloutError(f"{outcome['error']}; the current weights (version {manager.engine.version}) stay")
-        return await manager.update_in_memory(outcome["update"], resync)
+        return await _commit_received(manager, channel, body.version, body.digest)
 
     return router
+
+
+async def _commit_received(manager: RolloutManager, channel, version: int, digest: str | None) -> dict:
+    """The commit of `version` over the weight channel (`ServiceChannel`): wait for its receive, then apply it with
+    the sender's digest (the manager's version rules and lock, the engine's digest check). Its buffers go back to
+    the channel once the engine is done with them (applied or refused; not on a cancel, where the engine may
+    still be copying: the next receive then takes new ones)."""
+    try:
+        resync, thread, outcome = channel.take(version)
+    except LookupError as err:
+        raise ConflictError(str(err)) from err
+    await asyncio.to_thread(thread.join)
+    try:
+        update = channel.received(version, outcome, digest)
+    except ValueError as err:   # not received, or no digest
+        channel.release(outcome)
+        raise RolloutError(f"{err}; the current weights (version {manager.engine.version}) stay") from err
+    try:
+        answer = await manager.update_in_memory(update, resync)
+    except Exception:
+        channel.release(outcome)
+        raise
+    channel.release(outcome)
+    return answer
 
 
 def _control_router(manager: RolloutManager, guarded: list, on_shutdown) -> APIRouter:

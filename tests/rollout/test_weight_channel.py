@@ -223,6 +223,101 @@ def test_a_join_replaces_a_group_whose_receive_still_waits():
     channel.leave()
 
 
+def _joined(channel: channel_mod.ServiceChannel, bucket_bytes: int = channel_mod.BUCKET_BYTES) -> channel_mod.Sender:
+    sender = channel_mod.Sender(2, timeout_s=30, bucket_bytes=bucket_bytes)
+    joiner = threading.Thread(target=channel.join, args=("127.0.0.1", sender.port, 1, 2, 30.0))
+    joiner.start()
+    sender.form()
+    joiner.join()
+    return sender
+
+
+def test_buckets_in_flight_arrive_intact_in_the_wire_dtype_and_reuse_their_buffers():
+    """Several buckets in flight at once (small tensors packed together, big ones alone, one not contiguous), each
+    converted to its wire dtype on the way; a second update reuses the sender's staging and the receiver's buffers
+    (no fresh memory), and a receive whose commit has not released its buffers gets new ones."""
+    bucket_bytes = 64 << 10   # alone from 1 KB
+    channel = channel_mod.ServiceChannel()
+    sender = _joined(channel, bucket_bytes)
+    generator = torch.Generator().manual_seed(0)
+    tensors = [(f"w{i}", torch.randn(shape, generator=generator))
+               for i, shape in enumerate([(3,), (5, 2), (40, 30), (4,), (7,), (600,)])]
+    tensors.append(("t", torch.randn(30, 40, generator=generator).t()))
+    dtypes = [torch.bfloat16] * (len(tensors) - 1) + [torch.float32]
+    spec = [(name, tuple(t.shape), d) for (name, t), d in zip(tensors, dtypes, strict=True)]
+    layout = channel_mod.buckets(spec, bucket_bytes)
+    assert len(layout) >= channel_mod.IN_FLIGHT + 2 and any(len(b) > 1 for b in layout)
+    digest = "xxh3-128:" + "0" * 32
+
+    def transfer(version: int, bucket_bytes: int) -> dict:
+        sender.bucket_bytes = bucket_bytes
+        channel.start(version, True, spec, digest, bucket_bytes)
+        sender.broadcast(WeightUpdate(version, tensors, dtypes, digest=digest))
+        _, thread, outcome = channel.take(version)
+        thread.join()
+        got = outcome["update"].tensors
+        assert [name for name, _ in got] == [name for name, _ in tensors]
+        for (_, received), (_, sent), dtype in zip(got, tensors, dtypes, strict=True):
+            assert received.dtype == dtype and torch.equal(received, sent.to(dtype))
+        return outcome
+
+    def pointers(buffers: dict) -> dict:
+        return {dtype: buffer.data_ptr() for dtype, buffer in buffers.items()}
+
+    try:
+        first = transfer(1, bucket_bytes)
+        staged = [pointers(slot) for slot in sender.staging]
+        channel.release(first)
+        second = transfer(2, bucket_bytes)
+        assert pointers(second["buffers"]) == pointers(first["buffers"])
+        assert [pointers(slot) for slot in sender.staging] == staged
+        channel.release(second)
+        third = transfer(3, 1)   # another layout (one tensor per bucket): the same buffers
+        assert pointers(third["buffers"]) == pointers(first["buffers"])
+        fourth = transfer(4, bucket_bytes)   # the third's commit has not released its buffers: new ones
+        assert not set(pointers(fourth["buffers"]).values()) & set(pointers(first["buffers"]).values())
+        channel.release({**third, "error": channel_mod.ChannelError("lost")})   # a failed receive's: not reused
+        assert channel.spare is None
+        channel.release(fourth)
+        assert channel.spare is fourth["buffers"]
+    finally:
+        sender.close()
+        channel.leave()
+
+
+def test_the_digest_may_come_with_the_commit(service, learner_model):
+    """A learner may announce an update without its digest and give it with the commit (it hashes while it
+    broadcasts); a commit with no digest at all, or one that contradicts the announced one, is refused and the
+    weights stay."""
+    services = _services(service)
+    client = service.client()
+    try:
+        update = _next_update(service, services, learner_model, seed=8)
+        services._form_channel()
+        spec = channel_mod.update_spec(update)
+        current = client.status()["version"]
+        client.receive_weights(update.version, None, spec)
+        services.sender.broadcast(update)
+        with pytest.raises(RolloutRequestError, match=rf"-> 400: .*version {update.version} has no digest: the "
+                                                      rf"sender gave it neither .*\(version {current}\) stay"):
+            client.commit_weights(update.version)
+        client.receive_weights(update.version, update.digest, spec)
+        services.sender.broadcast(update)
+        with pytest.raises(RolloutRequestError, match=rf"-> 400: .*names digest xxh3-128:0+, the receive announced "
+                                                      rf"{update.digest}"):
+            client.commit_weights(update.version, "xxh3-128:" + "0" * 32)
+        with pytest.raises(RolloutRequestError, match="-> 422"):
+            client.commit_weights(update.version, "sha256:0")
+        assert client.status()["version"] == current
+        client.receive_weights(update.version, None, spec)
+        services.sender.broadcast(update)
+        answer = client.commit_weights(update.version, update.digest)
+        assert answer["version"] == update.version and answer["sha256"] == update.digest
+        assert client.status()["weights_sha256"] == update.digest
+    finally:
+        services.close_channel()
+
+
 def test_the_channel_endpoints_need_the_token(service):
     anonymous = service.client(token=None)
     for call in (lambda: anonymous.weight_spec(), lambda: anonymous.join_channel("127.0.0.1", 1, 1, 2),
