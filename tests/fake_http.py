@@ -31,6 +31,9 @@ class Request:
         return json.loads(self.body or b"{}")
 
 
+#: how often the serving thread checks whether stop() was called (seconds)
+SHUTDOWN_POLL_S = 0.05
+
 #: what an answer function returns: (status, payload) or (status, payload, content type); a dict or list payload
 #: is sent as JSON, str and bytes as they are; None instead of a tuple drops the connection unanswered
 Answer = tuple | None
@@ -72,7 +75,10 @@ class FakeServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # stop() waits for the serving loop to look at its shutdown flag, which it does once per poll: the default
+        # 0.5 s poll made every test that stops a server wait up to half a second in its teardown
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_S},
+                                       daemon=True)
         self.thread.start()
 
     def stop(self) -> None:

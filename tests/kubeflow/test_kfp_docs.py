@@ -20,6 +20,7 @@ from sao_core.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "http://localhost:8080"
+ALL_PACKAGES = ["post_training.yaml", "sao_rl.yaml", "evaluation.yaml"]
 
 
 def _blocks(text: str, language: str) -> list[str]:
@@ -87,12 +88,18 @@ def test_python_examples_run_as_written(blocks, tmp_path, monkeypatch):
 @pytest.mark.parametrize("lines", _example_sets(_cli_lines))
 def test_command_line_examples_run_as_written(lines, tmp_path, monkeypatch, capsys):
     assert {shlex.split(line)[2] for line in lines} >= {"compile", "upload", "run", "schedule", "schedules"}
+    assert any(shlex.split(line)[2] == "compile" and "--pipeline" not in line for line in lines)
     server = FakeKFP()
     monkeypatch.chdir(tmp_path)
     try:
         for line in lines:
             code = main(shlex.split(line.replace(HOST, server.url))[1:])
             assert code == 0, (line, capsys.readouterr().err)
+            if shlex.split(line)[2] == "compile" and "--pipeline" not in line:
+                # without --pipeline it compiles all three and prints their paths, one a line (test_kfp_cli's
+                # test_compile_with_cluster_settings compiles one pipeline only)
+                printed = capsys.readouterr().out.split()
+                assert [Path(p).name for p in printed] == ALL_PACKAGES and all(Path(p).is_file() for p in printed)
         assert not server.violations, server.violations
     finally:
         server.close()
