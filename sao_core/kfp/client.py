@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sao_core.kfp.cron import CronError, validate_cron
+from sao_core.kfp.sdk_speed import libyaml
 from sao_core.kfp.spec import SpecError, root_parameters
 
 HEALTHZ = "/apis/v2beta1/healthz"
@@ -88,9 +89,10 @@ def connect(host: str, namespace: str | None = None, token: str | None = None, t
 
 def _call(what: str, fn, *args, **kwargs):
     """Run one SDK call; any failure becomes a one-line KFPError naming the request. The SDK prints
-    "Run details: URL" lines; they go to stderr so a command's stdout stays machine-readable."""
+    "Run details: URL" lines; they go to stderr so a command's stdout stays machine-readable. The SDK re-reads a
+    package it uploads or runs with PyYAML's pure-Python loader (~1 s for post_training): libyaml's instead."""
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), libyaml():
             return fn(*args, **kwargs)
     except KFPError:
         raise
@@ -126,7 +128,7 @@ def parameters_from_spec(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if not isinstance(inner, dict) or "root" not in inner:
         raise KFPError("the server returned no pipeline spec for this version; pass the compiled package instead")
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
-        yaml.safe_dump(inner, handle)
+        yaml.dump(inner, handle, Dumper=getattr(yaml, "CSafeDumper", yaml.SafeDumper))   # libyaml: ~10x faster
     try:
         return parameters_of(handle.name)
     finally:
@@ -198,7 +200,8 @@ def package_description(package_path: str | Path) -> str | None:
     import yaml
 
     try:
-        first = next(iter(yaml.safe_load_all(Path(package_path).read_text())), None) or {}
+        with libyaml():
+            first = next(iter(yaml.safe_load_all(Path(package_path).read_text())), None) or {}
     except (OSError, yaml.YAMLError):
         return None
     return (first.get("pipelineInfo") or {}).get("description") or None
