@@ -257,7 +257,7 @@ def test_a_drip_fed_reply_ends_at_the_whole_request_deadline(api, part):
         server.close()
     assert ruling.correct is None and "did not answer within 2 s" in ruling.error, ruling
     assert ruling.attempts == 1
-    assert elapsed < 4.5, elapsed
+    assert elapsed < 10, elapsed     # the old per-read timeout: 30 s; bound loose for a loaded machine
 
 
 def _huge(declared: bool, api: str, sent: list[int], total: int = 100 << 20):
@@ -382,21 +382,43 @@ def test_the_cli_judge_agreement_survives_a_malformed_judge(tmp_path, capsys):
 ])
 def test_the_parser_is_linear(name, reply):
     """The old parser scanned to the end from every ``\\boxed{`` (8,000 unclosed: 30 s); each of these parses
-    in well under 0.5 s (it takes about a millisecond)."""
+    in about a millisecond idle. The bound, 5 s, is far below the quadratic parser's time and far above a linear
+    one's on a loaded machine (1 MiB of boxes took 0.84 s under three test workers on 2 cores)."""
     started = time.monotonic()
     verdict = parse_judge_reply(reply)
-    assert time.monotonic() - started < 0.5, name
+    assert time.monotonic() - started < 5, name
     assert verdict is {"8,000 unclosed boxes, then a verdict": True, "1 MiB of lines, a verdict last": False}.get(name)
 
 
 @pytest.mark.timeout(120)
-def test_extract_boxed_is_linear_and_unchanged():
-    """`extract_boxed` (also the training reward's) pairs braces in one pass: 8,000 and 150,000 unclosed
-    boxes in well under 0.5 s; on 50,000 random texts it answers what the old scan from every box answered."""
+class _CountedPattern:
+    """A compiled pattern that counts its `finditer` calls and the matches they yield."""
+
+    def __init__(self, pattern: re.Pattern):
+        self.pattern, self.calls, self.matches = pattern, 0, 0
+
+    def finditer(self, text: str):
+        self.calls += 1
+        for match in self.pattern.finditer(text):
+            self.matches += 1
+            yield match
+
+
+def test_extract_boxed_is_linear_and_unchanged(monkeypatch):
+    """`extract_boxed` (also the training reward's) pairs braces in one pass: on 8,000 and 150,000 unclosed boxes
+    it scans the text once for boxes and once for braces (counted, not timed: the former scan from every box was
+    quadratic, 30 s at 8,000, and would also run into pytest's timeout at 150,000); on 50,000 random texts it
+    answers what the old scan from every box answered."""
+    from sao_core.envs import grading
+
     for text in ("\\boxed{" * 8000, "\\boxed{" * 150_000, "\\boxed{" * 8000 + "}"):
-        started = time.monotonic()
+        boxes, braces = _CountedPattern(grading._BOXED), _CountedPattern(grading._BRACE)
+        monkeypatch.setattr(grading, "_BOXED", boxes)
+        monkeypatch.setattr(grading, "_BRACE", braces)
         extract_boxed(text)
-        assert time.monotonic() - started < 0.5
+        assert boxes.calls == braces.calls == 1
+        assert boxes.matches <= text.count("{") and braces.matches <= text.count("{") + text.count("}")
+    monkeypatch.undo()
     assert extract_boxed("\\boxed{" * 8000 + "}") == ""
 
     def scan_from_every_box(text):              # the former extract_boxed, as it was
