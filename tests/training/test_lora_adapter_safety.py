@@ -138,7 +138,9 @@ def test_the_hf_engine_refuses_a_hostile_adapter_and_serves_what_it_served(case,
     message, took, served = asyncio.run(go())
     _, _, file, what = HOSTILE[case]
     assert re.match(re.escape(f"{hostile[case]}/{file}: ") + ".*" + what, message), message
-    assert took < 1.0, f"refusing took {took:.2f} s"
+    # Refused before peft builds anything: r 200000 or the backtracking regex would take minutes (or the memory);
+    # a refusal takes milliseconds idle, the bound is loose for a loaded machine.
+    assert took < 5.0, f"refusing took {took:.2f} s"
     assert max(abs(a - b) for a, b in zip(served, good[f"{following}_logprobs"], strict=True)) < 1e-4
 
 
