@@ -156,15 +156,18 @@ def golden_compiled(tmp_path_factory) -> dict[str, Path]:
     return {p.stem: p for p in compile_pipelines(list(pipelines.PIPELINES), out, GOLDEN_SETTINGS)}
 
 
-#: Test files by how long they take (longest first; measured with --durations=0 on 2 cores, 2026-12-05). `make test`
-#: hands whole files to its workers (--dist loadfile --no-loadscope-reorder) in collection order, so the long ones
-#: start first and the short ones fill in at the end, instead of one long file starting last and running alone.
+#: Test files by how long they take (longest first; measured with --durations=0 on 2 cores, 2026-12-05, after the
+#: session that made the kill campaigns, torchrun and vLLM tests lighter). `make test` hands whole files to its
+#: workers (--dist loadfile --no-loadscope-reorder) in collection order, so the long ones start first and the short
+#: ones fill in at the end, instead of one long file starting last and running alone.
 LONGEST_FIRST = (
-    "test_stream_accounting.py", "test_pipelines_local.py", "test_learner.py", "test_engine_vllm.py",
-    "test_kfp_client.py", "test_learner_distributed.py", "test_kfp_spec.py", "test_eval_run.py", "test_bench.py",
-    "test_cli.py", "test_lora.py", "test_trainer.py", "test_kfp_docs.py", "test_gpu_check.py",
-    "test_rollout_schema_fuzz.py", "test_value_model.py", "test_lora_merge.py", "test_rollout_service.py",
-    "test_models.py", "test_delivery_probe.py", "test_memory_bound.py", "test_real_model.py",
+    "test_learner.py", "test_pipelines_local.py", "test_stream_accounting.py", "test_trainer.py",
+    "test_vllm_in_memory.py", "test_engine_vllm.py", "test_bench.py", "test_weight_channel.py",
+    "test_learner_distributed.py", "test_lora_merge.py", "test_kfp_docs.py", "test_live_metrics.py",
+    "test_eval_swe.py", "test_rollout_schema_fuzz.py", "test_storage.py", "test_rollout_service.py",
+    "test_swe_eval_script.py", "test_env_swe.py", "test_gpu_check.py", "test_cli.py", "test_sandbox_local.py",
+    "test_cluster_launcher.py", "test_training_report.py", "test_kfp_spec.py", "test_models.py",
+    "test_value_model.py", "test_delivery_probe.py", "test_memory_bound.py", "test_real_model.py",
 )
 
 
