@@ -1,7 +1,7 @@
 """Evaluation during training (sao_core/learner/evaluation.py): held-out greedy and sampled rewards at the
 current weights, asked of the colocated rollout service while its training stream goes on, on the embedded
 model after a short SFT on single-call tool_arith (episodes of two turns: the calculator call, then the answer;
-measured greedy reward about 0.4, so the rewards compared are not all 0)."""
+rewards not all 0)."""
 
 from __future__ import annotations
 
@@ -34,17 +34,20 @@ def datasets(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def calling_model(tmp_path_factory, sao_cache):
-    """150 SFT steps on single-call conversations: it calls the calculator, greedy solves about 0.4 (~20 s)."""
+    """SFT on single-call conversations stopped early: it calls the calculator, then answers (sampled reward
+    about 0.25). The very recipe of test_learner.py's rl_warm_model, so that under `make test` (a shared
+    $SAO_TEST_SHARED_DIR, model_fixtures.sft_model) one process trains it for both files; this file trained a
+    recipe of its own before (150 steps on other rows, ~10 s)."""
     from model_fixtures import sft_model
 
     from sao_core.data.synthetic import tool_arith_sft_rows
 
-    return sft_model(tmp_path_factory.mktemp("calling"), tool_arith_sft_rows(400, seed=21), sao_cache, steps=150,
+    return sft_model(tmp_path_factory.mktemp("calling"), tool_arith_sft_rows(600, seed=5), sao_cache, steps=240,
                      max_tokens=128)
 
 
 def _config(train, held_out, output, model, cache, **kw) -> RLConfig:
-    base = dict(data=train, output=str(output), model=model, method="sao", steps=4, batch_size=8, policy_lr=3e-4,
+    base = dict(data=train, output=str(output), model=model, method="sao", steps=3, batch_size=8, policy_lr=3e-4,
                 critic_lr=3e-4, critic_warmup_steps=1, max_new_tokens_per_turn=24, max_total_tokens=256,
                 eval_every=2, eval_data=held_out, eval_samples=2, cache_dir=str(cache))
     return RLConfig(**{**base, **kw})
@@ -61,9 +64,10 @@ def test_evaluation_during_training_logs_held_out_rewards_of_the_current_weights
     summary = train_rl(config)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r for r in rows if "eval_sampled_reward" in r]
-    # At step 0 (a line of its own, before any update), every eval_every steps and at the last step.
-    assert [r["step"] for r in evaluated] == [0, 2, 4]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    # At step 0 (a line of its own, before any update), every eval_every steps and at the last step (3 steps,
+    # so the last is not one of the every-2 ones: both rules show; 4 steps before, where they coincided).
+    assert [r["step"] for r in evaluated] == [0, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in evaluated:
         assert 0.0 <= r["eval_greedy_reward"] <= 1.0 and 0.0 <= r["eval_sampled_reward"] <= 1.0
         assert r["eval_prompts"] == EVAL_PROMPTS and r["eval_greedy_n"] == EVAL_PROMPTS
@@ -72,14 +76,14 @@ def test_evaluation_during_training_logs_held_out_rewards_of_the_current_weights
     # The summary carries the first and last values (KFP Metrics) and the history.
     assert summary["eval_sampled_reward_first"] == evaluated[0]["eval_sampled_reward"]
     assert summary["eval_greedy_reward_last"] == evaluated[-1]["eval_greedy_reward"]
-    assert [h["step"] for h in summary["evaluations"]] == [0, 2, 4]
+    assert [h["step"] for h in summary["evaluations"]] == [0, 2, 3]
     # The KFP Markdown artifact: a table of the evaluations.
     page = training_markdown("sao", summary, rows, "reward_mean")
     table = page.split("## held-out evaluation during training")[1].split("##")[0]
     assert table.count("\n| 0 | 0 |") == 1 and f"| {evaluated[-1]['eval_greedy_reward']:.4g} |" in table
 
     # The episodes of the last evaluation: whole multi-turn episodes, all on the final weights version.
-    last = json.loads((tmp_path / "run" / "eval" / "step-000004.json").read_text())
+    last = json.loads((tmp_path / "run" / "eval" / "step-000003.json").read_text())
     assert last["version"] == summary["version"] and len(last["episodes"]) == 3 * EVAL_PROMPTS
     assert all(e["versions"] == [summary["version"]] for e in last["episodes"])
     assert min(e["turns"] for e in last["episodes"]) >= 2      # the tool call answered, the episode went on

@@ -308,10 +308,14 @@ def test_a_colocated_run_pushes_in_memory_and_writes_durable_versions_in_the_bac
     assert all("durable_wait_s" in r for r in lines)
     pushed = [r for r in lines if r.get("weight_push_s")]
     assert len(pushed) == 4 and all(r["delivery_logp_diff_mean"] < 1e-4 for r in pushed)   # fp32 engine: exact
-    # Durable: every 2nd version and the end's (v4 is both), each a verified folder that loads.
+    # Durable: every 2nd version and the end's (v4 is both), each a verified folder that loads; the summary's
+    # model and critic are complete checkpoints (also the claim of test_learner.py's former
+    # test_published_weights_are_verifiable, whose run this one replaced).
     assert storage.list_dirs(str(out / "weights")) == ["v000002", "v000004"]
+    assert storage.latest_checkpoint(str(out / "weights")).endswith("v000004")
     for name in ("v000002", "v000004"):
         storage.verify_checkpoint(out / "weights" / name)
+    assert storage.is_complete_checkpoint(summary["model"]) and storage.is_complete_checkpoint(summary["critic"])
     final = load_model(str(out / "weights" / "v000004"), sao_cache)
     model = load_model(summary["model"], sao_cache)
     for name, tensor in model.state_dict().items():
