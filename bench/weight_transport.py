@@ -11,8 +11,8 @@ in one run, interleaved push by push:
 - files    the file transport (`weight_transport` files; what every push did before): `save_full_model` to a
            staging folder, `publish_checkpoint` (copy + sha256 manifest), the service's digest check, verified
            fetch and `from_pretrained` of a new model, swapped in between two steps
-- copy     the limit in one process: `copy_` of the learner's parameters into a same-shaped model in the
-           engine's dtype (the bytes moved, nothing checked)
+- copy     the limit in one process: `copy_` of the learner's parameters into the engine's own parameters
+           (converted to its dtype; the bytes moved, nothing checked)
 - gloo     the limit between processes: a torch.distributed gloo broadcast of the same tensors (engine dtype)
            from this process to a second one on loopback, into preallocated tensors (after a warm-up round; with
            --external one round after each pair of channel updates, so that both see the same load)
@@ -265,7 +265,6 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
     from sao_core.training.checkpointing import save_full_model
     from sao_core.training.distributed import DistContext
 
-    engine_dtype = getattr(torch, dtype)
     tokenizer_dir = resolve_model(EMBEDDED_TINY, cache).path
     folder = _engine_folder(shape, dtype, scratch / "models", tokenizer_dir)
     store = scratch / "store"
@@ -273,7 +272,9 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
                                        allowed_weight_roots=[str(store)],
                                        engine_options={"dtype": dtype, "unverified": True})).start()
     learner = _model(shape, torch.float32, seed=2)
-    twin = _model(shape, engine_dtype, seed=3)       # the copy limit's target
+    # The copy limit's target: the engine's own parameters (idle between updates here), the memory the update
+    # writes too, so both pay the same caches and pages (and the 1.7B shape holds one model less).
+    twin = server.manager.engine.model
     params = sum(p.numel() for p in learner.parameters())
     samples: dict[str, list[float]] = {"memory": [], "files": [], "copy": [], "durable": []}
     version = 0
@@ -328,6 +329,7 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
             if rep:
                 samples["files"].append(files_s)
         nbytes = update.nbytes
+        del twin
         wire = [t.to(d).contiguous() for (_, t), d in zip(update.tensors, update.dtypes, strict=True)] if gloo else []
         del update
         if gloo and not external:

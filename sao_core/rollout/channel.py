@@ -171,10 +171,12 @@ class Sender:
 
     def broadcast(self, update: WeightUpdate) -> float:
         """Send every tensor of `update` in its wire dtype, bucket by bucket, the next bucket packed while the one
-        before is on its way; returns the seconds it took."""
+        before is on its way, while the update's digest is hashed on another thread (unless it is known);
+        returns the seconds it took."""
         if self.group is None:
             raise ChannelError("the weight channel is not formed")
         began = time.monotonic()
+        update.hash_in_background()
         spec = [(name, tuple(t.shape), d) for (name, t), d in zip(update.tensors, update.dtypes, strict=True)]
         flight = _InFlight(self.group)
         for index, bucket in enumerate(buckets(spec, self.bucket_bytes)):

@@ -90,6 +90,21 @@ def test_a_tied_weight_is_sent_once(sao_cache):
     target = LlamaForCausalLM(config)
     apply_update(target, update)
     assert torch.equal(target.lm_head.weight, dict(update.tensors)["model.embed_tokens.weight"])
+    # A gathered learner state unties it (two tensors): sent under both names, equal values land once; values
+    # that differ are refused before anything changes (one of them would be lost unseen).
+    state = _moved(model, seed=2)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    both = WeightUpdate.build(2, state, {n: t.dtype for n, t in model.state_dict().items()})
+    assert "lm_head.weight" in [n for n, _ in both.tensors]
+    assert apply_update(target, both) == both.digest == tensors_digest(both.tensors)
+    assert torch.equal(target.lm_head.weight, state["model.embed_tokens.weight"])
+    state = _moved(model, seed=3)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] + 1.0
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(WeightUpdateError, match="sends model.embed_tokens.weight and lm_head.weight, which are one "
+                                                "weight in this model \\(tied\\), with different values"):
+        apply_update(target, WeightUpdate.build(3, state, {n: t.dtype for n, t in model.state_dict().items()}))
+    assert all(torch.equal(t, before[k]) for k, t in target.state_dict().items())
 
 
 def test_faults_in_an_update_are_refused_before_anything_changes(tiny_model_dir, sao_cache):
@@ -121,12 +136,15 @@ def test_a_tensor_changed_in_transit_is_caught_by_the_receiver(tiny_model_dir, s
         apply_update(engine, update)
 
 
-def _digest_by_definition(named, dtypes, hasher) -> str:
-    """The digest as its definition says, without chunks: each tensor's header, then all its bytes in its wire
-    dtype."""
+def _digest_by_definition(named, dtypes, hasher, chunk_digest) -> str:
+    """The digest as its definition says, on one thread: each tensor's header, then the digest of each chunk of
+    `CHUNK` elements of its bytes in its wire dtype."""
+    step = weights_mod.CHUNK
     for (name, tensor), dtype in zip(named, dtypes, strict=True):
         hasher.update(f"{name}\0{str(dtype).removeprefix('torch.')}\0{tuple(tensor.shape)}\0".encode())
-        hasher.update(tensor.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        flat = tensor.to(dtype).contiguous().reshape(-1)
+        for begin in range(0, flat.numel(), step):
+            hasher.update(chunk_digest(flat[begin:begin + step].view(torch.uint8).numpy().tobytes()))
     return hasher.hexdigest()
 
 
@@ -148,17 +166,30 @@ def _many_tensors_state(seed: int) -> dict[str, torch.Tensor]:
             for name, t in _ManyTensors(torch.float32).state_dict().items()}
 
 
-@pytest.mark.parametrize("chunk", [5, 1 << 20])
-def test_the_digest_is_the_same_whatever_the_chunk_size(monkeypatch, chunk):
+@pytest.mark.parametrize("chunk", [5, 1 << 19])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_the_digest_follows_its_definition_whatever_the_threads(monkeypatch, chunk, workers):
     import xxhash
 
     monkeypatch.setattr(weights_mod, "CHUNK", chunk)
+    monkeypatch.setattr(weights_mod, "_workers", lambda: workers)
     named = [(f"t{i}", torch.randn(n)) for i, n in enumerate((1, 4, 5, 6, 11, 23, 52))] + [("m", torch.randn(3, 7))]
     dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.bfloat16,
               torch.float16, torch.bfloat16]   # conversions to two dtypes interleaved: each has its own buffer
-    expected = "xxh3-128:" + _digest_by_definition(named, dtypes, xxhash.xxh3_128())
+    expected = "xxh3-128:" + _digest_by_definition(named, dtypes, xxhash.xxh3_128(), xxhash.xxh3_128_digest)
     assert tensors_digest(named, dtypes) == expected
     assert WeightUpdate(1, named, dtypes).digest == expected
+    background = WeightUpdate(1, named, dtypes)
+    background.hash_in_background()
+    assert background.digest == expected
+    # Nothing hashed it: the copy into the engine computes the sender's digest too, the same value.
+    engine = torch.nn.Module()
+    for (name, tensor), dtype in zip(named, dtypes, strict=True):
+        engine.register_parameter(name, torch.nn.Parameter(torch.zeros(tensor.shape, dtype=dtype)))
+    update = WeightUpdate(1, named, dtypes)
+    assert apply_update(engine, update) == expected and update.digest == expected
+    for (name, tensor), dtype in zip(named, dtypes, strict=True):
+        assert torch.equal(getattr(engine, name), tensor.to(dtype)), name
 
 
 @pytest.mark.parametrize("chunk", [5, 1 << 20])
@@ -189,7 +220,8 @@ def test_the_blake2b_fallback_where_xxhash_is_missing(monkeypatch):
     engine = _ManyTensors(torch.bfloat16)
     dtypes = {n: t.dtype for n, t in engine.state_dict().items()}
     update = WeightUpdate.build(1, _many_tensors_state(seed=3), dtypes)
-    expected = "blake2b-128:" + _digest_by_definition(update.tensors, update.dtypes, hashlib.blake2b(digest_size=16))
+    expected = "blake2b-128:" + _digest_by_definition(update.tensors, update.dtypes, hashlib.blake2b(digest_size=16),
+                                                      lambda data: hashlib.blake2b(data, digest_size=16).digest())
     assert update.digest == expected
     assert apply_update(engine, update) == expected
 
@@ -210,10 +242,14 @@ class _FailingHasher:
 
 
 def test_an_error_of_either_hash_reaches_the_caller(monkeypatch):
+    import xxhash
+
     engine = _ManyTensors(torch.float32)
     dtypes = {n: t.dtype for n, t in engine.state_dict().items()}
-    monkeypatch.setattr(weights_mod, "_hasher", lambda: (_FailingHasher(fail_at=7), "xxh3-128"))
-    update = WeightUpdate.build(1, _many_tensors_state(seed=4), dtypes)   # the sender's hash, on its thread
+    monkeypatch.setattr(weights_mod, "_hashers",
+                        lambda: (_FailingHasher(fail_at=7), xxhash.xxh3_128_digest, "xxh3-128"))
+    update = WeightUpdate.build(1, _many_tensors_state(seed=4), dtypes)
+    update.hash_in_background()   # the sender's hash, on its thread
     with pytest.raises(WeightUpdateError, match="v1: the sender's digest failed: hasher failed"):
         _ = update.digest
     # once the copy has begun, any failure leaves a mixture: WeightsCorrupted, which makes an engine refuse to serve
@@ -225,6 +261,46 @@ def test_an_error_of_either_hash_reaches_the_caller(monkeypatch):
     with pytest.raises(WeightsCorrupted, match=r"v1 failed part-way \(WeightUpdateError: weight update v1: the "
                                               r"sender's digest failed: hasher failed\); the model holds a mixture"):
         apply_update(_ManyTensors(torch.float32), update)
+    # A chunk's hash fails on one of the threads while the copy hashes for the sender: the copy stops, and a
+    # reader of the sender's digest learns why there is none.
+    calls = []
+
+    def failing_chunk(data) -> bytes:
+        calls.append(1)
+        if len(calls) >= 40:
+            raise RuntimeError("chunk hash failed")
+        return xxhash.xxh3_128_digest(data)
+
+    monkeypatch.setattr(weights_mod, "_hashers", lambda: (xxhash.xxh3_128(), failing_chunk, "xxh3-128"))
+    monkeypatch.setattr(weights_mod, "_workers", lambda: 2)
+    fresh = WeightUpdate.build(2, _many_tensors_state(seed=4), dtypes)
+    with pytest.raises(WeightsCorrupted, match=r"v2 failed part-way \(RuntimeError: chunk hash failed\)"):
+        apply_update(engine, fresh)
+    with pytest.raises(WeightUpdateError, match="v2: the sender's digest failed: chunk hash failed"):
+        _ = fresh.digest
+
+
+def test_a_copy_gone_wrong_is_caught_when_the_copy_hashes_for_the_sender(monkeypatch):
+    """Nothing hashed the update before the copy: each chunk is hashed as the sender holds it, copied, and hashed
+    again as the engine holds it; a byte changed by the copy itself is caught."""
+    engine = _ManyTensors(torch.bfloat16)
+    dtypes = {n: t.dtype for n, t in engine.state_dict().items()}
+    update = WeightUpdate.build(1, _many_tensors_state(seed=5), dtypes)
+    big = engine.big.data.untyped_storage().data_ptr()
+    copy_ = torch.Tensor.copy_
+
+    def faulty(self, source, non_blocking=False):
+        out = copy_(self, source, non_blocking)
+        if self.untyped_storage().data_ptr() == big:
+            self.view(-1)[-1] += 1   # the engine's tensor is not what was sent
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "copy_", faulty)
+    with pytest.raises(WeightsCorrupted, match="v1 did not arrive intact"):
+        apply_update(engine, update)
+    monkeypatch.undo()
+    assert update.digest == tensors_digest(update.tensors, update.dtypes)   # what the sender held
+    assert apply_update(engine, WeightUpdate.build(1, _many_tensors_state(seed=5), dtypes)) == update.digest
 
 
 def _engine_call(engine, coroutine):

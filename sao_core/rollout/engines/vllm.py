@@ -653,6 +653,7 @@ class VLLMEngine:
         async with self._staging_lock:   # one update at a time in the shared file, staged while the engine serves
             try:
                 self._check_full_update(update)
+                update.hash_in_background()   # the sender's hash runs while the tensors are staged
                 info = await asyncio.to_thread(self._stage, update)
                 info["digest"] = await asyncio.to_thread(lambda: update.digest)   # waits for the sender's hash
             except (WeightUpdateError, OSError) as err:   # OSError: no shared memory for the staging copy
