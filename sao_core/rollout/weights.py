@@ -107,14 +107,46 @@ class _Chunks:
     def digest(self, named: Iterable[tuple[str, Sequence[int]]], dtypes: Sequence[torch.dtype],
                chunk_digests: Sequence[bytes]) -> str:
         """The update's digest from its per-chunk digests (`chunk_digests[i]` of chunk i)."""
-        hasher, _, scheme = _hashers()
-        chunk = 0
-        for index, ((name, shape), dtype) in enumerate(zip(named, dtypes, strict=True)):
-            hasher.update(_header(name, dtype, shape))
-            while chunk < len(self.owner) and self.owner[chunk] == index:
-                hasher.update(chunk_digests[chunk])
-                chunk += 1
-        return f"{scheme}:{hasher.hexdigest()}"
+        per_tensor: list[list[bytes]] = []
+        for index, digest in zip(self.owner, chunk_digests, strict=True):
+            while len(per_tensor) <= index:
+                per_tensor.append([])
+            per_tensor[index].append(digest)
+        headers = [(name, shape, dtype) for (name, shape), dtype in zip(named, dtypes, strict=True)]
+        per_tensor += [[] for _ in range(len(headers) - len(per_tensor))]   # empty tensors at the end
+        return assemble_digest(headers, per_tensor)
+
+
+def assemble_digest(headers: Sequence[tuple[str, Sequence[int], torch.dtype]],
+                    chunk_digests: Sequence[Sequence[bytes]]) -> str:
+    """The digest of an update (`tensors_digest`'s definition) from each tensor's (name, shape, wire dtype), in
+    send order, and the digests of its chunks (`chunk_digests`, `copy_chunks`)."""
+    hasher, _, scheme = _hashers()
+    for (name, shape, dtype), digests in zip(headers, chunk_digests, strict=True):
+        hasher.update(_header(name, dtype, shape))
+        for digest in digests:
+            hasher.update(digest)
+    return f"{scheme}:{hasher.hexdigest()}"
+
+
+def chunk_digests(flat: torch.Tensor) -> list[bytes]:
+    """The digest of each chunk of `CHUNK` elements of a 1-D tensor already in its wire dtype, in order, on
+    this thread (for a sender that hashes what it sends while it sends it)."""
+    _, digest, _ = _hashers()
+    return [digest(_host_bytes(flat[begin:begin + CHUNK])) for begin in range(0, flat.numel(), CHUNK)]
+
+
+def copy_chunks(target: torch.Tensor, source: torch.Tensor) -> list[bytes]:
+    """Copy 1-D `source` into 1-D `target` (as many elements; converted to `target`'s dtype) chunk by chunk,
+    hashing each chunk of `target` right after it lands, while it is in the cache: its chunk digests (those
+    `chunk_digests(target)` would give), on this thread."""
+    _, digest, _ = _hashers()
+    out = []
+    for begin in range(0, target.numel(), CHUNK):
+        chunk = target[begin:begin + CHUNK]
+        chunk.copy_(source[begin:begin + CHUNK])
+        out.append(digest(_host_bytes(chunk)))
+    return out
 
 
 class _Scratch:

@@ -285,6 +285,50 @@ def test_buckets_in_flight_arrive_intact_in_the_wire_dtype_and_reuse_their_buffe
         channel.leave()
 
 
+def test_the_sender_hashes_what_it_broadcasts(monkeypatch):
+    """An update nobody hashed yet: the broadcast computes its digest on the way (a packed or converted chunk as it
+    is written, a tensor sent as it is while gloo sends it, one not contiguous through its packed copy), the same
+    value as `tensors_digest`. A broadcast that fails part-way still leaves the digest, from the tensors, to
+    whoever reads it next (a push retried over a re-formed group)."""
+    from sao_core.rollout import weights as weights_mod
+    from sao_core.rollout.weights import tensors_digest
+
+    monkeypatch.setattr(weights_mod, "CHUNK", 7)   # many chunks per tensor, a partial one at the end
+    bucket_bytes = 64 << 10   # alone from 1 KB
+    channel = channel_mod.ServiceChannel()
+    sender = _joined(channel, bucket_bytes)
+    generator = torch.Generator().manual_seed(1)
+    tensors = [(f"w{i}", torch.randn(shape, generator=generator))
+               for i, shape in enumerate([(3,), (5, 2), (40, 30), (4,), (600,), (50, 30)])]
+    tensors.append(("t", torch.randn(30, 40, generator=generator).t()))
+    dtypes = [torch.bfloat16] * 5 + [torch.float32] * 2   # w5 goes as it is; t is packed (not contiguous)
+    spec = [(name, tuple(t.shape), d) for (name, t), d in zip(tensors, dtypes, strict=True)]
+    try:
+        channel.start(1, True, spec, None, bucket_bytes)
+        update = WeightUpdate(1, tensors, dtypes)
+        sender.broadcast(update)
+        assert update.digest == tensors_digest(tensors, dtypes)
+        _, thread, outcome = channel.take(1)
+        thread.join()
+        for (_, received), (_, sent), dtype in zip(outcome["tensors"], tensors, dtypes, strict=True):
+            assert torch.equal(received, sent.to(dtype))
+        channel.release(outcome)
+
+        def failing(target, source):
+            raise RuntimeError("packing failed")
+
+        monkeypatch.setattr(channel_mod, "copy_chunks", failing)
+        channel.start(2, True, spec, None, bucket_bytes)
+        moved = [(name, t + 1.0) for name, t in tensors]
+        failed = WeightUpdate(2, moved, dtypes)
+        with pytest.raises(RuntimeError, match="packing failed"):
+            sender.broadcast(failed)
+        assert failed.digest == tensors_digest(moved, dtypes)
+    finally:
+        sender.close()   # the receive of version 2 waiting for its first bucket fails at once
+        channel.leave()
+
+
 def test_the_digest_may_come_with_the_commit(service, learner_model):
     """A learner may announce an update without its digest and give it with the commit (it hashes while it
     broadcasts); a commit with no digest at all, or one that contradicts the announced one, is refused and the
