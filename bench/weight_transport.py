@@ -82,12 +82,14 @@ def _model(shape: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     return AutoModelForCausalLM.from_config(_config(shape), dtype=dtype).eval()
 
 
-def _engine_folder(shape: str, dtype: str, root: Path, tokenizer_from: str) -> Path:
-    """A model folder of the shape for the engine to start from (random weights in its dtype, the embedded
-    tokenizer: the engine reads only its special ids)."""
-    folder = root / f"{shape}-{dtype}"
+def _engine_folder(shape: str, root: Path, tokenizer_from: str, model) -> Path:
+    """A model folder of the shape for the engine to start from: `model`'s weights (the engine loads them in its
+    own dtype and the first update replaces them; no second random model: its initialisation holds twice its
+    size for a moment, too much beside the 1.7B shape's others on 23 GB) and the embedded tokenizer (the engine
+    reads only its special ids)."""
+    folder = root / shape
     if not (folder / "config.json").exists():
-        _model(shape, getattr(torch, dtype), seed=1).save_pretrained(folder, safe_serialization=True)
+        model.save_pretrained(folder, safe_serialization=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (Path(tokenizer_from) / name).exists():
                 shutil.copy(Path(tokenizer_from) / name, folder / name)
@@ -281,6 +283,17 @@ def learner_step_seconds(model, reps: int) -> list[float]:
     return out
 
 
+def _release_engine(server) -> None:
+    """Stop the colocated service and free its engine's weights: objects of a stopped server (its loop, its app)
+    may outlive it, and at the 1.7B shape its model beside the external service's would not fit in 23 GB."""
+    model = server.manager.engine.model
+    server.stop()
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = torch.empty(0, dtype=tensor.dtype)
+    gc.collect()
+
+
 def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step: bool, scratch: Path,
             cache: str, durable: bool = True, external: bool = False, vllm: bool = False,
             gloo_after: bool = False) -> dict:
@@ -292,12 +305,12 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
     from sao_core.training.distributed import DistContext
 
     tokenizer_dir = resolve_model(EMBEDDED_TINY, cache).path
-    folder = _engine_folder(shape, dtype, scratch / "models", tokenizer_dir)
+    learner = _model(shape, torch.float32, seed=2)   # first: its initialisation's peak before anything else
+    folder = _engine_folder(shape, scratch / "models", tokenizer_dir, learner)
     store = scratch / "store"
     server = RolloutServer(ServeConfig(model=str(folder), port=0, cache_dir=cache, unverified=True,
                                        allowed_weight_roots=[str(store)],
                                        engine_options={"dtype": dtype, "unverified": True})).start()
-    learner = _model(shape, torch.float32, seed=2)
     # The copy limit's target: the engine's own parameters (idle between updates here), the memory the update
     # writes too, so both pay the same caches and pages (and the 1.7B shape holds one model less).
     twin = server.manager.engine.model
@@ -363,9 +376,7 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
         if gloo and not external:
             samples["gloo"] = gloo_broadcast(wire(), reps)
         if external:
-            server.stop()   # the colocated engine is done: its thread no longer shares the cores
-            server.manager = None   # ... and its model no longer holds memory
-            gc.collect()
+            _release_engine(server)   # the colocated engine is done: no longer sharing the cores or the memory
             between = gloo and not gloo_after
             limit = GlooLimit(wire(), reps + 1) if between else None   # taken between the channel's updates
             try:
@@ -377,7 +388,7 @@ def measure(shape: str, dtype: str, reps: int, files_reps: int, gloo: bool, step
             if gloo and gloo_after:   # the service is gone: its engine and receive buffer no longer hold memory
                 samples["gloo"] = gloo_broadcast(wire(), reps)
         if vllm:
-            server.stop()   # as above: the colocated HF engine is done
+            _release_engine(server)   # as above
             samples.update(vllm_seconds(folder, dtype, learner, reps, files_reps, scratch, cache))
         if step:
             samples["step"] = learner_step_seconds(learner, max(2, min(reps, 3)))
