@@ -10,7 +10,7 @@ engine does not have stop the update with an error naming what differed.
 
 In one process (a colocated engine) the sender's digest is computed by the copy itself unless something hashed
 it first (`apply_update`): each chunk is hashed as the sender holds it, copied, and hashed again as the engine
-now holds it, by two threads; the bytes are read from memory once, as by a bare copy.
+now holds it, by several threads (`_workers`); the bytes are read from memory once, as by a bare copy.
 
 A LoRA run sends its adapter the same way (a few megabytes): the same `WeightUpdate`, whose tensors are the
 adapter's weights under peft's file names and whose `adapter_config` is what the adapter folder's
@@ -52,14 +52,15 @@ def _hashers() -> tuple[object, Callable[[object], bytes], str]:
 
 #: elements per chunk of the digest (part of its definition: both ends use this value): a chunk just copied is
 #: hashed while it is in the CPU's cache (2 MB of float32, 1 MB of bfloat16: about a core's L2 here). Fewer,
-#: larger chunks mean less interpreter work per update (1 << 18 measured slower, 1 << 19 and 1 << 20 alike:
-#: bench/weight_transport.py, 2026-12-05).
+#: larger chunks mean less interpreter work per update. A prototype of this copy at the SmolLM2-135M shape,
+#: float32, two threads (2026-12-05) took 1.18x a bare copy with 1 << 18, 1.03-1.09x with 1 << 19 and 1.00-1.11x
+#: with 1 << 20.
 CHUNK = 1 << 19
 
 
 def _workers() -> int:
-    """Threads that copy and hash one update: the cores this process may run on, at most 4 (the copy is bound
-    by memory, not by cores)."""
+    """Threads that copy and hash one update: the cores this process may run on, at most 4 (a guess: more
+    threads than memory channels would not copy faster; only 1-3 were run, on this 2-core machine)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:   # not Linux
