@@ -16,12 +16,14 @@ other one ran tests; the exit status is the first failing phase's, 5 when neithe
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import tokenize
 from pathlib import Path
 
 NO_TESTS = 5
@@ -30,15 +32,25 @@ SHARED_DIR_ENV = "SAO_TEST_SHARED_DIR"
 #: the test files the serial phase collects, relative to the repository root, comma-separated; tests/conftest.py
 #: refuses a run in which a `serial` test lies outside them (it would run in neither phase)
 SERIAL_FILES_ENV = "SAO_SERIAL_TEST_FILES"
-SERIAL_MARK = "mark.serial"
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _marks_serial(text: str) -> bool:
+    """Whether Python source `text` uses `mark.serial` in its code (a decorator, a `pytestmark`, a
+    `pytest.param(..., marks=...)`), not only inside a string or a comment (as tests/project/test_run_tests.py
+    does)."""
+    if "mark.serial" not in text:
+        return False
+    code = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline)
+            if t.type in (tokenize.NAME, tokenize.OP)]
+    return any(code[i:i + 3] == ["mark", ".", "serial"] for i in range(len(code) - 2))
+
+
 def serial_test_files(root: Path = ROOT) -> list[str]:
-    """The test files that mark a test `serial` (their text holds `pytest.mark.serial`), relative to `root`:
-    the serial phase collects only these instead of the whole suite (~8 s of collection on 2 cores)."""
+    """The test files that mark a test `serial` in their code (`_marks_serial`), relative to `root`: the serial
+    phase collects only these instead of the whole suite (~8 s of collection on 2 cores)."""
     return sorted(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
-                  if SERIAL_MARK in p.read_text(encoding="utf-8"))
+                  if _marks_serial(p.read_text(encoding="utf-8")))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,10 @@ def test_the_serial_phase_collects_the_files_that_mark_a_test_serial(tmp_path):
     (tmp_path / "tests" / "a" / "test_x.py").write_text("import pytest\n\n@pytest.mark.serial\ndef test_x():\n    pass\n")
     (tmp_path / "tests" / "a" / "test_y.py").write_text("def test_y():\n    pass\n")
     (tmp_path / "tests" / "a" / "helper.py").write_text("# pytest.mark.serial in a helper is not a test file\n")
-    assert run_tests.serial_test_files(tmp_path) == ["tests/a/test_x.py"]
+    (tmp_path / "tests" / "a" / "test_m.py").write_text("import pytest\n\npytestmark = [pytest.mark.serial]\n")
+    (tmp_path / "tests" / "a" / "test_s.py").write_text('TEXT = "@pytest.mark.serial in a string"  # mark.serial\n')
+    assert run_tests.serial_test_files(tmp_path) == ["tests/a/test_m.py", "tests/a/test_x.py"]
+    assert "tests/project/test_run_tests.py" not in run_tests.serial_test_files()   # its marks are in strings
 
 
 def _collect(serial_files: str) -> subprocess.CompletedProcess:
