@@ -55,6 +55,7 @@ import _setup  # noqa: E402  (sets the thread environment before torch is import
 import torch  # noqa: E402
 
 from sao_core import storage  # noqa: E402
+from sao_core.rollout.weights import update_threads  # noqa: E402
 
 SHAPES = {
     "tiny": ("llama", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -243,9 +244,8 @@ def vllm_seconds(folder: Path, dtype: str, learner, reps: int, files_reps: int, 
     return samples
 
 
-#: threads of the second copy limit: the cores this process may use, as many as an update's copy may use
-#: (`sao_core.rollout.weights._workers`, at most 4)
-CORES = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+#: threads of the second copy limit: as many as an update's copy uses
+CORES = update_threads()
 
 
 def _copy_seconds(target_model, source_model, threads: int) -> float:

@@ -10,7 +10,7 @@ engine does not have stop the update with an error naming what differed.
 
 In one process (a colocated engine) the sender's digest is computed by the copy itself unless something hashed
 it first (`apply_update`): each chunk is hashed as the sender holds it, copied, and hashed again as the engine
-now holds it, by several threads (`_workers`); the bytes are read from memory once, as by a bare copy.
+now holds it, by several threads (`update_threads`); the bytes are read from memory once, as by a bare copy.
 
 A LoRA run sends its adapter the same way (a few megabytes): the same `WeightUpdate`, whose tensors are the
 adapter's weights under peft's file names and whose `adapter_config` is what the adapter folder's
@@ -58,7 +58,7 @@ def _hashers() -> tuple[object, Callable[[object], bytes], str]:
 CHUNK = 1 << 19
 
 
-def _workers() -> int:
+def update_threads() -> int:
     """Threads that copy and hash one update: the cores this process may run on, at most 4 (a guess: more
     threads than memory channels would not copy faster; only 1-3 were run, on this 2-core machine)."""
     try:
@@ -108,13 +108,10 @@ class _Chunks:
     def digest(self, named: Iterable[tuple[str, Sequence[int]]], dtypes: Sequence[torch.dtype],
                chunk_digests: Sequence[bytes]) -> str:
         """The update's digest from its per-chunk digests (`chunk_digests[i]` of chunk i)."""
-        per_tensor: list[list[bytes]] = []
-        for index, digest in zip(self.owner, chunk_digests, strict=True):
-            while len(per_tensor) <= index:
-                per_tensor.append([])
-            per_tensor[index].append(digest)
         headers = [(name, shape, dtype) for (name, shape), dtype in zip(named, dtypes, strict=True)]
-        per_tensor += [[] for _ in range(len(headers) - len(per_tensor))]   # empty tensors at the end
+        per_tensor: list[list[bytes]] = [[] for _ in headers]
+        for index, digest in zip(self.owner, chunk_digests, strict=True):
+            per_tensor[index].append(digest)
         return assemble_digest(headers, per_tensor)
 
 
@@ -168,11 +165,11 @@ class _Scratch:
 
 
 def _striped(count: int, work: Callable[[int, int], None]) -> None:
-    """`work(worker, i)` for every i in range(count), striped over `_workers()` threads (this one is worker 0).
+    """`work(worker, i)` for every i in range(count), striped over `update_threads()` threads (this one is worker 0).
     The first error of any worker stops the others at their next chunk and is raised here once all ended."""
     if count == 0:
         return
-    workers = min(_workers(), count)
+    workers = min(update_threads(), count)
     errors: list[BaseException] = []
 
     def run(worker: int) -> None:
@@ -199,13 +196,13 @@ def tensors_digest(named: Iterable[tuple[str, torch.Tensor]], dtypes: Sequence[t
     """xxh3-128 over each tensor's name, dtype and shape, followed by the xxh3-128 digest of each of its chunks
     of `CHUNK` elements, in the given order: ``xxh3-128:<32 hex>``. With `dtypes` (one per tensor), the bytes are
     those of the tensor converted to that dtype (chunk by chunk into a small buffer, never as a whole copy).
-    The chunks are hashed by `_workers()` threads."""
+    The chunks are hashed by `update_threads()` threads."""
     named = list(named)
     dtypes = [t.dtype for _, t in named] if dtypes is None else list(dtypes)
     chunks = _Chunks([t for _, t in named])
     digests: list[bytes] = [b""] * len(chunks.sources)
     _, chunk_digest, _ = _hashers()
-    scratch = [_Scratch() for _ in range(_workers())]
+    scratch = [_Scratch() for _ in range(update_threads())]
 
     def hash_chunk(worker: int, i: int) -> None:
         digests[i] = chunk_digest(_host_bytes(scratch[worker].converted(chunks.sources[i], dtypes[chunks.owner[i]])))
@@ -320,7 +317,7 @@ class WeightUpdate:
 def apply_update(model: torch.nn.Module, update: WeightUpdate) -> str:
     """Copy `update` into `model`'s existing parameters and buffers (in place, converting to their dtype, on their
     device) and return the digest of what the model now holds, each chunk hashed right after it is copied
-    (while it is in the CPU's cache), by `_workers()` threads. If nothing has hashed the update yet, the same
+    (while it is in the CPU's cache), by `update_threads()` threads. If nothing has hashed the update yet, the same
     threads compute the sender's digest too, each chunk just before it is copied (`WeightUpdate.set_digest`).
 
     Checked before anything is copied: every name is one of the model's state entries, named once, no two
@@ -396,7 +393,7 @@ def _copy_and_hash(own: dict[str, torch.Tensor], update: WeightUpdate, sender_ha
     received: list[bytes] = [b""] * len(chunks.sources)
     sent: list[bytes] = [b""] * len(chunks.sources) if sender_hashes else []
     _, chunk_digest, _ = _hashers()
-    scratch = [_Scratch() for _ in range(_workers())]
+    scratch = [_Scratch() for _ in range(update_threads())]
     alias = {i for i, owner in enumerate(chunks.owner) if update.tensors[owner][0] in aliases}
 
     def copy_chunk(worker: int, i: int) -> None:

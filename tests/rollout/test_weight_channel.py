@@ -5,6 +5,7 @@ clock (the group's timeouts are only a bound for a hang)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from sao_core.learner.services import ServiceSet
 from sao_core.models import load_model
 from sao_core.rollout import channel as channel_mod
 from sao_core.rollout.client import RolloutAuthError, RolloutClient, RolloutRequestError
-from sao_core.rollout.weights import WeightUpdate
+from sao_core.rollout.weights import WeightUpdate, WeightUpdateError
 
 TOKEN = "channel-test-token-0123456789"
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,6 +105,19 @@ def _next_update(service, services, model, seed: int) -> WeightUpdate:
     return WeightUpdate.build(version, model.state_dict(), services.channel_dtypes())
 
 
+@contextlib.contextmanager
+def _formed_channel(service, model, seed: int):
+    """(the service set, the next update of `model`, its wire spec) with the channel to `service` formed; closed
+    at the end."""
+    services = _services(service)
+    try:
+        update = _next_update(service, services, model, seed=seed)
+        services._form_channel()
+        yield services, update, channel_mod.update_spec(update)
+    finally:
+        services.close_channel()
+
+
 def _logprobs(model, ids: list[int], start: int) -> list[float]:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, start - 1:-1].float()
@@ -163,12 +177,8 @@ def test_a_tensor_corrupted_on_the_way_is_refused_naming_the_service(service, le
 
 
 def test_bad_announcements_are_refused_before_anything_is_broadcast(service, learner_model):
-    services = _services(service)
     client = service.client()
-    try:
-        update = _next_update(service, services, learner_model, seed=5)
-        services._form_channel()
-        spec = channel_mod.update_spec(update)
+    with _formed_channel(service, learner_model, seed=5) as (services, update, spec):
         with pytest.raises(RolloutRequestError, match=r"-> 400: .*lacks 1 of the model's tensors \(first: "
                                                       rf"{spec[0][0]}\).*nothing was received"):
             client.receive_weights(update.version, update.digest, spec[1:])
@@ -186,8 +196,6 @@ def test_bad_announcements_are_refused_before_anything_is_broadcast(service, lea
         # Nothing was left waiting for a broadcast: the same version goes through at once.
         services.push(update.version, None, update.digest, None, update)
         assert client.status()["version"] == update.version
-    finally:
-        services.close_channel()
 
 
 def test_a_join_replaces_a_group_whose_receive_still_waits():
@@ -324,6 +332,16 @@ def test_the_sender_hashes_what_it_broadcasts(monkeypatch):
         with pytest.raises(RuntimeError, match="packing failed"):
             sender.broadcast(failed)
         assert failed.digest == tensors_digest(moved, dtypes)
+
+        def no_digest(*_):
+            raise RuntimeError("digest failed")
+
+        monkeypatch.setattr(channel_mod, "tensors_digest", no_digest)   # the fallback fails too: a reader is told
+        unhashed = WeightUpdate(3, moved, dtypes)
+        with pytest.raises(RuntimeError, match="packing failed"):
+            sender.broadcast(unhashed)
+        with pytest.raises(WeightUpdateError, match="v3: the sender's digest failed: digest failed"):
+            _ = unhashed.digest
     finally:
         sender.close()   # the receive of version 2 waiting for its first bucket fails at once
         channel.leave()
@@ -333,12 +351,8 @@ def test_the_digest_may_come_with_the_commit(service, learner_model):
     """A learner may announce an update without its digest and give it with the commit (it hashes while it
     broadcasts); a commit with no digest at all, or one that contradicts the announced one, is refused and the
     weights stay."""
-    services = _services(service)
     client = service.client()
-    try:
-        update = _next_update(service, services, learner_model, seed=8)
-        services._form_channel()
-        spec = channel_mod.update_spec(update)
+    with _formed_channel(service, learner_model, seed=8) as (services, update, spec):
         current = client.status()["version"]
         client.receive_weights(update.version, None, spec)
         services.sender.broadcast(update)
@@ -358,8 +372,6 @@ def test_the_digest_may_come_with_the_commit(service, learner_model):
         answer = client.commit_weights(update.version, update.digest)
         assert answer["version"] == update.version and answer["sha256"] == update.digest
         assert client.status()["weights_sha256"] == update.digest
-    finally:
-        services.close_channel()
 
 
 def test_the_channel_endpoints_need_the_token(service):

@@ -172,7 +172,7 @@ def test_the_digest_follows_its_definition_whatever_the_threads(monkeypatch, chu
     import xxhash
 
     monkeypatch.setattr(weights_mod, "CHUNK", chunk)
-    monkeypatch.setattr(weights_mod, "_workers", lambda: workers)
+    monkeypatch.setattr(weights_mod, "update_threads", lambda: workers)
     named = [(f"t{i}", torch.randn(n)) for i, n in enumerate((1, 4, 5, 6, 11, 23, 52))] + [("m", torch.randn(3, 7))]
     dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.bfloat16,
               torch.float16, torch.bfloat16]   # conversions to two dtypes interleaved: each has its own buffer
@@ -272,7 +272,7 @@ def test_an_error_of_either_hash_reaches_the_caller(monkeypatch):
         return xxhash.xxh3_128_digest(data)
 
     monkeypatch.setattr(weights_mod, "_hashers", lambda: (xxhash.xxh3_128(), failing_chunk, "xxh3-128"))
-    monkeypatch.setattr(weights_mod, "_workers", lambda: 2)
+    monkeypatch.setattr(weights_mod, "update_threads", lambda: 2)
     fresh = WeightUpdate.build(2, _many_tensors_state(seed=4), dtypes)
     with pytest.raises(WeightsCorrupted, match=r"v2 failed part-way \(RuntimeError: chunk hash failed\)"):
         apply_update(engine, fresh)
